@@ -1,0 +1,4 @@
+"""placeholder"""
+from typing import Any
+def add_parser(sub: Any) -> None:
+    pass

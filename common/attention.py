@@ -1,0 +1,57 @@
+"""Per-step attention metadata: where each token's K/V goes and what each query sees.
+
+The flat batch of a step holds the decode tokens first (one per sequence), then the
+prefill chunks, so one attention layer makes at most two kernel calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import kernels
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each token
+    num_decode_tokens: int
+    decode_context_lens: torch.Tensor  # [S_d] int32
+    decode_block_tables: torch.Tensor  # [S_d, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [S_p + 1] int32, offsets into the prefill tokens
+    prefill_context_lens: torch.Tensor  # [S_p] int32
+    prefill_block_tables: torch.Tensor  # [S_p, max_blocks] int32
+
+    @property
+    def num_prefills(self) -> int:
+        return int(self.prefill_context_lens.shape[0])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H_q, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+    v: torch.Tensor,  # [T, H_kv, D]
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [T, H_q, D]
+    kernels.write_kv(layer_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if meta.num_prefills == 0:
+        return kernels.decode_attention(
+            q, layer_cache, meta.decode_context_lens, meta.decode_block_tables, scale,
+            sliding_window,
+        )
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = kernels.decode_attention(
+            q[:nd], layer_cache, meta.decode_context_lens, meta.decode_block_tables, scale,
+            sliding_window,
+        )
+    out[nd:] = kernels.prefill_attention(
+        q[nd:], layer_cache, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+        meta.prefill_block_tables, scale, sliding_window,
+    )
+    return out

@@ -1,0 +1,133 @@
+"""BlockPool: the KV block allocator of one engine (pure: knows nothing of tensors).
+
+Blocks carry reference counts so a cached prefix can be shared by several requests.
+A full block whose tokens are known gets a chained hash (``hash(parent, tokens)``) and
+stays findable after it is freed, until its slot is needed again (LRU eviction). Free
+blocks without a hash are handed out lowest id first, so a request's blocks tend to be
+contiguous runs -- what makes KV transfers few, large descriptors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+
+BlockHash = bytes
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Stable across processes (unlike ``hash()``), so routers can compare prefixes."""
+    payload = _encoder.encode((parent or b"", list(token_ids)))
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids``, continuing from ``parent``."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class NoFreeBlocks(Exception):
+    """Raised by ``allocate`` when the pool cannot satisfy a request right now."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free_plain: list[int] = list(range(num_blocks))  # min-heap of unhashed free ids
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # hashed free ids, LRU first
+        self._hash_of: dict[int, BlockHash] = {}
+        self._block_of: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self, num: int) -> list[int]:
+        if num > self.num_free_blocks:
+            raise NoFreeBlocks(f"need {num} blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num):
+            if self._free_plain:
+                block = heapq.heappop(self._free_plain)
+            else:
+                block, _ = self._free_cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; the last reference returns it to the pool.
+        Freed in reverse so the tail of a sequence is evicted before its shared prefix."""
+        for block in reversed(blocks):
+            count = self._ref_counts[block]
+            if count <= 0:
+                raise RuntimeError(f"block {block} freed twice")
+            self._ref_counts[block] = count - 1
+            if count == 1:
+                if block in self._hash_of:
+                    self._free_cached[block] = None
+                else:
+                    heapq.heappush(self._free_plain, block)
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest run of leading ``hashes``, each now referenced
+        once more (the caller owns them as if allocated)."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        for block in found:
+            if self._ref_counts[block] == 0:
+                del self._free_cached[block]
+            self._ref_counts[block] += 1
+        return found
+
+    def count_cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks are cached, without taking them."""
+        if not self.enable_prefix_caching:
+            return 0
+        num = 0
+        for h in hashes:
+            if h not in self._block_of:
+                break
+            num += 1
+        return num
+
+    def register(self, block_id: int, block_hash: BlockHash) -> None:
+        """Make a full, computed block findable by its hash (first writer wins)."""
+        if not self.enable_prefix_caching or block_id in self._hash_of:
+            return
+        if block_hash in self._block_of:
+            return
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._free_cached):
+            del self._block_of[self._hash_of.pop(block)]
+            heapq.heappush(self._free_plain, block)
+        self._free_cached.clear()

@@ -1,0 +1,43 @@
+"""Engine configuration: a frozen Struct, validated once. Keys keep vLLM's names."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.common.errors import PdserveError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None  # HF directory or GGUF file; None: the embedded default
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 64
+    num_kv_blocks: int | None = None  # None: derived from the memory settings below
+    kv_cache_memory_gb: float = 1.0  # CPU: bytes of DRAM for the KV cache
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the device this engine may use
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise PdserveError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise PdserveError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise PdserveError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise PdserveError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"

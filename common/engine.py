@@ -1,0 +1,165 @@
+"""The monolithic engine: Scheduler + one ModelRunner + Sampler in one process.
+
+It is the reference the disaggregated services are checked against, token for token.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+import structlog
+
+from pdserve.common.block_pool import BlockPool
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import RequestError
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_files import resolve_model
+from pdserve.common.model_runner import ModelRunner
+from pdserve.common.outputs import Completion, RequestOutput, TextTracker, finish_reason
+from pdserve.common.request import Request
+from pdserve.common.sampling import Sampler, SamplingParams
+from pdserve.common.scheduler import Scheduler
+from pdserve.common.tokenizer import Tokenizer
+
+log = structlog.get_logger("pdserve.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RequestError("device 'cuda' was asked for but torch sees no CUDA device")
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(
+            self.model_config, self.model_dir, device=config.device, dtype=config.torch_dtype_name,
+            block_size=config.block_size, num_blocks=config.num_kv_blocks,
+            kv_cache_memory_gb=config.kv_cache_memory_gb,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+        self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._requests: dict[str, tuple[Request, TextTracker]] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        sampling.validate()
+        num = len(prompt_token_ids)
+        if num == 0:
+            raise RequestError("the prompt is empty")
+        if num > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {num} tokens, more than max_model_len {self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        longest = min(num + sampling.max_tokens, self.max_model_len)
+        needed = -(-longest // self.config.block_size)
+        if needed > self.pool.num_blocks:
+            raise RequestError(
+                f"the request needs up to {needed} KV blocks but the cache has "
+                f"{self.pool.num_blocks}; shorten it or give the cache more memory"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, sampling)
+        req = Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
+        self._requests[request_id] = (req, TextTracker(self.tokenizer, sampling.stop))
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        req, _ = entry
+        self.scheduler.finish(req, "abort")
+        self.sampler.forget(request_id)
+        return self._output(req, [], "", "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan, reqs = self.scheduler.schedule()
+        if not plan.seqs:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r}")
+            return []
+        logits = self.runner.execute(plan)
+        self.scheduler.on_step_done(reqs, plan)
+        sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
+        tokens = self.sampler(logits, [r.request_id for r in sampled], [r.sampling for r in sampled])
+        return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+
+    def _advance(self, req: Request, token_id: int) -> RequestOutput:
+        req.output_token_ids.append(token_id)
+        tracker = self._requests[req.request_id][1]
+        reason = finish_reason(req, token_id, self.eos_token_ids, self.max_model_len)
+        if reason == "stop":  # a stop token's text is not part of the answer
+            text, hit_stop_string = "", False
+        else:
+            text, hit_stop_string = tracker.add(token_id)
+        if hit_stop_string:
+            reason = "stop"
+        if reason is None:
+            return self._output(req, [token_id], text, None)
+        text += tracker.flush()
+        self.scheduler.finish(req, reason)
+        self.sampler.forget(req.request_id)
+        del self._requests[req.request_id]
+        return self._output(req, [token_id], text, reason)
+
+    def _output(self, req: Request, tokens: list[int], text: str, reason: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=tokens, text=text,
+            finished=reason is not None, finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts (token ids) to completion together; results in prompt order."""
+        prompts = list(prompts)
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        texts = {rid: [] for rid in ids}
+        tokens = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                texts[out.request_id].append(out.text)
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(
+                request_id=rid, text="".join(texts[rid]), token_ids=tokens[rid],
+                finish_reason=done[rid].finish_reason, num_prompt_tokens=done[rid].num_prompt_tokens,
+                num_cached_tokens=done[rid].num_cached_tokens,
+            )
+            for rid in ids
+        ]

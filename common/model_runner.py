@@ -1,0 +1,148 @@
+"""ModelRunner: one rank's weights and KV cache; executes a StepPlan into logits."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+from safetensors.torch import load_file
+
+from pdserve.common.attention import AttentionMetadata
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.model import LlamaForCausalLM
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.rope import inv_frequencies
+from pdserve.common.step_plan import ScheduledSeq, StepPlan
+
+log = structlog.get_logger("pdserve.model_runner")
+
+
+def load_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f, device="cpu"))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"weights in {model_dir} do not match the config: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}"
+        )
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary buffer was built on meta; rebuild it for real.
+    rotary = model.model.layers[0].self_attn.rotary
+    rotary.inv_freq, rotary.attention_scaling = inv_frequencies(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+    )
+    return model.to(device).eval()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model_dir: Path,
+        *,
+        device: str,
+        dtype: str,
+        block_size: int,
+        num_blocks: int | None,
+        kv_cache_memory_gb: float,
+        gpu_memory_utilization: float,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        started = time.perf_counter()
+        self.model = load_model(cfg, model_dir, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - started
+        probe = KVLayout(
+            num_blocks=1, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+            block_size=block_size, head_dim=cfg.head_dim, dtype=dtype,
+        )
+        if num_blocks is None:
+            num_blocks = self._blocks_for_memory(probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization)
+        self.layout = msgspec.structs.replace(probe, num_blocks=num_blocks)
+        # [N, L, 2, H_kv, B, D]
+        self.kv_cache = torch.zeros(self.layout.shape, dtype=self.dtype, device=self.device)
+        log.info(
+            "model_loaded", model=str(model_dir), device=device, dtype=dtype,
+            load_seconds=round(self.load_seconds, 2), num_kv_blocks=num_blocks,
+            kv_cache_mib=round(self.layout.total_bytes / 2**20),
+        )
+
+    def _blocks_for_memory(self, block_bytes: int, cpu_gb: float, gpu_share: float) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * gpu_share - used
+        else:
+            budget = cpu_gb * 2**30
+        num = int(budget // block_bytes)
+        if num < 1:
+            raise ModelLoadError(
+                f"no memory left for the KV cache ({budget / 2**30:.2f} GiB budget); "
+                "raise kv_cache_memory_gb / gpu_memory_utilization"
+            )
+        return num
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``."""
+        input_ids, positions, meta, logits_indices = self.prepare(plan)
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        block_size = self.layout.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        for seq in plan.seqs:
+            tokens += seq.token_ids
+            for pos in range(seq.start_position, seq.context_len):
+                positions.append(pos)
+                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            if seq.sample:
+                logits_indices.append(len(tokens) - 1)
+        decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
+        prefills = plan.seqs[len(decodes):]
+        cu = [0]
+        for s in prefills:
+            cu.append(cu[-1] + len(s.token_ids))
+        dev = self.device
+
+        def as_tensor(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        meta = AttentionMetadata(
+            slot_mapping=as_tensor(slots, torch.int64),
+            num_decode_tokens=len(decodes),
+            decode_context_lens=as_tensor([s.context_len for s in decodes]),
+            decode_block_tables=_block_tables(decodes, dev),
+            prefill_cu_seqlens_q=as_tensor(cu),
+            prefill_context_lens=as_tensor([s.context_len for s in prefills]),
+            prefill_block_tables=_block_tables(prefills, dev),
+        )
+        return as_tensor(tokens, torch.int64), as_tensor(positions, torch.int64), meta, as_tensor(logits_indices, torch.int64)
+
+
+def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
+    width = max((len(s.block_ids) for s in seqs), default=0)
+    rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)

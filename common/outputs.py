@@ -1,0 +1,69 @@
+"""What the engine reports per request per step, and the stop rules that end a request."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.common.request import Request
+from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the new text since the last output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class TextTracker:
+    """Incremental text of one request, holding back what could still become a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """The text that is now safe to emit, and whether a stop string was hit."""
+        self.text += self.detok.add(token_id)
+        if self.stop:
+            search_from = max(0, self.emitted - self.holdback)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return self.flush(), True
+        safe = len(self.text) - self.holdback if self.stop else len(self.text)
+        delta = self.text[self.emitted : max(safe, self.emitted)]
+        self.emitted += len(delta)
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
+
+
+def finish_reason(
+    req: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> str | None:
+    """Why ``req`` ends after sampling ``token_id`` (stop strings are checked on text)."""
+    p = req.sampling
+    if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+        return "length"
+    return None

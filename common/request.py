@@ -1,0 +1,69 @@
+"""Engine-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+
+from pdserve.common.block_pool import BlockHash
+from pdserve.common.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens, blocks and progress of one sequence.
+
+    ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the next step
+    computes ``all_token_ids[num_computed_tokens : ...]``. Prefill and decode are the same
+    operation: decode is a step that computes the one token sampled last.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_order: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.arrival_order = arrival_order
+        self.status = Status.WAITING
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self.num_registered_blocks = 0
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.finish_reason: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

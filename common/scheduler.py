@@ -1,0 +1,144 @@
+"""Scheduler (pure): continuous batching with chunked prefill and prefix caching.
+
+Each step it takes running requests first (decodes and unfinished prefill chunks), then
+admits waiting requests while token budget, sequence slots and blocks allow. When the pool
+runs dry mid-decode, the latest arrival is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.common.block_pool import BlockPool, hash_blocks
+from pdserve.common.request import Request, Status
+from pdserve.common.step_plan import ScheduledSeq, StepPlan
+
+
+class Scheduler:
+    def __init__(
+        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> tuple[StepPlan, list[Request]]:
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        for req in sorted(self.running, key=lambda r: r.arrival_order):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            num = min(req.num_pending_tokens, budget)
+            if not self._grow(req, num, chosen):
+                continue
+            chosen.append((req, num))
+            budget -= num
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not req.block_ids:
+                self._take_cached_prefix(req)
+            num = min(req.num_pending_tokens, budget)
+            needed = self._blocks_needed(req, num)
+            if needed > self.pool.num_free_blocks:
+                break
+            req.block_ids += self.pool.allocate(needed)
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chosen.append((req, num))
+            budget -= num
+        # Single-token steps (decodes) first: the model runs them as one batched call.
+        chosen.sort(key=lambda item: item[1] != 1)
+        plan = StepPlan([self._scheduled(req, num) for req, num in chosen])
+        return plan, [req for req, _ in chosen]
+
+    def _scheduled(self, req: Request, num: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + num]
+        return ScheduledSeq(req.request_id, tokens, start, list(req.block_ids), start + num == req.num_tokens)
+
+    def _blocks_needed(self, req: Request, num: int) -> int:
+        total = -(-(req.num_computed_tokens + num) // self.block_size)
+        return max(0, total - len(req.block_ids))
+
+    def _grow(self, req: Request, num: int, chosen: list[tuple[Request, int]]) -> bool:
+        """Give ``req`` the blocks for ``num`` more tokens, preempting later arrivals."""
+        needed = self._blocks_needed(req, num)
+        while needed > self.pool.num_free_blocks:
+            victim = max(
+                (r for r in self.running if r.status is Status.RUNNING),
+                key=lambda r: r.arrival_order,
+            )
+            if victim in (r for r, _ in chosen):
+                # Everything after ``req`` is already scheduled this step; wait a step.
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        req.block_ids += self.pool.allocate(needed)
+        return True
+
+    def _take_cached_prefix(self, req: Request) -> None:
+        self._extend_hashes(req)
+        # The last token is always computed so that there are logits to sample from.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        req.block_ids = self.pool.match_prefix(req.block_hashes[:max_blocks])
+        req.num_computed_tokens = len(req.block_ids) * self.block_size
+        if req.num_cached_tokens == 0:
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+
+    def _extend_hashes(self, req: Request) -> None:
+        done = len(req.block_hashes)
+        num_full = req.num_tokens // self.block_size
+        if done < num_full:
+            parent = req.block_hashes[-1] if done else None
+            tokens = req.all_token_ids[done * self.block_size : num_full * self.block_size]
+            req.block_hashes += hash_blocks(tokens, self.block_size, parent)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.status = Status.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def on_step_done(self, reqs: list[Request], plan: StepPlan) -> None:
+        """Advance progress and make newly full blocks findable by later prompts."""
+        for req, seq in zip(reqs, plan.seqs):
+            req.num_computed_tokens += len(seq.token_ids)
+            self.num_computed_tokens += len(seq.token_ids)
+            num_full = req.num_computed_tokens // self.block_size
+            if num_full > req.num_registered_blocks:
+                self._extend_hashes(req)
+                for i in range(req.num_registered_blocks, num_full):
+                    self.pool.register(req.block_ids[i], req.block_hashes[i])
+                req.num_registered_blocks = num_full
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []

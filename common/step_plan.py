@@ -1,0 +1,29 @@
+"""The plan of one model step: what the scheduler hands to every model runner.
+
+A msgspec Struct so a coordinator can broadcast it to rank processes unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_position: int  # position of token_ids[0]
+    block_ids: list[int]  # the whole block table of the sequence
+    sample: bool  # the step ends at the sequence's last token: sample the next
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+class StepPlan(msgspec.Struct, array_like=True, frozen=True):
+    # Decode sequences (one token each) come first, prefill chunks after them.
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)

@@ -1,0 +1,99 @@
+"""Torch reference kernels for the paged KV cache (used on CPU; the oracle for Triton).
+
+Cache layout of one rank (see common/kv_layout.py): ``[num_blocks, num_layers, 2, H_kv,
+block_size, D]`` -- block-major across layers, heads-major (HND) inside a block. The
+kernels receive one layer's view ``layer_cache = cache[:, layer]`` of shape
+``[num_blocks, 2, H_kv, block_size, D]`` (index 0 of dim 1 is K, 1 is V), a strided view.
+
+Positions: a slot is ``block_id * block_size + offset``. The query tokens of sequence s
+are its last ``q_len`` positions, ``context_len - q_len .. context_len - 1``; each attends
+causally to every cached position up to its own (bounded by ``sliding_window`` if set:
+key position k is visible to query position p iff ``p - sliding_window < k <= p``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+    v: torch.Tensor,  # [T, H_kv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset
+) -> None:
+    block_size = layer_cache.shape[3]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Advanced indices around a slice put the indexed dims first: [T, H_kv, D].
+    layer_cache[blocks, 0, :, offsets] = k.to(layer_cache.dtype)
+    layer_cache[blocks, 1, :, offsets] = v.to(layer_cache.dtype)
+
+
+def gather_kv(
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    block_table: torch.Tensor,  # [max_blocks] int
+    context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``context_len`` cached K and V of one sequence, each [H_kv, context_len, D]."""
+    block_size = layer_cache.shape[3]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = layer_cache[block_table[:num_blocks].long()]  # [n, 2, H_kv, B, D]
+    kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, H_kv, n*B, D]
+    return kv[0, :, :context_len], kv[1, :, :context_len]
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, H_q, D]
+    k: torch.Tensor,  # [H_kv, ctx, D]
+    v: torch.Tensor,  # [H_kv, ctx, D]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [q_len, H_q, D]
+    q_len, num_heads, _ = q.shape
+    ctx = k.shape[1]
+    group = num_heads // k.shape[0]
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # [q_len, 1]
+    k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).to(k.dtype), k, v, attn_mask=visible, scale=scale
+    )  # [H_q, q_len, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H_q, D], sequences concatenated
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D], already holding the new K/V
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int, offsets of each sequence's queries in q
+    context_lens: torch.Tensor,  # [S] int, cached tokens of each sequence incl. new ones
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H_q, D]
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    ctx_lens = context_lens.tolist()
+    for s, ctx in enumerate(ctx_lens):
+        lo, hi = starts[s], starts[s + 1]
+        k, v = gather_kv(layer_cache, block_tables[s], ctx)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,  # [S, H_q, D], one query token per sequence
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    context_lens: torch.Tensor,  # [S] int, incl. the token being decoded
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [S, H_q, D]
+    num_seqs = q.shape[0]
+    cu = torch.arange(num_seqs + 1, device=q.device)
+    return prefill_attention(q, layer_cache, cu, context_lens, block_tables, scale, sliding_window)

@@ -1,0 +1,2 @@
+"""pdserve: prefill/decode disaggregated LLM serving."""
+
