@@ -55,6 +55,8 @@ class Scheduler:
             num = min(req.num_pending_tokens, budget)
             needed = self._blocks_needed(req, num)
             if needed > self.pool.num_free_blocks:
+                # A waiting request holds no blocks, so running ones can always grow.
+                self._release_blocks(req)
                 break
             req.block_ids += self.pool.allocate(needed)
             self.waiting.popleft()
@@ -110,11 +112,14 @@ class Scheduler:
             tokens = req.all_token_ids[done * self.block_size : num_full * self.block_size]
             req.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
-    def _preempt(self, req: Request) -> None:
+    def _release_blocks(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self._release_blocks(req)
         req.status = Status.WAITING
         self.running.remove(req)
         self.waiting.appendleft(req)

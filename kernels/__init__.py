@@ -1,0 +1,106 @@
+"""Paged-attention kernels, with the implementation chosen at run time per call.
+
+``write_kv``, ``prefill_attention`` and ``decode_attention`` have the signatures of
+:mod:`pdserve.kernels.reference`. By default, CUDA tensors go to the Triton kernels
+(:mod:`pdserve.kernels.triton_ops`) when triton imports, everything else to the torch
+reference. ``PDSERVE_KERNELS=torch|triton`` forces one; Triton on CPU tensors runs only
+through Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported).
+
+triton is imported lazily, on the first call that picks it, so this package imports
+without triton installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from pdserve.kernels import reference
+
+ENV_VAR = "PDSERVE_KERNELS"
+_BACKENDS = ("torch", "triton")
+
+__all__ = ["ENV_VAR", "backend_name", "decode_attention", "prefill_attention", "write_kv"]
+
+
+def _triton_interpret() -> bool:
+    # The values that Triton itself reads as true.
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | ImportError:
+    """The Triton kernels module, or the ImportError that importing it raised."""
+    try:
+        from pdserve.kernels import triton_ops
+    except ImportError as exc:
+        return exc
+    return triton_ops
+
+
+def backend_name(device: torch.device | str) -> str:
+    """``"triton"`` or ``"torch"``: the implementation that tensors on ``device`` get."""
+    device = torch.device(device)
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced and forced not in _BACKENDS:
+        raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(_BACKENDS)}")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if device.type != "cuda" and not _triton_interpret():
+            raise RuntimeError(
+                f"{ENV_VAR}=triton with tensors on {device}: the Triton kernels need CUDA "
+                "tensors, or TRITON_INTERPRET=1 to run them through Triton's interpreter"
+            )
+        ops = _triton_ops()
+        if isinstance(ops, ImportError):
+            raise ImportError(f"{ENV_VAR}=triton but the Triton kernels do not import: {ops}")
+        return "triton"
+    if device.type == "cuda" and not isinstance(_triton_ops(), ImportError):
+        return "triton"
+    return "torch"
+
+
+def _impl(device: torch.device) -> ModuleType:
+    if backend_name(device) == "triton":
+        return _triton_ops()  # type: ignore[return-value]  # checked by backend_name
+    return reference
+
+
+def write_kv(
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+    v: torch.Tensor,  # [T, H_kv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset
+) -> None:
+    _impl(layer_cache.device).write_kv(layer_cache, k, v, slot_mapping)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H_q, D], sequences concatenated
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D], already holding the new K/V
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int
+    context_lens: torch.Tensor,  # [S] int, incl. the new tokens
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H_q, D]
+    return _impl(q.device).prefill_attention(
+        q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [S, H_q, D], one query token per sequence
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
+    context_lens: torch.Tensor,  # [S] int, incl. the token being decoded
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [S, H_q, D]
+    return _impl(q.device).decode_attention(
+        q, layer_cache, context_lens, block_tables, scale, sliding_window
+    )

@@ -1,0 +1,91 @@
+"""Scheduler without a model: chunking, budgets, prefix hits, preemption, block return."""
+
+import random
+
+from pdserve.common.block_pool import BlockPool
+from pdserve.common.request import Request, Status
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.scheduler import Scheduler
+
+B = 4
+
+
+def make(num_blocks: int = 32, max_seqs: int = 8, budget: int = 16) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks), B, max_seqs, budget)
+
+
+def run_to_end(s: Scheduler, reqs: list[Request], max_tokens: int) -> int:
+    """Drive steps with a fake sampler (token = step number); return the number of steps."""
+    steps = 0
+    while s.has_unfinished:
+        plan, chosen = s.schedule()
+        assert plan.seqs, "no progress"
+        assert plan.num_tokens <= s.max_num_batched_tokens
+        for seq, req in zip(plan.seqs, chosen):
+            assert seq.start_position == req.num_computed_tokens
+            assert len(req.block_ids) * B >= seq.context_len
+        s.on_step_done(chosen, plan)
+        for seq, req in zip(plan.seqs, chosen):
+            if seq.sample:
+                req.output_token_ids.append(1000 + steps)
+                if len(req.output_token_ids) >= max_tokens:
+                    s.finish(req, "length")
+        steps += 1
+    return steps
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    s = make(budget=6)
+    req = Request("a", list(range(14)), SamplingParams())
+    s.add(req)
+    plan, _ = s.schedule()
+    assert [len(x.token_ids) for x in plan.seqs] == [6] and not plan.seqs[0].sample
+    s.on_step_done([req], plan)
+    plan, _ = s.schedule()
+    s.on_step_done([req], plan)
+    plan, _ = s.schedule()
+    assert plan.seqs[0].token_ids == list(range(12, 14)) and plan.seqs[0].sample
+
+
+def test_decodes_come_first_and_all_blocks_return() -> None:
+    s = make()
+    reqs = [Request(str(i), list(range(3 + 5 * i)), SamplingParams(), i) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    run_to_end(s, reqs, max_tokens=7)
+    assert all(r.status is Status.FINISHED and len(r.output_token_ids) == 7 for r in reqs)
+    assert s.pool.num_free_blocks == s.pool.num_blocks
+
+
+def test_prefix_hit_skips_cached_blocks_but_always_computes_the_last_token() -> None:
+    s = make()
+    first = Request("a", list(range(12)), SamplingParams())
+    s.add(first)
+    run_to_end(s, [first], max_tokens=1)
+    second = Request("b", list(range(12)), SamplingParams())
+    s.add(second)
+    plan, _ = s.schedule()
+    # 12 tokens = 3 full blocks; only 2 may come from the cache so one token is computed.
+    assert second.num_cached_tokens == 8 and plan.seqs[0].start_position == 8
+    s.finish(second, "abort")
+    assert s.pool.num_free_blocks == s.pool.num_blocks
+
+
+def test_preemption_under_block_pressure_finishes_everything() -> None:
+    s = make(num_blocks=10, max_seqs=8, budget=64)
+    rng = random.Random(0)
+    reqs = [Request(str(i), [rng.randrange(50) for _ in range(rng.randint(1, 12))], SamplingParams(), i) for i in range(8)]
+    for r in reqs:
+        s.add(r)
+    run_to_end(s, reqs, max_tokens=20)
+    assert s.num_preemptions > 0
+    assert all(len(r.output_token_ids) == 20 for r in reqs)
+    assert s.pool.num_free_blocks == s.pool.num_blocks
+
+
+def test_max_num_seqs_bounds_the_running_set() -> None:
+    s = make(max_seqs=2)
+    for i in range(4):
+        s.add(Request(str(i), [1, 2], SamplingParams(), i))
+    plan, _ = s.schedule()
+    assert len(plan.seqs) == 2 and len(s.waiting) == 2
