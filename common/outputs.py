@@ -36,6 +36,7 @@ class TextTracker:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.stopped = False  # a stop string ended the text: nothing after it counts
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """The text that is now safe to emit, and whether a stop string was hit."""
@@ -45,13 +46,20 @@ class TextTracker:
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
-                return self.flush(), True
+                self.stopped = True
+                return self._take(), True
         safe = len(self.text) - self.holdback if self.stop else len(self.text)
         delta = self.text[self.emitted : max(safe, self.emitted)]
         self.emitted += len(delta)
         return delta, False
 
     def flush(self) -> str:
+        """Everything not yet emitted; called once when the request ends."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        return self._take()
+
+    def _take(self) -> str:
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta

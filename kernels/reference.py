@@ -24,6 +24,9 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset
 ) -> None:
     block_size = layer_cache.shape[3]
+    if bool((slot_mapping < 0).any()):  # negative slots mark padding: nothing to write
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indices around a slice put the indexed dims first: [T, H_kv, D].
@@ -94,6 +97,27 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [S, H_q, D]
-    num_seqs = q.shape[0]
-    cu = torch.arange(num_seqs + 1, device=q.device)
-    return prefill_attention(q, layer_cache, cu, context_lens, block_tables, scale, sliding_window)
+    """All sequences in one padded SDPA call: a per-sequence loop costs more than the
+    padding at decode sizes."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    _, _, num_kv_heads, block_size, _ = layer_cache.shape
+    num_blocks = int((int(context_lens.max()) + block_size - 1) // block_size)
+    blocks = layer_cache[block_tables[:, :num_blocks].long()]  # [S, n, 2, H_kv, B, D]
+    kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # [2, S, H_kv, n*B, D]
+    k_pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]  # [1, ctx]
+    q_pos = (context_lens.long() - 1)[:, None]  # [S, 1]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    # Slots past a sequence's end hold whatever was there (NaN in tests): zero them, since
+    # a masked NaN still poisons SDPA's sums.
+    kv = kv.masked_fill(~visible[None, :, None, :, None], 0)
+    group = num_heads // num_kv_heads
+    k = kv[0].repeat_interleave(group, dim=1)  # [S, H_q, ctx, D]
+    v = kv[1].repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale
+    )  # [S, H_q, 1, D]
+    return out[:, :, 0].to(q.dtype)

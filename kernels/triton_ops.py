@@ -9,12 +9,17 @@ p iff ``k <= p`` and, with a sliding window w, ``k > p - w``.
 
 Attention runs as flash attention: scores in fp32, a running max and sum per query row
 (online softmax, in base 2 with ``scale * log2(e)`` folded into the scores), the output
-accumulated in fp32 and written in ``q.dtype``. As in the reference, q is first rounded
-to the cache dtype. Keys are walked one cache block at a time through the block table,
-from the first block that the window leaves visible to the block of the last query.
+accumulated in fp32 and written in ``q.dtype``. As in the reference, q (and the new K/V
+of ``write_kv``) are first cast to the cache dtype, by torch, so they round the same way.
+Keys are walked one cache block at a time through the block table, from the first block
+that the window leaves visible to the block of the tile's last query.
 
 Deviation from the reference: ``write_kv`` skips negative slots (the usual padding
 marker); the reference would write them into the last block through negative indexing.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``) the kernels upcast K, V and q to fp32
+before ``tl.dot``: the interpreter has no bfloat16 arithmetic (it would multiply the raw
+bit patterns, triton-lang/triton#11584).
 
 Constraints: head_dim and block_size must be powers of two >= 16 (``tl.arange`` needs
 powers of two, ``tl.dot`` needs an inner dimension >= 16).
@@ -34,8 +39,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _write_kv_kernel(
     cache_ptr,  # [N, 2, H_kv, B, D]
-    k_ptr,  # [T, H_kv, D]
-    v_ptr,  # [T, H_kv, D]
+    k_ptr,  # [T, H_kv, D] in the cache dtype
+    v_ptr,  # [T, H_kv, D] in the cache dtype
     slot_ptr,  # [T]
     stride_cn, stride_ckv, stride_ch, stride_cb, stride_cd,
     stride_kt, stride_kh, stride_kd,
@@ -54,8 +59,8 @@ def _write_kv_kernel(
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd)  # [D]
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd)  # [D]
         dst = cache_ptr + block * stride_cn + h * stride_ch + offset * stride_cb + d * stride_cd
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty))
-        tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty))
+        tl.store(dst, k)
+        tl.store(dst + stride_ckv, v)
 
 
 @triton.jit
@@ -69,10 +74,14 @@ def _attend_block(
     k_ok,  # [B] key position < context_len (the rest of the block is not loaded)
     visible,  # [M, B] causal and window mask
     qk_scale,
+    UPCAST: tl.constexpr,  # interpreter: compute in fp32
 ):
     # One online-softmax step over one cache block of keys.
     k = tl.load(kv_ptrs, mask=k_ok[:, None], other=0.0)  # [B, D]
     v = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)  # [B, D]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, B]
     s = tl.where(visible, s, float("-inf"))
     # m_i starts finite (-1e30), so a row with nothing visible yet gets alpha = 1, p = 0
@@ -88,7 +97,7 @@ def _attend_block(
 @triton.jit
 def _prefill_kernel(
     out_ptr,  # [T, H_q, D]
-    q_ptr,  # [T, H_q, D]
+    q_ptr,  # [T, H_q, D] in the cache dtype
     cache_ptr,  # [N, 2, H_kv, B, D]
     cu_seqlens_ptr,  # [S + 1]
     context_lens_ptr,  # [S]
@@ -104,6 +113,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # One program per (tile of BLOCK_M queries, sequence, q head).
     tile = tl.program_id(0)
@@ -121,8 +131,11 @@ def _prefill_kernel(
     row_ok = rows < q_len
     q_pos = ctx - q_len + rows  # [M] absolute positions
     d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(cache_ptr.dtype.element_ty)  # [M, D]
+    tokens = (q_start + rows)[:, None]  # [M, 1] rows of q and out
+    q_ptrs = q_ptr + tokens * stride_qt + head * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
 
     # Blocks [lo, hi) hold every key that some query of the tile can see.
     first_pos = ctx - q_len + tile * BLOCK_M
@@ -136,7 +149,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs_b = tl.arange(0, BLOCK_SIZE)
-    head_base = cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
+    # [B, D] pointers into block 0's K of this kv head; a block's K is block_id * stride_cn on.
+    head_base = (
+        cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
+    )
     table = block_tables_ptr + seq * stride_bts
     for j in range(lo, hi):
         block_id = tl.load(table + j * stride_btb).to(tl.int64)
@@ -146,20 +162,20 @@ def _prefill_kernel(
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, head_base + block_id * stride_cn, stride_ckv, k_pos < ctx,
-            visible, qk_scale,
+            visible, qk_scale, UPCAST,
         )
 
     # Padding rows (rows >= q_len) may have seen nothing; they are not stored.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    o_ptrs = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
+    o_ptrs = out_ptr + tokens * stride_ot + head * stride_oh + d[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _decode_kernel(
     out_ptr,  # [S, H_q, D]
-    q_ptr,  # [S, H_q, D]
+    q_ptr,  # [S, H_q, D] in the cache dtype
     cache_ptr,  # [N, 2, H_kv, B, D]
     context_lens_ptr,  # [S]
     block_tables_ptr,  # [S, max_blocks]
@@ -174,6 +190,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (the rows of tl.dot)
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # One program per (sequence, kv head): the GROUP q heads that share the kv head are the
     # rows of one tile, so each K/V block is read once per kv head.
@@ -187,7 +204,9 @@ def _decode_kernel(
     heads = kv_head * GROUP + g  # [G]
     d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(cache_ptr.dtype.element_ty)  # [G, D]
+    q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)  # [G, D]
+    if UPCAST:
+        q = q.to(tl.float32)
 
     hi = tl.cdiv(ctx, BLOCK_SIZE)
     lo = 0
@@ -198,7 +217,10 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     offs_b = tl.arange(0, BLOCK_SIZE)
-    head_base = cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
+    # [B, D] pointers into block 0's K of this kv head; a block's K is block_id * stride_cn on.
+    head_base = (
+        cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
+    )
     table = block_tables_ptr + seq * stride_bts
     for j in range(lo, hi):
         block_id = tl.load(table + j * stride_btb).to(tl.int64)
@@ -210,7 +232,7 @@ def _decode_kernel(
         visible = visible[None, :] & g_ok[:, None]  # [G, B]
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, head_base + block_id * stride_cn, stride_ckv, k_ok, visible,
-            qk_scale,
+            qk_scale, UPCAST,
         )
 
     # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
@@ -218,6 +240,11 @@ def _decode_kernel(
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+# True when TRITON_INTERPRET was set as this module was imported (the kernels are then
+# interpreter functions rather than JITFunctions).
+_INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
 
 def _is_pow2(n: int) -> bool:
@@ -276,6 +303,7 @@ def write_kv(
     if num_tokens == 0:
         return
     slot_mapping = slot_mapping.contiguous()
+    k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
     with _device_guard(layer_cache):
         _write_kv_kernel[(num_tokens, num_kv_heads)](
             layer_cache, k, v, slot_mapping,
@@ -295,9 +323,11 @@ def _prefill_into(
     sliding_window: int | None,
 ) -> None:
     group, num_kv_heads, block_size, head_dim = _check_attention(q, layer_cache, sliding_window)
+    assert out.shape == q.shape, f"out must be shaped like q {tuple(q.shape)}: {tuple(out.shape)}"
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
         return
+    q = q.to(layer_cache.dtype)
     cu_seqlens_q = cu_seqlens_q.contiguous()
     context_lens = context_lens.contiguous()
     # The grid needs the longest query run: one host sync, as in the reference.
@@ -312,7 +342,7 @@ def _prefill_into(
             scale * _LOG2E, sliding_window or 0,
             *q.stride(), *out.stride(), *layer_cache.stride(), *block_tables.stride(),
             GROUP=group, USE_WINDOW=sliding_window is not None,
-            BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
         )
 
 
@@ -326,10 +356,12 @@ def _decode_into(
     sliding_window: int | None,
 ) -> None:
     group, num_kv_heads, block_size, head_dim = _check_attention(q, layer_cache, sliding_window)
+    assert out.shape == q.shape, f"out must be shaped like q {tuple(q.shape)}: {tuple(out.shape)}"
     num_seqs = q.shape[0]
     assert context_lens.shape[0] == num_seqs, "decode: one query token per sequence"
     if num_seqs == 0:
         return
+    q = q.to(layer_cache.dtype)
     context_lens = context_lens.contiguous()
     with _device_guard(q):
         _decode_kernel[(num_seqs, num_kv_heads)](
@@ -338,7 +370,7 @@ def _decode_into(
             *q.stride(), *out.stride(), *layer_cache.stride(), *block_tables.stride(),
             GROUP=group, USE_WINDOW=sliding_window is not None,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
         )
 
 

@@ -92,7 +92,8 @@ class Paged:
                 x = torch.randn(ctx, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
                 kv.append(x.to(dtype).double())
             pos = torch.arange(ctx)
-            slots.append(self.block_tables[s, pos // block_size].long() * block_size + pos % block_size)
+            block_ids = self.block_tables[s, pos // block_size].long()
+            slots.append(block_ids * block_size + pos % block_size)
         reference.write_kv(
             self.cache[:, LAYER], torch.cat(self.keys), torch.cat(self.values), torch.cat(slots)
         )
@@ -131,8 +132,8 @@ PREFILL_CASES = {
 }
 # id: (context_lens, H_q, H_kv, head_dim, block_size, gpu_only)
 DECODE_CASES = {
-    "lens": ([1, 63, 64, 65, 200], 4, 4, 64, 16, False),
-    "lens-gqa3": ([1, 63, 64, 65, 200], 6, 2, 128, 32, False),
+    "lens": ([1, 55, 63, 64, 65, 200], 4, 4, 64, 16, False),  # 55 - 24 ends a block
+    "lens-gqa3": ([1, 55, 63, 64, 65, 200], 6, 2, 128, 32, False),
     "gqa4": ([200, 17, 64], 8, 2, 64, 64, False),
     "long": ([4000, 1, 2500, 777] * 8, 32, 8, 128, 16, True),
 }

@@ -1,0 +1,459 @@
+"""``pdserve bench engine``: the monolithic engine against Hugging Face transformers.
+
+Same machine, same process, same model directory, same dtype, same prompts. Examples:
+
+    pdserve bench engine --json benchmarks/results/engine_cpu.json
+    pdserve bench engine --device cuda --batch-sizes 1,16,64 \
+        --json benchmarks/results/engine_cuda.json
+
+For each batch size b, with prompts of random token ids (seeded, distinct per sequence,
+so nothing could come from a prefix cache; the engine also runs with prefix caching off):
+
+* prefill tok/s = b * prompt_len / seconds. Engine: from adding b requests with
+  max_tokens=1 until the last first token (the whole batch is one step). HF: one forward
+  over the [b, prompt_len] batch with use_cache=True and, where the model supports it,
+  logits for the last position only (the engine computes no others either).
+* decode tok/s = b * (gen_len - 1) / seconds. Engine: b requests decode gen_len tokens
+  with ignore_eos; only the steps after every first token are timed. HF: generate() with
+  min_new_tokens=max_new_tokens=gen_len, greedy, KV cache on, minus the prefill time
+  measured just before on the same prompts.
+
+Every batch size gets one untimed warm-up run per side, then --repeats timed runs (engine
+and HF taking turns) whose median is reported. The table goes to stdout, logs and
+progress to stderr; --json also records the machine's load average, since other
+processes on a shared machine skew every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.common.engine import LLMEngine
+
+Sync = Callable[[], None]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "engine", help="monolithic engine vs Hugging Face transformers (prefill and decode tok/s)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--prompt-len", type=_positive_int, default=256)
+    p.add_argument("--gen-len", type=_gen_len, default=32, help="tokens per sequence, at least 2")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16],
+                   help="comma-separated, e.g. 1,16")
+    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help="timed runs per number (the median is reported)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face reference")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write the config and rows here")
+    p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _gen_len(text: str) -> int:
+    value = int(text)
+    if value < 2:  # decode is every token after the first; one token has none to time
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [_positive_int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}"
+        ) from exc
+    if not sizes:
+        raise argparse.ArgumentTypeError("no batch size given")
+    return sizes
+
+
+# -- shared helpers ---------------------------------------------------------------------
+
+
+def random_prompts(
+    vocab_size: int, batch: int, prompt_len: int, seed: int, run_index: int
+) -> list[list[int]]:
+    """Seeded per (batch, run) so that the engine and HF see exactly the same prompts.
+
+    A string seed is hashed with SHA-512 by ``random``, so it is stable across processes.
+    """
+    rng = random.Random(f"{seed}/{batch}/{run_index}")
+    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    if len({tuple(p) for p in prompts}) != batch:  # only possible with a toy vocabulary
+        raise RuntimeError("random prompts collided; use a longer --prompt-len")
+    return prompts
+
+
+def make_sync(device: str) -> Sync:
+    """A barrier before reading the clock: CUDA work is asynchronous."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def progress(message: str) -> None:
+    print(f"bench engine: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Timing:
+    prefill_s: float
+    decode_s: float
+    decode_tokens: int  # tokens produced during the timed decode steps
+
+
+# -- the engine side --------------------------------------------------------------------
+
+
+class EngineBench:
+    def __init__(self, engine: LLMEngine, sync: Sync) -> None:
+        self.engine = engine
+        self.sync = sync
+        self._ids = itertools.count()
+
+    def _add(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[str]:
+        from pdserve.common.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        ids = [f"bench-{next(self._ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.engine.add_request(rid, prompt, params)
+        return ids
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[float, int]:
+        """Seconds from adding the requests to the last first token, and the steps taken."""
+        self.sync()
+        start = time.perf_counter()
+        self._add(prompts, max_tokens=1)
+        steps = 0
+        while self.engine.has_unfinished:
+            self.engine.step()
+            steps += 1
+        self.sync()
+        return time.perf_counter() - start, steps
+
+    def decode(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[float, int]:
+        """Seconds of the steps after every sequence has its first token, and their tokens."""
+        waiting_first = set(self._add(prompts, max_tokens=gen_len))
+        while waiting_first:
+            for out in self.engine.step():
+                waiting_first.discard(out.request_id)
+        self.sync()
+        start = time.perf_counter()
+        tokens = 0
+        while self.engine.has_unfinished:
+            tokens += sum(len(out.new_token_ids) for out in self.engine.step())
+        self.sync()
+        return time.perf_counter() - start, tokens
+
+    def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[Timing, int]:
+        prefill_s, steps = self.prefill(prompts)
+        decode_s, tokens = self.decode(prompts, gen_len)
+        return Timing(prefill_s, decode_s, tokens), steps
+
+
+# -- the Hugging Face side --------------------------------------------------------------
+
+
+class HFBench:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str, sync: Sync) -> None:
+        import transformers
+
+        # Generation-config chatter (sampling flags ignored by greedy decoding, ...) would
+        # bury the table; errors still show.
+        transformers.logging.set_verbosity_error()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = self.model.to(device).eval()
+        self.device = device
+        self.sync = sync
+        # Logits for the last position only: a [b, prompt_len, vocab] float tensor is
+        # pure overhead the engine does not pay, and generate() skips it as well.
+        self.prefill_kwargs: dict[str, Any] = {}
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            self.prefill_kwargs["logits_to_keep"] = 1
+        gen_cfg = self.model.generation_config
+        eos = gen_cfg.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        self.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else eos
+
+    def _inputs(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        return input_ids, torch.ones_like(input_ids)
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> float:
+        import torch
+
+        input_ids, mask = self._inputs(prompts)
+        with torch.inference_mode():
+            self.sync()
+            start = time.perf_counter()
+            self.model(
+                input_ids=input_ids, attention_mask=mask, use_cache=True, **self.prefill_kwargs
+            )
+            self.sync()
+        return time.perf_counter() - start
+
+    def generate(self, prompts: Sequence[Sequence[int]], gen_len: int) -> float:
+        import torch
+
+        input_ids, mask = self._inputs(prompts)
+        with torch.inference_mode():
+            self.sync()
+            start = time.perf_counter()
+            out = self.model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
+                do_sample=False, use_cache=True, pad_token_id=self.pad_token_id,
+            )
+            self.sync()
+        seconds = time.perf_counter() - start
+        if out.shape[1] != input_ids.shape[1] + gen_len:
+            made = out.shape[1] - input_ids.shape[1]
+            raise RuntimeError(f"HF generated {made} tokens, not {gen_len}")
+        return seconds
+
+    def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> Timing:
+        prefill_s = self.prefill(prompts)
+        generate_s = self.generate(prompts, gen_len)
+        # generate() = one prefill + (gen_len - 1) decode forwards (+ its own overhead,
+        # which counts against decode: a server pays it too).
+        return Timing(prefill_s, generate_s - prefill_s, len(prompts) * (gen_len - 1))
+
+
+# -- results ----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    batch: int
+    engine_prefill_tok_s: float
+    engine_decode_tok_s: float
+    engine_prefill_s: float
+    engine_decode_s: float
+    engine_prefill_steps: int
+    hf_prefill_tok_s: float | None = None
+    hf_decode_tok_s: float | None = None
+    hf_prefill_s: float | None = None
+    hf_decode_s: float | None = None
+    prefill_ratio: float | None = None  # engine / HF: above 1, the engine is faster
+    decode_ratio: float | None = None
+
+
+def median_timing(runs: list[Timing]) -> Timing:
+    return Timing(
+        statistics.median(t.prefill_s for t in runs),
+        statistics.median(t.decode_s for t in runs),
+        runs[0].decode_tokens,
+    )
+
+
+def make_row(batch: int, prompt_len: int, engine: Timing, steps: int, hf: Timing | None) -> Row:
+    row = Row(
+        batch=batch,
+        engine_prefill_tok_s=batch * prompt_len / engine.prefill_s,
+        engine_decode_tok_s=engine.decode_tokens / engine.decode_s,
+        engine_prefill_s=engine.prefill_s, engine_decode_s=engine.decode_s,
+        engine_prefill_steps=steps,
+    )
+    if hf is not None:
+        row.hf_prefill_s, row.hf_decode_s = hf.prefill_s, hf.decode_s
+        row.hf_prefill_tok_s = batch * prompt_len / hf.prefill_s
+        # Noise can beat a decode this short; a non-positive time has no rate.
+        row.hf_decode_tok_s = hf.decode_tokens / hf.decode_s if hf.decode_s > 0 else None
+        row.prefill_ratio = row.engine_prefill_tok_s / row.hf_prefill_tok_s
+        if row.hf_decode_tok_s:
+            row.decode_ratio = row.engine_decode_tok_s / row.hf_decode_tok_s
+    return row
+
+
+COLUMNS = (
+    ("batch", "batch", "{:d}"),
+    ("engine_prefill_tok_s", "engine prefill tok/s", "{:.1f}"),
+    ("hf_prefill_tok_s", "HF prefill tok/s", "{:.1f}"),
+    ("prefill_ratio", "prefill engine/HF", "{:.2f}x"),
+    ("engine_decode_tok_s", "engine decode tok/s", "{:.1f}"),
+    ("hf_decode_tok_s", "HF decode tok/s", "{:.1f}"),
+    ("decode_ratio", "decode engine/HF", "{:.2f}x"),
+)
+
+
+def format_table(rows: list[Row]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    body = [
+        [fmt.format(v) if (v := getattr(row, key)) is not None else "-" for key, _, fmt in COLUMNS]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.rjust(w) for cell, w in zip(cells, widths, strict=True))
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def bench_config(
+    args: argparse.Namespace, engine: LLMEngine, load_at_start: float
+) -> dict[str, Any]:
+    import torch
+
+    config: dict[str, Any] = {
+        "model": args.model or "embedded default",
+        "model_dir": str(engine.model_dir),
+        "device": args.device,
+        "device_name": device_name(args.device),
+        "dtype": engine.config.torch_dtype_name,
+        "torch_version": torch.__version__,
+        "transformers_version": None,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "batch_sizes": args.batch_sizes,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "hf": not args.no_hf,
+        # Other processes on the machine skew every number here: keep the evidence.
+        "loadavg_1m_start": load_at_start,
+        "loadavg_1m_end": os.getloadavg()[0],
+    }
+    if not args.no_hf:
+        import transformers
+
+        config["transformers_version"] = transformers.__version__
+    return config
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return _cpu_model() or platform.processor() or platform.machine()
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return None
+
+
+def write_json(path: Path, config: dict[str, Any], rows: list[Row]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "engine", "config": config, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine import LLMEngine
+
+    max_batch = max(args.batch_sizes)
+    block_size = EngineConfig().block_size
+    blocks_per_seq = -(-(args.prompt_len + args.gen_len) // block_size)
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype,
+        block_size=block_size,
+        # Exactly the blocks the largest batch needs: no preemption, no oversized cache.
+        num_kv_blocks=max_batch * blocks_per_seq,
+        max_num_seqs=max_batch,
+        # The whole batch's prompts fit in one step, so prefill is a single forward.
+        max_num_batched_tokens=max_batch * args.prompt_len,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config)
+
+
+def bench_batch(
+    batch: int, args: argparse.Namespace, vocab: int, engine: EngineBench, hf: HFBench | None
+) -> Row:
+    warm_up, *timed = (
+        random_prompts(vocab, batch, args.prompt_len, args.seed, i) for i in range(args.repeats + 1)
+    )
+    progress(f"batch {batch}: warm-up")
+    engine.run(warm_up, args.gen_len)
+    if hf is not None:
+        hf.run(warm_up, args.gen_len)
+    engine_runs: list[Timing] = []
+    hf_runs: list[Timing] = []
+    steps = 0
+    # Engine and HF take turns, so that a burst of load from other processes on the
+    # machine hits both sides rather than one.
+    for i, prompts in enumerate(timed, 1):
+        progress(f"batch {batch}: run {i}/{args.repeats}")
+        timing, run_steps = engine.run(prompts, args.gen_len)
+        engine_runs.append(timing)
+        steps = max(steps, run_steps)
+        if hf is not None:
+            hf_runs.append(hf.run(prompts, args.gen_len))
+    hf_timing = median_timing(hf_runs) if hf_runs else None
+    return make_row(batch, args.prompt_len, median_timing(engine_runs), steps, hf_timing)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.common.log import configure_logging
+
+    configure_logging("WARNING")
+    load_at_start = os.getloadavg()[0]
+    engine = build_engine(args)
+    sync = make_sync(args.device)
+    engine_bench = EngineBench(engine, sync)
+    hf_bench = None
+    if not args.no_hf:
+        hf_bench = HFBench(engine.model_dir, engine.runner.dtype, args.device, sync)
+    vocab = engine.model_config.vocab_size
+    rows = [bench_batch(b, args, vocab, engine_bench, hf_bench) for b in args.batch_sizes]
+
+    config = bench_config(args, engine, load_at_start)
+    print(
+        f"model {config['model_dir']}  device {config['device']} ({config['device_name']})  "
+        f"dtype {config['dtype']}  prompt_len {args.prompt_len}  gen_len {args.gen_len}  "
+        f"repeats {args.repeats}  torch {config['torch_version']}  "
+        f"threads {config['torch_num_threads']}  "
+        f"load {load_at_start:.1f}->{config['loadavg_1m_end']:.1f}"
+    )
+    print(format_table(rows))
+    if args.json is not None:
+        write_json(args.json, config, rows)
+        progress(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,91 @@
+"""Random-weight Llama checkpoints of any shape, for tensor-parallel tests and benchmarks.
+
+They reuse a real tokenizer so that prompts, chat templates and detokenization behave as
+with a real model; only the weights (and so the generated text) are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pdserve.common.model_files import resolve_model
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def save_random_llama(
+    path: str | os.PathLike[str],
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 256,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write a random LlamaForCausalLM (float32 safetensors) plus a tokenizer into ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    source = resolve_model(tokenizer_from)
+    if vocab_size is None:
+        vocab_size = _tokenizer_vocab_size(source)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
+        # Not a LlamaConfig field (transformers' Llama ignores it), but it lands in
+        # config.json, where pdserve's ModelConfig reads it.
+        sliding_window=sliding_window,
+        tie_word_embeddings=False,
+        **_special_token_ids(source),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    _copy_tokenizer(source, out)
+    return out
+
+
+def _tokenizer_vocab_size(model_dir: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(
+        with_added_tokens=True
+    )
+
+
+def _special_token_ids(model_dir: Path) -> dict[str, Any]:
+    """bos/eos/pad ids of the source model, so the random one stops on the same tokens."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return {
+        k: config[k]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config.get(k) is not None
+    }
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)

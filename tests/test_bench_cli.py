@@ -1,0 +1,70 @@
+"""``pdserve bench engine`` end to end on a tiny random model: the table and the JSON.
+
+Timings on a shared CI machine mean nothing, so only their sign is checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli.main import main
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdserve.common.random_model import save_random_llama
+
+    return save_random_llama(tmp_path_factory.mktemp("bench") / "tiny")
+
+
+def test_bench_engine_writes_rows(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results" / "engine.json"
+    rc = main([
+        "bench", "engine", "--model", str(tiny_model), "--prompt-len", "16", "--gen-len", "4",
+        "--batch-sizes", "1,2", "--json", str(out),
+    ])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    config = payload["config"]
+    assert (config["device"], config["dtype"]) == ("cpu", "float32")
+    assert (config["prompt_len"], config["gen_len"]) == (16, 4)
+    assert config["torch_version"] and config["cpu_count"] >= 1
+    rows = payload["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("engine_prefill_tok_s", "hf_prefill_tok_s", "engine_decode_tok_s",
+                    "hf_decode_tok_s", "prefill_ratio", "decode_ratio"):
+            assert row[key] > 0, (key, row)
+        assert row["engine_prefill_steps"] == 1  # the batch's prompts were one step
+    # stdout is the table alone (logs and progress go to stderr): a header line, the
+    # column titles, a rule, one line per batch size.
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5
+    assert "engine prefill tok/s" in lines[1] and "HF decode tok/s" in lines[1]
+    assert [line.split()[0] for line in lines[3:]] == ["1", "2"]
+
+
+def test_bench_engine_without_hf(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine.json"
+    rc = main([
+        "bench", "engine", "--model", str(tiny_model), "--prompt-len", "8", "--gen-len", "2",
+        "--batch-sizes", "3", "--repeats", "1", "--no-hf", "--json", str(out),
+    ])
+    assert rc == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["engine_decode_tok_s"] > 0 and row["hf_decode_tok_s"] is None
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[0] == "3"
+
+
+def test_bench_engine_rejects_a_one_token_generation() -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--gen-len", "1"])
