@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import bench, generate
+from pdserve.cli import bench, generate, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     bench.add_parser(sub)
+    serve.add_parsers(sub)
+    up.add_parsers(sub)
     return parser
 
 

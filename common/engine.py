@@ -5,6 +5,7 @@ It is the reference the disaggregated services are checked against, token for to
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
 
@@ -26,6 +27,7 @@ log = structlog.get_logger("pdserve.engine")
 
 
 class LLMEngine:
+    holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
     def __init__(self, config: EngineConfig) -> None:
         if config.device == "cuda":
             import torch
@@ -52,6 +54,18 @@ class LLMEngine:
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self._arrivals = itertools.count()
 
+    def kv_compat(self) -> dict[str, str | int]:
+        """What must be equal between a KV producer and its consumer (checked at handshake)."""
+        cfg = self.model_config
+        return {
+            "model": hashlib.sha256((self.model_dir / "config.json").read_bytes()).hexdigest()[:16],
+            "dtype": self.config.torch_dtype_name,
+            "block_size": self.config.block_size,
+            "num_layers": cfg.num_hidden_layers,
+            "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+        }
+
     # -- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
@@ -67,7 +81,7 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        longest = min(num + sampling.max_tokens, self.max_model_len)
+        longest = min(num + sampling.max_tokens, self.max_model_len) if self.holds_output else num
         needed = -(-longest // self.config.block_size)
         if needed > self.pool.num_blocks:
             raise RequestError(
@@ -76,11 +90,16 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self._track(self._new_request(request_id, prompt_token_ids, sampling))
+
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> Request:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
-        req = Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
-        self._requests[request_id] = (req, TextTracker(self.tokenizer, sampling.stop))
+        return Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
+
+    def _track(self, req: Request) -> None:
+        self._requests[req.request_id] = (req, TextTracker(self.tokenizer, req.sampling.stop))
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -89,7 +108,6 @@ class LLMEngine:
             return None
         req, _ = entry
         self.scheduler.finish(req, "abort")
-        self.sampler.forget(request_id)
         return self._output(req, [], "", "abort")
 
     @property
@@ -107,11 +125,17 @@ class LLMEngine:
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(reqs, plan)
         sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
-        tokens = self.sampler(logits, [r.request_id for r in sampled], [r.sampling for r in sampled])
+        tokens = self.sampler(
+            logits, [r.sampling for r in sampled], [len(r.output_token_ids) for r in sampled]
+        )
         return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
+        return self._emit(req, token_id)
+
+    def _emit(self, req: Request, token_id: int) -> RequestOutput:
+        """The output for ``req``'s newest token; ends the request on a stop rule."""
         tracker = self._requests[req.request_id][1]
         reason = finish_reason(req, token_id, self.eos_token_ids, self.max_model_len)
         if reason == "stop":  # a stop token's text is not part of the answer
@@ -124,7 +148,6 @@ class LLMEngine:
             return self._output(req, [token_id], text, None)
         text += tracker.flush()
         self.scheduler.finish(req, reason)
-        self.sampler.forget(req.request_id)
         del self._requests[req.request_id]
         return self._output(req, [token_id], text, reason)
 
@@ -133,6 +156,7 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=tokens, text=text,
             finished=reason is not None, finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
         )
 
     # -- convenience ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 class Completion(msgspec.Struct, kw_only=True):

@@ -36,31 +36,30 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Sampler:
-    """logits [S, V] -> one token id per row, each row with its own parameters and RNG."""
+    """logits [S, V] -> one token id per row, each row with its own parameters.
 
-    def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
-
-    def generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
-            self._generators[request_id] = gen
-        return gen
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    A seeded request draws its n-th token from a generator seeded by (seed, n), so the
+    draw does not depend on which process samples it: prefill samples the first token,
+    decode the rest, and the tokens equal the monolithic engine's.
+    """
 
     def __call__(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]
     ) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
+        for row, (p, n) in enumerate(zip(params, num_generated)):
             if not p.is_greedy:
-                gen = self.generator(rid, p, logits.device)
-                tokens[row] = sample_row(logits[row], p, gen)
+                tokens[row] = sample_row(logits[row], p, token_generator(p.seed, n, logits.device))
         return tokens
+
+
+def token_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed((seed * 1_000_003 + index) % 2**63)
+    return gen
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:

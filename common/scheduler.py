@@ -137,6 +137,14 @@ class Scheduler:
                     self.pool.register(req.block_ids[i], req.block_hashes[i])
                 req.num_registered_blocks = num_full
 
+    def detach(self, req: Request) -> list[int]:
+        """End ``req`` here but hand its blocks (and their references) to the caller:
+        prefill pins them under a lease until decode has pulled them."""
+        self.running.remove(req)
+        req.status = Status.FINISHED
+        blocks, req.block_ids = req.block_ids, []
+        return blocks
+
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         if req.status is Status.RUNNING:

@@ -1,0 +1,110 @@
+"""Start router, prefill and decode as separate OS processes and watch them.
+
+Used by ``pdserve up``, ``pdserve demo`` and the end-to-end tests: the same code path a
+user runs. Each child's command line names its role; logs go to one file per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdserve.common.errors import PdserveError
+from pdserve.common.service_config import DeploymentConfig
+
+
+class Deployment:
+    def __init__(self, cfg: DeploymentConfig, log_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.log_dir / "deployment.json"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.http_port}"
+
+    def roles(self) -> list[tuple[str, list[str]]]:
+        out = []
+        if not self.cfg.colocated:
+            out += [(f"prefill-{i}", ["prefill", "--instance", str(i)]) for i in range(len(self.cfg.prefill_addresses))]
+        out += [(f"decode-{i}", ["decode", "--instance", str(i)]) for i in range(len(self.cfg.decode_addresses))]
+        return out + [("router", ["router"])]
+
+    def start(self) -> None:
+        self.config_path.write_bytes(json.dumps(msgspec.to_builtins(self.cfg), indent=1).encode())
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")}
+        for name, args in self.roles():
+            log = open(self.log_dir / f"{name}.log", "wb")
+            cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.3)
+        raise PdserveError(f"the deployment was not ready within {timeout:.0f} s; logs in {self.log_dir}")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise PdserveError(f"{name} exited with code {code}; last log lines: {' | '.join(tail)}")
+
+    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def local_config(**flags: Any) -> DeploymentConfig:
+    """The config of ``pdserve up``: file < env < flags, threads split among the processes."""
+    from pdserve.common.service_config import load_config
+
+    path = flags.pop("config", None)
+    cfg = load_config(path, **flags)
+    if cfg.torch_threads == 0:
+        num = cfg.decode_instances + (0 if cfg.colocated else cfg.prefill_instances)
+        cfg = msgspec.structs.replace(cfg, torch_threads=max(1, (os.cpu_count() or 1) // num))
+    return cfg

@@ -1,0 +1,44 @@
+"""``pdserve router|prefill|decode``: run one service (a systemd unit runs one of these)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def add_parsers(sub: Any) -> None:
+    for role in ("router", "prefill", "decode"):
+        p = sub.add_parser(role, help=f"run the {role} service")
+        p.add_argument("--config", default=None, help="TOML file (PDSERVE_* env and flags override)")
+        if role != "router":
+            p.add_argument("--instance", type=int, default=0, help="which configured instance")
+        p.add_argument("--model", default=None)
+        p.add_argument("--device", default=None)
+        p.add_argument("--http-port", type=int, default=None)
+        p.set_defaults(run=run, role=role)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from pdserve.common.log import configure_logging
+    from pdserve.common.service_config import load_config
+
+    cfg = load_config(args.config, model=args.model, device=args.device, http_port=args.http_port)
+    configure_logging(cfg.log_level)
+    if args.role == "router":
+        from pdserve.services.router.main import serve
+
+        uvloop.run(serve(cfg))
+        return 0
+    threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // 2)
+    if args.role == "prefill":
+        from pdserve.services.prefill.service import PrefillService
+
+        uvloop.run(PrefillService(cfg, args.instance, threads).run())
+    else:
+        from pdserve.services.decode.service import DecodeService
+
+        uvloop.run(DecodeService(cfg, args.instance, threads).run())
+    return 0

@@ -1,0 +1,145 @@
+"""Service metrics as plain numbers, shipped to the router on scrape.
+
+Each service keeps its own counters, gauges and histograms here (no prometheus_client in
+the hot path, nothing global); the router asks every service for ``samples()`` when
+``/metrics`` is scraped and renders the whole deployment with labels ``service``,
+``instance`` and ``rank``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+from pdserve.common.protocol import MetricSample
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+COUNTERS = {
+    "pdserve:requests": "requests finished, by finish reason",
+    "pdserve:kv_transfers": "KV pulls completed",
+    "pdserve:kv_transfer_bytes": "bytes of KV pulled",
+    "pdserve:kv_transfer_failures": "KV pulls that failed",
+    "pdserve:kv_notification_failures": "release notifications that could not be sent",
+    "pdserve:kv_expired_requests": "requests whose KV lease expired before release",
+    "pdserve:kv_replica_releases": "releases received by a producer rank",
+    "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
+    "pdserve:bad_messages": "malformed or unexpected wire messages received",
+}
+GAUGES = {
+    "pdserve:kv_blocks_free": "free KV blocks",
+    "pdserve:kv_blocks_total": "KV blocks in the pool",
+    "pdserve:num_requests_running": "requests running",
+    "pdserve:num_requests_waiting": "requests waiting",
+}
+HISTOGRAMS = {
+    "pdserve:time_to_first_token_seconds": "time from arrival to the first token",
+    "pdserve:inter_token_latency_seconds": "time between consecutive tokens",
+    "pdserve:e2e_request_latency_seconds": "time from arrival to the last token",
+    "pdserve:kv_transfer_seconds": "time of one KV pull",
+}
+HELP = {**COUNTERS, **GAUGES, **HISTOGRAMS}
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[float, float]]:
+        out, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            total += count
+            out.append((bound, float(total)))
+        return out
+
+
+class Metrics:
+    def __init__(self, service: str, instance: int | str) -> None:
+        self.base = {"service": service, "instance": str(instance)}
+        self.counters: dict[tuple[str, Labels], float] = defaultdict(float)
+        self.gauges: dict[tuple[str, Labels], float] = {}
+        self.histograms: dict[tuple[str, Labels], Histogram] = {}
+        self._lock = threading.Lock()  # the engine thread writes while the loop reads
+
+    def _key(self, name: str, labels: dict[str, str | int]) -> tuple[str, Labels]:
+        if name not in HELP:
+            raise KeyError(f"unknown metric {name}")
+        merged = {"rank": "0", **self.base, **{k: str(v) for k, v in labels.items()}}
+        return name, tuple(sorted(merged.items()))
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str | int) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            self.counters[key] += amount
+
+    def set(self, name: str, value: float, **labels: str | int) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            self.gauges[key] = value
+
+    def observe(self, name: str, value: float, **labels: str | int) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            hist = self.histograms.get(key)
+            if hist is None:
+                hist = self.histograms[key] = Histogram()
+            hist.observe(value)
+
+    def value(self, name: str, **labels: str | int) -> float:
+        key = self._key(name, labels)
+        return self.counters.get(key, self.gauges.get(key, 0.0))
+
+    def samples(self) -> list[MetricSample]:
+        with self._lock:
+            return self._samples()
+
+    def _samples(self) -> list[MetricSample]:
+        out = [MetricSample(n, "counter", dict(lb), v) for (n, lb), v in self.counters.items()]
+        out += [MetricSample(n, "gauge", dict(lb), v) for (n, lb), v in self.gauges.items()]
+        out += [
+            MetricSample(n, "histogram", dict(lb), 0.0, h.cumulative(), h.sum)
+            for (n, lb), h in self.histograms.items()
+        ]
+        return out
+
+
+def render(samples: list[MetricSample]) -> bytes:
+    """Prometheus text exposition of samples from every service (counters get _total)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    families: dict[str, object] = {}
+    label_names = ["service", "instance", "rank"]
+    for s in samples:
+        names = label_names + sorted(k for k in s.labels if k not in label_names)
+        fam = families.get(s.name)
+        if fam is None:
+            kind = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[s.kind]
+            fam = families[s.name] = kind(s.name, HELP.get(s.name, s.name), labels=names)
+        values = [s.labels.get(k, "") for k in names]
+        if s.kind == "histogram":
+            buckets = [("+Inf" if b == float("inf") else repr(b), c) for b, c in s.buckets]
+            fam.add_metric(values, buckets, s.sum)  # type: ignore[attr-defined]
+        else:
+            fam.add_metric(values, s.value)  # type: ignore[attr-defined]
+
+    class _Collector:
+        def collect(self) -> object:
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())  # type: ignore[arg-type]
+    return generate_latest(registry)

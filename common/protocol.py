@@ -1,0 +1,231 @@
+"""Every message on the wire, as msgspec Structs (msgpack; tagged unions; no pickle).
+
+msgspec refuses unions that mix array-like and map-like Structs, so every message of
+a union is map-like; the step plan broadcast to ranks (one type, no union) is array-like.
+
+One union per direction and one typed decoder each, so a service can only ever receive
+the messages meant for it; anything else is a ``DecodeError`` that the receiver counts,
+logs and answers, never a crash. Every request-scoped message carries ``request_id`` and
+``trace_id``. New fields get defaults; array-like hot-path messages only ever grow at
+the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar, Union
+
+import msgspec
+
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every wire message: tagged with its class name."""
+
+
+# -- client <-> router (the ZMQ SDK) ------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class Generate(Message, kw_only=True):
+    request_id: str = ""  # empty: the router assigns one
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None  # chat: rendered with the model's template
+    sampling: SamplingParams = SamplingParams()
+    stream: bool = True
+
+
+class Abort(Message, kw_only=True):
+    request_id: str
+    trace_id: str = ""
+
+
+class TokenChunk(Message, kw_only=True):
+    request_id: str
+    trace_id: str
+    token_ids: list[int]
+    text: str
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Finished(Message, kw_only=True):
+    request_id: str
+    trace_id: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    usage: Usage
+
+
+class Failed(Message, kw_only=True):
+    request_id: str
+    trace_id: str = ""
+    reason: str  # a short code: bad_request, overloaded, kv_transfer, peer_down, internal
+    message: str  # what failed and what to do, for a person
+
+
+# -- router -> prefill ----------------------------------------------------------------------
+
+
+class PrefillRequest(Message, kw_only=True):
+    request_id: str
+    trace_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class Replica(msgspec.Struct, kw_only=True, frozen=True):
+    """One producer rank holding a full copy of a request's KV blocks."""
+
+    agent_name: str  # its NIXL agent
+    side_channel: str  # ZMQ address serving its agent metadata and memory descriptors
+    tp_rank: int = 0
+    pcp_rank: int = 0
+
+
+class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
+    engine_id: str
+    epoch: int  # changes on every producer start: handles from an earlier life are refused
+    layout: KVLayout
+    block_ids: list[int]
+    num_tokens: int
+    replicas: list[Replica]
+    lease_deadline: float  # unix time; decode heartbeats extend it
+
+
+class PrefillDone(Message, kw_only=True):
+    request_id: str
+    trace_id: str
+    first_token: int
+    num_cached_tokens: int
+    handle: KVHandle
+
+
+# -- router -> decode -----------------------------------------------------------------------
+
+
+class DecodeRequest(Message, kw_only=True):
+    request_id: str
+    trace_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    first_token: int | None = None  # sampled by prefill; None: decode computes the prompt
+    num_cached_tokens: int = 0
+    handle: KVHandle | None = None  # None: colocated, decode prefills the prompt itself
+
+
+# -- decode -> producer side channel ------------------------------------------------------
+
+
+class Handshake(Message, kw_only=True):
+    engine_id: str
+    epoch: int
+    consumer: str  # the decode agent's name, for the producer's logs
+
+
+class HandshakeReply(Message, kw_only=True):
+    engine_id: str
+    epoch: int
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int  # address of the registered KV cache tensor
+    layout: KVLayout
+    compat: dict[str, Any]  # model, dtype, block size, heads: checked by the consumer
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int = 0
+
+
+class Heartbeat(Message, kw_only=True):
+    """Decode still wants these requests' KV: extend their leases."""
+
+    engine_id: str
+    epoch: int
+    request_ids: list[str]
+
+
+class Release(Message, kw_only=True):
+    """Decode is done with a request's KV on one replica rank (sent as a NIXL
+    notification; over the side channel when the notification cannot be sent)."""
+
+    request_id: str
+    trace_id: str = ""
+    engine_id: str
+    epoch: int
+
+
+class SideReply(Message, kw_only=True):
+    ok: bool
+    message: str = ""
+
+
+# -- router <-> every service ---------------------------------------------------------------
+
+
+class Ping(Message, kw_only=True):
+    sent_at: float
+
+
+class Pong(Message, kw_only=True):
+    sent_at: float
+    service: str
+    instance: int
+    ready: bool
+    protocol_version: int = PROTOCOL_VERSION
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class MetricSample(msgspec.Struct, array_like=True):
+    name: str
+    kind: str  # counter | gauge | histogram
+    labels: dict[str, str]
+    value: float = 0.0
+    buckets: list[tuple[float, float]] = []  # histogram: (upper bound, cumulative count)
+    sum: float = 0.0
+
+
+class MetricsQuery(Message, kw_only=True):
+    pass
+
+
+class MetricsReport(Message, kw_only=True):
+    samples: list[MetricSample]
+
+
+ClientToRouter = Union[Generate, Abort]
+RouterToClient = Union[TokenChunk, Finished, Failed]
+RouterToPrefill = Union[PrefillRequest, Abort, Ping, MetricsQuery]
+PrefillToRouter = Union[PrefillDone, Failed, Pong, MetricsReport]
+RouterToDecode = Union[DecodeRequest, Abort, Ping, MetricsQuery]
+DecodeToRouter = Union[TokenChunk, Finished, Failed, Pong, MetricsReport]
+ToSideChannel = Union[Handshake, Heartbeat, Release]
+FromSideChannel = Union[HandshakeReply, SideReply, Failed]
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Decoder(Generic[T]):
+    """A typed decoder for one direction's union."""
+
+    def __init__(self, union: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def decode(self, frame: bytes) -> T:
+        return self._decoder.decode(frame)

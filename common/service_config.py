@@ -1,0 +1,150 @@
+"""Deployment configuration shared by router, prefill and decode.
+
+Sources, later ones winning: a TOML file < ``PDSERVE_*`` environment variables < flags.
+Nested keys in the environment use a double underscore:
+``PDSERVE_ENGINE__MAX_NUM_SEQS=32`` sets ``[engine] max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import PdserveError
+
+ENV_PREFIX = "PDSERVE_"
+POLICIES = ("fail", "recompute")
+
+
+class InstanceAddresses(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    address: str  # the service's ROUTER socket, for the router
+    side_channel: str = ""  # prefill only: handshakes, heartbeats and releases from decode
+
+
+class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    device: str = "cpu"
+    host: str = "127.0.0.1"  # where services bind when their addresses are derived
+    base_port: int = 5600
+    http_port: int = 8000
+    router_address: str = ""  # the ZMQ SDK's front door; derived when empty
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    prefill: list[InstanceAddresses] = []  # explicit addresses (multi-machine); else derived
+    decode: list[InstanceAddresses] = []
+    colocated: bool = False  # no prefill service: decode computes prompts (the baseline)
+    kv_load_failure_policy: str = "fail"
+    lease_seconds: float = 30.0
+    heartbeat_seconds: float = 5.0
+    max_queued_requests: int = 1024  # per service; beyond it requests fail "overloaded"
+    engine: EngineConfig = EngineConfig()
+    prefill_engine: dict[str, Any] = {}  # overrides of [engine] for prefill only
+    decode_engine: dict[str, Any] = {}  # and for decode only
+    torch_threads: int = 0  # 0: divide the machine's cores among the local services
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in POLICIES:
+            raise PdserveError(
+                f"kv_load_failure_policy must be one of {', '.join(POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        for name in ("prefill_instances", "decode_instances"):
+            if getattr(self, name) < 1:
+                raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lease_seconds <= 0 or self.heartbeat_seconds <= 0:
+            raise PdserveError("lease_seconds and heartbeat_seconds must be positive")
+
+    @property
+    def front_address(self) -> str:
+        return self.router_address or f"tcp://{self.host}:{self.base_port}"
+
+    @property
+    def prefill_addresses(self) -> list[InstanceAddresses]:
+        if self.prefill:
+            return list(self.prefill)
+        return [
+            InstanceAddresses(
+                address=f"tcp://{self.host}:{self.base_port + 10 + 10 * i}",
+                side_channel=f"tcp://{self.host}:{self.base_port + 11 + 10 * i}",
+            )
+            for i in range(self.prefill_instances)
+        ]
+
+    @property
+    def decode_addresses(self) -> list[InstanceAddresses]:
+        if self.decode:
+            return list(self.decode)
+        first = self.base_port + 10 + 10 * self.prefill_instances
+        return [
+            InstanceAddresses(address=f"tcp://{self.host}:{first + 10 * i}")
+            for i in range(self.decode_instances)
+        ]
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of ``role`` ("prefill" or "decode"), overrides applied."""
+        overrides = self.prefill_engine if role == "prefill" else self.decode_engine
+        base = msgspec.to_builtins(self.engine)
+        base.update(model=self.model, device=self.device)
+        base.update(overrides)
+        return _convert(base, EngineConfig, f"[{role}_engine]")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **flags: Any) -> DeploymentConfig:
+    """File < environment < flags (flags whose value is None are not given)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+            # JSON is what `pdserve up` hands its children; people write TOML.
+            raw = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        except OSError as exc:
+            raise PdserveError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise PdserveError(f"config file {path} is not valid TOML: {exc}") from exc
+    _merge(raw, _from_env(os.environ))
+    _merge(raw, {k: v for k, v in flags.items() if v is not None})
+    return _convert(raw, DeploymentConfig, str(path or "configuration"))
+
+
+def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS", "PDSERVE_VENV", "PDSERVE_TORCH_VERSION"):
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _env_value(value)
+    return out
+
+
+def _env_value(value: str) -> Any:
+    """Environment strings parsed as TOML values where they are ones (numbers, booleans,
+    arrays), else kept as strings."""
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _convert(raw: dict[str, Any], kind: type, where: str) -> Any:
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise PdserveError(f"invalid {where}: {exc}") from exc

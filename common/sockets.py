@@ -1,0 +1,52 @@
+"""The one socket factory: every ZeroMQ socket in pdserve is made here.
+
+It owns the settings that matter for a server: bounded queues (HWM), no linger on close
+(a dead peer must not block shutdown), a maximum message size (a hostile or broken peer
+cannot make us allocate without bound), ZMTP heartbeats (a silent peer is noticed), and
+reconnect back-off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+MAX_MESSAGE_BYTES = 64 * 2**20  # a prompt of 1M tokens as msgpack ints is ~5 MB
+DEFAULT_HWM = 10_000
+HEARTBEAT_IVL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 5_000
+
+
+def make_socket(
+    ctx: zmq.Context[Any],
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    identity: bytes | None = None,
+    hwm: int = DEFAULT_HWM,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> zmq.Socket[Any]:
+    """A configured socket, bound or connected. Works for sync and asyncio contexts."""
+    if (bind is None) == (connect is None):
+        raise ValueError("make_socket needs exactly one of bind= or connect=")
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
+    if kind == zmq.ROUTER:
+        # Replies to a peer that went away raise instead of vanishing silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if bind is not None:
+        sock.bind(bind)
+    else:
+        sock.connect(connect)
+    return sock

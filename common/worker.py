@@ -1,0 +1,93 @@
+"""The bridge between a service's asyncio loop and its engine thread.
+
+Model steps and NIXL calls block, so each service runs them in one worker thread (NIXL
+agents are not thread-safe: one thread owns the agent). The loop hands commands over a
+thread-safe queue; the thread hands results back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("pdserve.worker")
+
+
+class WorkerThread(threading.Thread):
+    """Runs ``setup()`` once, then ``run_once(commands)`` until stopped.
+
+    ``run_once`` gets the commands that arrived since the last call; when the worker
+    reports itself idle, the thread waits up to ``idle_wait`` for the next command.
+    """
+
+    idle_wait = 0.005
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.loop = loop
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self._stop_event = threading.Event()
+
+    def submit(self, command: Any) -> None:
+        self.inbox.put(command)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.inbox.put(None)
+
+    def post(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Run ``callback(*args)`` on the service's loop."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(callback, *args)
+
+    def setup(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def run_once(self, commands: list[Any]) -> bool:  # pragma: no cover - overridden
+        """Handle commands, do one unit of work; True when there is more work pending."""
+        return False
+
+    def teardown(self) -> None:
+        pass
+
+    def run(self) -> None:
+        try:
+            self.setup()
+        except BaseException as exc:  # reported to the service, which exits with it
+            self.failed = exc
+            log.error("worker_setup_failed", worker=self.name, error=str(exc),
+                      traceback=traceback.format_exc())
+            self.ready.set()
+            return
+        self.ready.set()
+        busy = False
+        try:
+            while not self._stop_event.is_set():
+                commands = self._drain(block=not busy)
+                if self._stop_event.is_set():
+                    break
+                busy = self.run_once(commands)
+        finally:
+            self.teardown()
+
+    def _drain(self, block: bool) -> list[Any]:
+        commands: list[Any] = []
+        if block:
+            try:
+                commands.append(self.inbox.get(timeout=self.idle_wait))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        return [c for c in commands if c is not None]

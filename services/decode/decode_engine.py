@@ -1,0 +1,36 @@
+"""DecodeEngine: the engine admitting requests whose prompt KV arrived from a producer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.common.engine import LLMEngine
+from pdserve.common.outputs import RequestOutput, TextTracker
+from pdserve.common.sampling import SamplingParams
+
+
+class DecodeEngine(LLMEngine):
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+        block_ids: list[int] | None,
+        num_cached_tokens: int = 0,
+    ) -> RequestOutput:
+        """Admit a request whose first token was sampled by prefill. With ``block_ids``
+        (the pulled KV of the whole prompt) decoding starts at once; without them the
+        prompt is recomputed here (``kv_load_failure_policy = "recompute"``)."""
+        req = self._new_request(request_id, prompt_token_ids, sampling)
+        if block_ids is not None:
+            req.block_ids = block_ids
+            req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = num_cached_tokens
+        req.output_token_ids.append(first_token)
+        self._requests[request_id] = (req, TextTracker(self.tokenizer, sampling.stop))
+        self.scheduler.add(req)
+        return self._emit(req, first_token)
+
+    def blocks_for_prompt(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)

@@ -1,0 +1,107 @@
+"""The decode service: a ROUTER for the router; DEALERs to producers' side channels for
+handshakes, heartbeats and fallback releases."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+
+from pdserve.common import protocol as p
+from pdserve.common.service import Service
+from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.sockets import make_socket
+from pdserve.services.decode.worker import DecodeWorker, ProducerKey
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class DecodeService(Service):
+    role = "decode"
+
+    def __init__(self, cfg: DeploymentConfig, instance: int, torch_threads: int) -> None:
+        super().__init__(instance, cfg.decode_addresses[instance].address, p.RouterToDecode)
+        self.cfg = cfg
+        self.torch_threads = torch_threads
+        self.handlers[p.DecodeRequest] = self.on_decode
+        self.handlers[p.Abort] = self.on_abort
+        self._side: dict[str, Any] = {}  # side channel address -> DEALER
+        self._side_locks: dict[str, asyncio.Lock] = {}
+        self._handshakes: dict[ProducerKey, asyncio.Task[None]] = {}
+        self._side_decoder: p.Decoder[Any] = p.Decoder(p.FromSideChannel)
+
+    def make_worker(self, loop: asyncio.AbstractEventLoop) -> DecodeWorker:
+        self.loop = loop
+        self.decode_worker = DecodeWorker(self)
+        return self.decode_worker
+
+    def background_tasks(self) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self._heartbeats())]
+
+    def load(self) -> tuple[int, int]:
+        return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
+
+    # -- router -----------------------------------------------------------------------------
+
+    def on_decode(self, identity: bytes, msg: p.DecodeRequest) -> None:
+        handle = msg.handle
+        if handle is not None:
+            key = (handle.engine_id, handle.epoch)
+            if key not in self._handshakes:
+                self._handshakes[key] = asyncio.create_task(self._handshake(key, handle))
+        self.decode_worker.submit(("decode", identity, msg))
+
+    def on_abort(self, identity: bytes, msg: p.Abort) -> None:
+        self.decode_worker.submit(("abort", msg.request_id))
+
+    # -- side channels ----------------------------------------------------------------------
+
+    def side_socket(self, address: str) -> Any:
+        sock = self._side.get(address)
+        if sock is None:
+            sock = self._side[address] = make_socket(self.ctx, zmq.DEALER, connect=address)
+            self._side_locks[address] = asyncio.Lock()
+        return sock
+
+    def send_side(self, address: str, msg: p.Message) -> None:
+        try:
+            self.side_socket(address).send(p.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.log.warning("side_send_failed", peer=address, error=str(exc))
+
+    async def _handshake(self, key: ProducerKey, handle: p.KVHandle) -> None:
+        """Fetch every replica's agent metadata once per (engine, epoch)."""
+        try:
+            replies = [await self._ask(r.side_channel, key) for r in handle.replicas]
+        except Exception as exc:  # timeout, refusal, bad reply: fail the waiting requests
+            message = str(exc) or type(exc).__name__
+            self.log.warning("handshake_failed", engine_id=key[0], epoch=key[1], error=message)
+            self._handshakes.pop(key, None)  # a later request may try again
+            self.decode_worker.submit(("handshake_failed", key, message))
+            return
+        self.decode_worker.submit(("connected", key, replies))
+
+    async def _ask(self, address: str, key: ProducerKey) -> p.HandshakeReply:
+        sock = self.side_socket(address)
+        async with self._side_locks[address]:
+            await sock.send(p.encode(p.Handshake(engine_id=key[0], epoch=key[1], consumer=f"decode-{self.instance}")))
+            deadline = self.loop.time() + HANDSHAKE_TIMEOUT
+            while True:
+                remaining = deadline - self.loop.time()
+                if remaining <= 0 or not await sock.poll(remaining * 1000):
+                    raise TimeoutError(f"producer {key[0]} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s")
+                reply = self._side_decoder.decode(await sock.recv())
+                if isinstance(reply, p.HandshakeReply) and (reply.engine_id, reply.epoch) == key:
+                    return reply
+                if isinstance(reply, p.SideReply) and not reply.ok:
+                    raise ConnectionRefusedError(reply.message)
+                # a late answer to an earlier, timed-out handshake: skip it
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_seconds)
+            if not self.is_ready:
+                continue
+            for address, (engine_id, epoch, rids) in self.decode_worker.pending_by_producer().items():
+                self.send_side(address, p.Heartbeat(engine_id=engine_id, epoch=epoch, request_ids=rids))

@@ -1,0 +1,266 @@
+"""The decode engine thread: pulls prompt KV with NIXL, releases producers, decodes.
+
+A request with a KV handle moves through: waiting for the producer's handshake ->
+waiting for local blocks -> pulling -> decoding. Every producer replica is released
+exactly once per request, whether the pull worked, failed or was aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from pdserve.common import protocol as p
+from pdserve.common.errors import PdserveError
+from pdserve.common.outputs import RequestOutput
+from pdserve.common.worker import WorkerThread
+
+if TYPE_CHECKING:
+    from pdserve.common.kv_transfer import Pull
+    from pdserve.services.decode.decode_engine import DecodeEngine
+    from pdserve.services.decode.service import DecodeService
+
+log = structlog.get_logger("pdserve.decode")
+
+ProducerKey = tuple[str, int]  # (engine_id, epoch)
+
+
+@dataclass
+class PendingPull:
+    identity: bytes
+    msg: p.DecodeRequest
+    handle: p.KVHandle
+    arrived: float = field(default_factory=time.monotonic)
+    blocks: list[int] | None = None
+    pull: Pull | None = None
+    aborted: bool = False
+
+    @property
+    def key(self) -> ProducerKey:
+        return self.handle.engine_id, self.handle.epoch
+
+
+class DecodeWorker(WorkerThread):
+    def __init__(self, svc: DecodeService) -> None:
+        super().__init__(svc.loop, name=f"decode-{svc.instance}")
+        self.svc = svc
+        self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
+        self.pending: dict[str, PendingPull] = {}
+        self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
+        self._num_preemptions = 0
+
+    def setup(self) -> None:
+        import torch
+
+        from pdserve.common.kv_transfer import KVConsumer
+        from pdserve.services.decode.decode_engine import DecodeEngine
+
+        torch.set_num_threads(self.svc.torch_threads)
+        self.engine: DecodeEngine = DecodeEngine(self.svc.cfg.engine_for("decode"))
+        self.consumer = KVConsumer(
+            agent_name=f"decode-{self.svc.instance}-{time.time_ns()}",
+            kv_cache=self.engine.runner.kv_cache, layout=self.engine.runner.layout,
+            compat=self.engine.kv_compat(),
+        )
+        self.metrics = self.svc.metrics
+        self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
+
+    def teardown(self) -> None:
+        if hasattr(self, "consumer"):
+            self.consumer.close()
+
+    def run_once(self, commands: list[Any]) -> bool:
+        for command in commands:
+            kind, *args = command
+            getattr(self, f"_on_{kind}")(*args)
+        self._advance_pulls()
+        if self.engine.has_unfinished:
+            self._step()
+        self._update_gauges()
+        return self.engine.has_unfinished or any(pp.pull is not None for pp in self.pending.values())
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _on_decode(self, identity: bytes, msg: p.DecodeRequest) -> None:
+        rid = msg.request_id
+        try:
+            self.engine.validate(msg.prompt_token_ids, msg.sampling)
+        except PdserveError as exc:
+            self._fail(identity, rid, msg.trace_id, "bad_request", str(exc))
+            if msg.handle is not None:
+                self._release(msg.handle, rid, msg.trace_id)
+            return
+        self.peers[rid] = (identity, msg.trace_id)
+        if msg.handle is None:  # colocated: this engine computes the prompt
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling)
+            return
+        self.pending[rid] = PendingPull(identity, msg, msg.handle)
+
+    def _on_connected(self, key: ProducerKey, replies: list[p.HandshakeReply]) -> None:
+        try:
+            for reply in replies:
+                self.consumer.connect(reply)
+            self.producers[key] = None
+        except PdserveError as exc:
+            self.producers[key] = str(exc)
+            log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
+
+    def _on_handshake_failed(self, key: ProducerKey, message: str) -> None:
+        for rid, pp in list(self.pending.items()):
+            if pp.key == key and pp.pull is None:
+                self._pull_failed(rid, pp, message, release=False)
+
+    def _on_abort(self, request_id: str) -> None:
+        pp = self.pending.get(request_id)
+        if pp is not None:
+            pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop
+            if pp.pull is None:
+                self._drop_pending(request_id, pp)
+            return
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._emit(out)
+
+    # -- pulls ------------------------------------------------------------------------------
+
+    def _advance_pulls(self) -> None:
+        for rid, pp in list(self.pending.items()):
+            if pp.pull is None:
+                self._maybe_start(rid, pp)
+            else:
+                self._poll(rid, pp)
+
+    def _maybe_start(self, rid: str, pp: PendingPull) -> None:
+        state = self.producers.get(pp.key, "pending")
+        if state == "pending":
+            return
+        if state is not None:
+            self._pull_failed(rid, pp, state, release=True)
+            return
+        need = self.engine.blocks_for_prompt(pp.handle.num_tokens)
+        if need > self.engine.pool.num_free_blocks:
+            return  # wait for decodes to finish; heartbeats keep the producer's lease
+        pp.blocks = self.engine.pool.allocate(need)
+        try:
+            pp.pull = self.consumer.start_pull(rid, pp.handle, pp.blocks)
+        except PdserveError as exc:
+            self._pull_failed(rid, pp, str(exc), release=True)
+
+    def _poll(self, rid: str, pp: PendingPull) -> None:
+        assert pp.pull is not None
+        try:
+            if not self.consumer.poll(pp.pull):
+                return
+        except PdserveError as exc:
+            self._pull_failed(rid, pp, str(exc), release=True)
+            return
+        del self.pending[rid]
+        seconds = pp.pull.transfer_seconds or 0.0
+        self.metrics.inc("pdserve:kv_transfers")
+        self.metrics.inc("pdserve:kv_transfer_bytes", pp.pull.num_bytes)
+        self.metrics.observe("pdserve:kv_transfer_seconds", seconds)
+        self._release(pp.handle, rid, pp.msg.trace_id)
+        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=pp.pull.num_bytes,
+                  descriptors=pp.pull.num_descriptors, seconds=round(seconds, 4))
+        if pp.aborted:
+            self.engine.pool.free(pp.blocks or [])
+            self._finish_aborted(rid, pp)
+            return
+        self._admit(rid, pp, pp.blocks)
+
+    def _admit(self, rid: str, pp: PendingPull, blocks: list[int] | None) -> None:
+        msg = pp.msg
+        assert msg.first_token is not None
+        out = self.engine.add_prefilled(
+            rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
+        )
+        self._emit(out)
+
+    def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
+        self.pending.pop(rid, None)
+        self.metrics.inc("pdserve:kv_transfer_failures")
+        log.warning("kv_pull_failed", request_id=rid, trace_id=pp.msg.trace_id, engine_id=pp.handle.engine_id, error=message)
+        if pp.blocks:
+            self.engine.pool.free(pp.blocks)
+        if release:
+            self._release(pp.handle, rid, pp.msg.trace_id)
+        if pp.aborted:
+            self._finish_aborted(rid, pp)
+        elif self.svc.cfg.kv_load_failure_policy == "recompute":
+            self._admit(rid, pp, None)
+        else:
+            self.peers.pop(rid, None)
+            self._fail(pp.identity, rid, pp.msg.trace_id, "kv_transfer", f"KV transfer from {pp.handle.engine_id} failed: {message}")
+
+    def _drop_pending(self, rid: str, pp: PendingPull) -> None:
+        del self.pending[rid]
+        self._release(pp.handle, rid, pp.msg.trace_id)
+        self._finish_aborted(rid, pp)
+
+    def _finish_aborted(self, rid: str, pp: PendingPull) -> None:
+        self.peers.pop(rid, None)
+        usage = p.Usage(prompt_tokens=len(pp.msg.prompt_token_ids), completion_tokens=0)
+        self.post(self.svc.reply, pp.identity, p.Finished(request_id=rid, trace_id=pp.msg.trace_id, finish_reason="abort", usage=usage))
+
+    def _release(self, handle: p.KVHandle, rid: str, trace_id: str) -> None:
+        """Tell every replica rank that this request's KV is no longer needed."""
+        if self.producers.get((handle.engine_id, handle.epoch)) is not None:
+            unreached = list(range(len(handle.replicas)))  # never connected: no NIXL path
+        else:
+            unreached = self.consumer.release(handle, rid, trace_id)
+        for index in unreached:
+            self.metrics.inc("pdserve:kv_notification_failures")
+            release = p.Release(request_id=rid, trace_id=trace_id, engine_id=handle.engine_id, epoch=handle.epoch)
+            self.post(self.svc.send_side, handle.replicas[index].side_channel, release)
+
+    def pending_by_producer(self) -> dict[str, tuple[str, int, list[str]]]:
+        """Requests accepted but not yet pulled, by producer side channel (heartbeats)."""
+        out: dict[str, tuple[str, int, list[str]]] = {}
+        for rid, pp in list(self.pending.items()):
+            for replica in pp.handle.replicas:
+                entry = out.setdefault(replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, []))
+                entry[2].append(rid)
+        return out
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("decode_step_failed")
+            for rid in list(self.peers):
+                if self.engine.abort(rid) is not None:
+                    identity, trace = self.peers.pop(rid)
+                    self._fail(identity, rid, trace, "internal", f"decode step failed: {exc}")
+            return
+        for out in outputs:
+            self._emit(out)
+
+    def _emit(self, out: RequestOutput) -> None:
+        peer = self.peers.get(out.request_id)
+        if peer is None:
+            return
+        identity, trace = peer
+        if out.new_token_ids or out.text:
+            self.post(self.svc.reply, identity, p.TokenChunk(request_id=out.request_id, trace_id=trace, token_ids=out.new_token_ids, text=out.text))
+        if out.finished:
+            del self.peers[out.request_id]
+            usage = p.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens)
+            assert out.finish_reason is not None
+            self.post(self.svc.reply, identity, p.Finished(request_id=out.request_id, trace_id=trace, finish_reason=out.finish_reason, usage=usage))
+
+    def _fail(self, identity: bytes, rid: str, trace_id: str, reason: str, message: str) -> None:
+        self.post(self.svc.reply, identity, p.Failed(request_id=rid, trace_id=trace_id, reason=reason, message=message))
+
+    def _update_gauges(self) -> None:
+        sched = self.engine.scheduler
+        self.metrics.set("pdserve:kv_blocks_free", self.engine.pool.num_free_blocks)
+        self.metrics.set("pdserve:num_requests_running", len(sched.running))
+        self.metrics.set("pdserve:num_requests_waiting", len(sched.waiting) + len(self.pending))
+        if sched.num_preemptions > self._num_preemptions:
+            self.metrics.inc("pdserve:num_preemptions", sched.num_preemptions - self._num_preemptions)
+            self._num_preemptions = sched.num_preemptions

@@ -1,0 +1,29 @@
+"""PrefillEngine: the engine with requests that end at their first token, their KV
+blocks handed out (pinned) instead of freed, for decode to pull."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.common.engine import LLMEngine
+from pdserve.common.request import Request
+
+
+class Prefilled(msgspec.Struct, kw_only=True):
+    request_id: str
+    first_token: int
+    block_ids: list[int]  # pinned: the caller frees them (on release or lease expiry)
+    num_tokens: int  # prompt tokens whose K/V the blocks hold
+    num_cached_tokens: int
+
+
+class PrefillEngine(LLMEngine):
+    holds_output = False
+
+    def _advance(self, req: Request, token_id: int) -> Prefilled:  # type: ignore[override]
+        req.output_token_ids.append(token_id)
+        del self._requests[req.request_id]
+        return Prefilled(
+            request_id=req.request_id, first_token=token_id, block_ids=self.scheduler.detach(req),
+            num_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+        )

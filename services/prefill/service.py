@@ -1,0 +1,84 @@
+"""The prefill service: a ROUTER for the router, a side channel for decode instances."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import zmq
+
+from pdserve.common import protocol as p
+from pdserve.common.service import Service
+from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.sockets import make_socket
+from pdserve.services.prefill.worker import PrefillWorker
+
+
+class PrefillService(Service):
+    role = "prefill"
+
+    def __init__(self, cfg: DeploymentConfig, instance: int, torch_threads: int) -> None:
+        addrs = cfg.prefill_addresses[instance]
+        super().__init__(instance, addrs.address, p.RouterToPrefill)
+        self.cfg = cfg
+        self.side_channel = addrs.side_channel
+        self.torch_threads = torch_threads
+        self.engine_id = f"prefill-{instance}"
+        # A new epoch on every start: handles issued by an earlier life are refused.
+        self.epoch = time.time_ns()
+        self.handshake_reply: p.HandshakeReply | None = None
+        self.side: Any = None
+        self.handlers[p.PrefillRequest] = self.on_prefill
+        self.handlers[p.Abort] = self.on_abort
+        self.side_handlers = {p.Handshake: self.on_handshake, p.Heartbeat: self.on_heartbeat, p.Release: self.on_release}
+        self.log = self.log.bind(engine_id=self.engine_id, pid=os.getpid())
+
+    def make_worker(self, loop: asyncio.AbstractEventLoop) -> PrefillWorker:
+        self.loop = loop
+        return PrefillWorker(self)
+
+    async def start_sockets(self) -> None:
+        self.side = make_socket(self.ctx, zmq.ROUTER, bind=self.side_channel)
+
+    def background_tasks(self) -> list[asyncio.Task[None]]:
+        side_decoder: p.Decoder[Any] = p.Decoder(p.ToSideChannel)
+        return [asyncio.create_task(self._receive(self.side, side_decoder, self.side_handlers))]
+
+    def load(self) -> tuple[int, int]:
+        return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
+
+    # -- router -----------------------------------------------------------------------------
+
+    def on_prefill(self, identity: bytes, msg: p.PrefillRequest) -> None:
+        assert self.worker is not None
+        self.worker.submit(("prefill", identity, msg))
+
+    def on_abort(self, identity: bytes, msg: p.Abort) -> None:
+        assert self.worker is not None
+        self.worker.submit(("abort", msg.request_id))
+
+    # -- side channel -----------------------------------------------------------------------
+
+    def on_handshake(self, identity: bytes, msg: p.Handshake) -> None:
+        reply = self.handshake_reply
+        if reply is None:
+            answer: p.Message = p.SideReply(ok=False, message=f"{self.engine_id} is still starting")
+        elif msg.engine_id != self.engine_id or msg.epoch != self.epoch:
+            answer = p.SideReply(ok=False, message=(
+                f"stale KV handle: it names {msg.engine_id} epoch {msg.epoch}, but this producer "
+                f"is {self.engine_id} epoch {self.epoch} (it restarted); resubmit the request"
+            ))
+        else:
+            answer = reply
+            self.log.info("handshake", consumer=msg.consumer)
+        self.send(self.side, identity, answer)
+
+    def on_heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
+        assert self.worker is not None
+        self.worker.submit(("heartbeat", msg))
+
+    def on_release(self, identity: bytes, msg: p.Release) -> None:
+        assert self.worker is not None
+        self.worker.submit(("release", msg))

@@ -1,0 +1,148 @@
+"""The prefill engine thread: prefills, pins KV under leases, frees on release/expiry."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from pdserve.common import protocol as p
+from pdserve.common.errors import PdserveError
+from pdserve.common.worker import WorkerThread
+from pdserve.services.prefill.lease_table import Freed, LeaseTable
+
+if TYPE_CHECKING:
+    from pdserve.services.prefill.prefill_engine import PrefillEngine, Prefilled
+    from pdserve.services.prefill.service import PrefillService
+
+log = structlog.get_logger("pdserve.prefill")
+
+
+class PrefillWorker(WorkerThread):
+    def __init__(self, svc: PrefillService) -> None:
+        super().__init__(svc.loop, name=f"prefill-{svc.instance}")
+        self.svc = svc
+        self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
+        self._num_preemptions = 0
+
+    def setup(self) -> None:
+        import torch
+
+        from pdserve.common.kv_transfer import KVProducer
+        from pdserve.services.prefill.prefill_engine import PrefillEngine
+
+        torch.set_num_threads(self.svc.torch_threads)
+        self.engine: PrefillEngine = PrefillEngine(self.svc.cfg.engine_for("prefill"))
+        self.leases = LeaseTable(num_ranks=1, lease_seconds=self.svc.cfg.lease_seconds)
+        self.producer = KVProducer(
+            engine_id=self.svc.engine_id, epoch=self.svc.epoch,
+            agent_name=f"{self.svc.engine_id}-e{self.svc.epoch}-r0", kv_cache=self.engine.runner.kv_cache,
+            layout=self.engine.runner.layout, compat=self.engine.kv_compat(),
+        )
+        self.svc.handshake_reply = self.producer.handshake_reply
+        self.replica = p.Replica(agent_name=self.producer.handshake_reply.agent_name, side_channel=self.svc.side_channel)
+        self.metrics = self.svc.metrics
+        self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
+
+    def teardown(self) -> None:
+        if hasattr(self, "producer"):
+            for freed in self.leases.drop_all():
+                self._free(freed)
+            self.producer.close()
+
+    def run_once(self, commands: list[Any]) -> bool:
+        for command in commands:
+            kind, *args = command
+            getattr(self, f"_on_{kind}")(*args)
+        for release in self.producer.poll_releases():
+            self._on_release(release)
+        for freed in self.leases.expire(time.time()):
+            self._free(freed)
+        if self.engine.has_unfinished:
+            self._step()
+        self._update_gauges()
+        return self.engine.has_unfinished
+
+    # -- commands from the loop -----------------------------------------------------------
+
+    def _on_prefill(self, identity: bytes, req: p.PrefillRequest) -> None:
+        try:
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+        except PdserveError as exc:
+            self._fail(identity, req.request_id, req.trace_id, "bad_request", str(exc))
+            return
+        self.peers[req.request_id] = (identity, req.trace_id)
+
+    def _on_abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id) is not None:
+            self.peers.pop(request_id, None)
+            return
+        if request_id in self.leases:  # decode will never pull it: free at once
+            for rank in range(self.leases.num_ranks):
+                freed = self.leases.release(request_id, rank)
+                if freed is not None:
+                    self._free(freed)
+
+    def _on_heartbeat(self, beat: p.Heartbeat) -> None:
+        if self._is_ours(beat.engine_id, beat.epoch):
+            self.leases.extend(beat.request_ids, time.time())
+
+    def _on_release(self, release: p.Release, rank: int = 0) -> None:
+        if not self._is_ours(release.engine_id, release.epoch):
+            log.warning("stale_release", request_id=release.request_id, epoch=release.epoch)
+            return
+        self.metrics.inc("pdserve:kv_replica_releases", rank=rank)
+        freed = self.leases.release(release.request_id, rank)
+        if freed is not None:
+            self._free(freed)
+
+    def _is_ours(self, engine_id: str, epoch: int) -> bool:
+        return engine_id == self.svc.engine_id and epoch == self.svc.epoch
+
+    # -- engine ---------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            results = self.engine.step()
+        except Exception as exc:
+            log.exception("prefill_step_failed")
+            for rid in list(self.peers):
+                self.engine.abort(rid)
+                identity, trace = self.peers.pop(rid)
+                self._fail(identity, rid, trace, "internal", f"prefill step failed: {exc}")
+            return
+        for done in results:
+            self._publish(done)
+
+    def _publish(self, done: Prefilled) -> None:
+        identity, trace = self.peers.pop(done.request_id)
+        deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
+        handle = p.KVHandle(
+            engine_id=self.svc.engine_id, epoch=self.svc.epoch, layout=self.engine.runner.layout,
+            block_ids=done.block_ids, num_tokens=done.num_tokens, replicas=[self.replica],
+            lease_deadline=deadline,
+        )
+        msg = p.PrefillDone(
+            request_id=done.request_id, trace_id=trace, first_token=done.first_token,
+            num_cached_tokens=done.num_cached_tokens, handle=handle,
+        )
+        self.post(self.svc.reply, identity, msg)
+
+    def _free(self, freed: Freed) -> None:
+        self.engine.pool.free(freed.block_ids)
+        for rank in freed.expired_ranks:
+            self.metrics.inc("pdserve:kv_expired_requests", rank=rank)
+            log.warning("kv_lease_expired", request_id=freed.request_id, trace_id=freed.trace_id, rank=rank)
+
+    def _fail(self, identity: bytes, request_id: str, trace_id: str, reason: str, message: str) -> None:
+        self.post(self.svc.reply, identity, p.Failed(request_id=request_id, trace_id=trace_id, reason=reason, message=message))
+
+    def _update_gauges(self) -> None:
+        self.metrics.set("pdserve:kv_blocks_free", self.engine.pool.num_free_blocks)
+        self.metrics.set("pdserve:num_requests_running", len(self.engine.scheduler.running))
+        self.metrics.set("pdserve:num_requests_waiting", len(self.engine.scheduler.waiting))
+        preempted = self.engine.scheduler.num_preemptions - self._num_preemptions
+        if preempted:
+            self.metrics.inc("pdserve:num_preemptions", preempted)
+            self._num_preemptions += preempted

@@ -1,0 +1,65 @@
+"""The ZMQ front door for the client SDK: one ROUTER socket, one task per request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdserve.common import protocol as p
+from pdserve.common.errors import PdserveError
+from pdserve.common.sockets import make_socket
+from pdserve.services.router.router import Router
+
+log = structlog.get_logger("pdserve.router.front")
+
+
+class FrontDoor:
+    def __init__(self, router: Router, address: str) -> None:
+        self.router = router
+        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address)
+        self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                self.router.metrics.inc("pdserve:bad_messages")
+                continue
+            identity, payload = frames
+            try:
+                msg = self.decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.router.metrics.inc("pdserve:bad_messages")
+                log.warning("bad_message", error=str(exc), size=len(payload))
+                self._send(identity, p.Failed(request_id="", reason="bad_request", message=f"undecodable message: {exc}"))
+                continue
+            if isinstance(msg, p.Abort):
+                await self.router.abort(msg.request_id)
+            else:
+                self._start(identity, msg)
+
+    def _start(self, identity: bytes, gen: p.Generate) -> None:
+        try:
+            events = self.router.submit(gen)
+        except PdserveError as exc:
+            self._send(identity, p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)))
+            return
+        task = asyncio.create_task(self._relay(identity, events))
+        self.tasks[gen.request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(gen.request_id, None))
+
+    async def _relay(self, identity: bytes, events: Any) -> None:
+        async for event in events:
+            self._send(identity, event)
+
+    def _send(self, identity: bytes, msg: p.Message) -> None:
+        try:
+            self.sock.send_multipart([identity, p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # client gone
+            log.warning("client_send_failed", error=str(exc))

@@ -1,0 +1,415 @@
+"""OpenAI-compatible HTTP front end of the router (aiohttp).
+
+The layer is thin: decode and check the body (openai_schema), tokenize (once, here, with
+``core.tokenizer``), submit one ``Generate`` per prompt to the core, and render what the
+core yields as one JSON body or as server-sent events. Request ids are described in
+core_api.
+
+The HTTP status is decided by the first event of every prompt, so the handler waits for
+it before sending headers: an overloaded core (Failed "overloaded" before any token)
+becomes a 429, a dead peer a 503, a bad request a 400, and a stream only starts once it
+has something to say. A Failed after that can only be an SSE error event.
+
+A client that goes away must not leave its request running. The app sets aiohttp's
+``handler_cancellation`` (through ``handler_args``, so it holds whoever runs the app):
+the handler task is cancelled on disconnect, which closes the core's iterators, which
+aborts the requests. A failed SSE write does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from pdserve.common.errors import PdserveError, RequestError
+from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk
+from pdserve.services.router import openai_schema as oa
+from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer
+
+log = structlog.get_logger("pdserve.router.http")
+
+MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON ints is ~7 MB
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LONG_TEXT_CHARS = 16_384  # tokenize longer inputs off the event loop
+OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+_SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+_FIELD = re.compile(r"at `\$\.?([^`]*)`")
+_FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "overloaded_error",
+    503: "service_unavailable_error",
+}
+_RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour Retry-After)
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An error answer: status plus OpenAI's error body."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = oa.ErrorDetail(
+            message=message,
+            type=_ERROR_TYPES.get(status, "server_error"),
+            param=param,
+            code=code,
+        )
+
+    @classmethod
+    def from_failed(cls, failed: Failed) -> ApiError:
+        status = _FAILED_STATUS.get(failed.reason, 500)
+        return cls(status, f"request {failed.request_id}: {failed.message}", code=failed.reason)
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": "1"} if self.status in _RETRY_LATER else None
+        return _json(oa.ErrorBody(error=self.detail), status=self.status, headers=headers)
+
+
+def _json(
+    body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI's error body; a bug is a 500 naming the request, and
+    its traceback goes to the log, never to the client."""
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        response = exc.response()
+    except RequestError as exc:
+        response = ApiError(400, str(exc), code="bad_request").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _http_error(request, exc).response()
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+    except Exception:
+        request_id = request.get("x_request_id", "-")
+        log.exception("http_internal_error", request_id=request_id, path=request.path)
+        response = ApiError(
+            500, f"internal error in request {request_id}; the router's log has details",
+            code="internal",
+        ).response()  # fmt: skip
+    request_id = request.get("x_request_id") or _sane_header(request)
+    if request_id is not None and not response.prepared:
+        response.headers["x-request-id"] = request_id
+    return response
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        message = f"{request.method} is not allowed on {request.path}; use {allowed}"
+        return ApiError(405, message, code="method_not_allowed")
+    if exc.status == 404:
+        message = f"no such route: {request.method} {request.path} (see /openapi.json)"
+        return ApiError(404, message, code="not_found")
+    if exc.status == 413:
+        message = f"the request body is over {MAX_BODY_BYTES} bytes"
+        return ApiError(413, message, code="body_too_large")
+    return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+
+
+def _sane_header(request: web.Request) -> str | None:
+    value = request.headers.get("x-request-id")
+    return value if value is not None and _SANE_ID.fullmatch(value) else None
+
+
+async def _decode(request: web.Request, kind: type[T]) -> T:
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        field = _FIELD.search(str(exc))
+        raise ApiError(400, f"invalid request: {exc}", param=field and field.group(1),
+                       code="invalid_value") from None  # fmt: skip
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+class OpenAIApi:
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+        self.created = int(time.time())
+        self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
+
+    # -- plain endpoints ------------------------------------------------------------------
+
+    def _card(self) -> oa.ModelCard:
+        return oa.ModelCard(id=self.core.model_name, object="model", created=self.created,
+                            owned_by="pdserve", max_model_len=self.core.max_model_len)  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(oa.ModelList(object="list", data=[self._card()]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.core.model_name:
+            raise ApiError(404, f"model {request.match_info['model']!r} is not served here; "
+                           f"this server serves {self.core.model_name!r}", code="model_not_found")  # fmt: skip
+        return _json(self._card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.core.is_ready():
+            return _json(oa.Health(status="ok"))
+        return _json(oa.Health(status="unavailable", detail=self.core.health_detail()), 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = await self.core.metrics_text()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await _decode(request, oa.CompletionRequest)
+        self._check(req, req.unsupported())
+        prompts = await self._tokenize(_completion_prompts, req.prompt)
+        request_id = self._request_id(request, "cmpl")
+        renderer = CompletionRenderer(request_id, self.core.model_name)
+        return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                    req.max_tokens, renderer)  # fmt: skip
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = await _decode(request, oa.ChatCompletionRequest)
+        self._check(req, req.unsupported())
+        prompt = await self._tokenize(_chat_prompt, req.messages)
+        request_id = self._request_id(request, "chatcmpl")
+        renderer = ChatRenderer(request_id, self.core.model_name)
+        return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
+                                    renderer)  # fmt: skip
+
+    def _check(self, req: oa._SamplingRequest, unsupported: tuple[str, str] | None) -> None:
+        if req.model is not None and req.model != self.core.model_name:
+            raise ApiError(400, f"model {req.model!r} is not served here; this server serves "
+                           f"{self.core.model_name!r} (see /v1/models)", param="model",
+                           code="model_not_found")  # fmt: skip
+        if unsupported is not None:
+            raise ApiError(400, unsupported[1], param=unsupported[0], code="unsupported_parameter")
+
+    async def _tokenize(self, fn: Callable[[RouterCore, Any], T], arg: Any) -> T:
+        # Tokenizing a long prompt takes milliseconds: keep the loop free for streams.
+        if len(msgspec.json.encode(arg)) > LONG_TEXT_CHARS:
+            return await asyncio.to_thread(fn, self.core, arg)
+        return fn(self.core, arg)
+
+    def _request_id(self, request: web.Request, prefix: str) -> str:
+        header = _sane_header(request)
+        request_id = f"{prefix}-{header or uuid.uuid4().hex}"
+        if request_id in self._in_flight:
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        request["x_request_id"] = header or request_id
+        return request_id
+
+    def _max_tokens(self, prompt: list[int], default: int | None, requested: int | None) -> int:
+        limit = self.core.max_model_len
+        room = limit - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model takes at most "
+                           f"{limit - 1} (max_model_len {limit} counts the generated tokens too)",
+                           param="prompt", code="context_length_exceeded")  # fmt: skip
+        if requested is None:
+            return min(default or room, room)
+        if requested > room:
+            raise ApiError(400, f"max_tokens {requested} plus the prompt's {len(prompt)} tokens "
+                           f"exceeds max_model_len {limit}; ask for at most {room}",
+                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        return requested
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: oa._SamplingRequest,
+        prompts: list[list[int]],
+        default_max_tokens: int | None,
+        requested_max_tokens: int | None,
+        renderer: Renderer,
+    ) -> web.StreamResponse:
+        ids = [renderer.request_id] if len(prompts) == 1 else [
+            f"{renderer.request_id}-{i}" for i in range(len(prompts))
+        ]  # fmt: skip
+        gens = []
+        for request_id, prompt in zip(ids, prompts):
+            sampling = req.sampling(self._max_tokens(prompt, default_max_tokens, requested_max_tokens))
+            sampling.validate()  # the core checks again; failing here names no peer
+            gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
+                                 sampling=sampling, stream=req.stream))  # fmt: skip
+        batch = Batch()
+        self._in_flight.update(ids)
+        try:
+            for gen in gens:
+                batch.add(self.core.submit(gen))
+            for event in await batch.first_events():
+                if isinstance(event, Failed):
+                    raise ApiError.from_failed(event)
+            if req.stream:
+                return await self._stream(request, batch, renderer, req.include_usage, len(prompts))
+            return await self._collect(batch, renderer, len(prompts))
+        finally:
+            await batch.close()
+            self._in_flight.difference_update(ids)
+
+    async def _collect(self, batch: Batch, renderer: Renderer, num_prompts: int) -> web.Response:
+        texts: list[list[str]] = [[] for _ in range(num_prompts)]
+        finished: list[Finished | None] = [None] * num_prompts
+        async for index, event in batch.events():
+            if isinstance(event, TokenChunk):
+                texts[index].append(event.text)
+            elif isinstance(event, Finished):
+                finished[index] = event
+            else:
+                raise ApiError.from_failed(event)
+        done = [f for f in finished if f is not None]
+        reasons = [f.finish_reason for f in done]
+        return _json(renderer.body(["".join(t) for t in texts], reasons, _usage(done)))
+
+    async def _stream(
+        self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
+        num_prompts: int,
+    ) -> web.StreamResponse:  # fmt: skip
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold back events
+            "x-request-id": request["x_request_id"],
+        })  # fmt: skip
+        await response.prepare(request)
+        done: list[Finished] = []
+        try:
+            for index in range(num_prompts):
+                await _send(response, renderer.start(index))
+            async for index, event in batch.events():
+                if isinstance(event, TokenChunk):
+                    if event.text:  # a partial character yields no text: no empty delta
+                        await _send(response, renderer.delta(index, event.text))
+                elif isinstance(event, Finished):
+                    done.append(event)
+                    await _send(response, renderer.finish(index, event.finish_reason))
+                else:
+                    await _send(response, ApiError.from_failed(event).detail)
+                    break
+            else:
+                if include_usage:
+                    await _send(response, renderer.usage_chunk(_usage(done)))
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # the client left; closing the batch (finally, above) aborts the requests
+        except Exception:
+            log.exception("http_stream_error", request_id=renderer.request_id)
+            error = ApiError(500, f"internal error in request {renderer.request_id}; the "
+                             "router's log has details", code="internal")  # fmt: skip
+            with suppress(ConnectionResetError):
+                await _send(response, error.detail)
+                await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+async def _send(response: web.StreamResponse, event: msgspec.Struct | None) -> None:
+    if event is None:
+        return
+    if isinstance(event, oa.ErrorDetail):
+        event = oa.ErrorBody(error=event)
+    await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+
+
+def _usage(done: list[Finished]) -> oa.UsageInfo:
+    prompt = sum(f.usage.prompt_tokens for f in done)
+    completion = sum(f.usage.completion_tokens for f in done)
+    cached = sum(f.usage.cached_tokens for f in done)
+    details = oa.PromptTokensDetails(cached_tokens=cached) if cached else None
+    return oa.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                        total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
+
+
+def _completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> one token list per choice."""
+    if isinstance(prompt, str):
+        prompts = [core.tokenizer.encode(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [core.tokenizer.encode(p) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise ApiError(400, "prompt: a list must hold only strings, only token ids, or only "
+                       "lists of token ids", param="prompt")  # fmt: skip
+    vocab = core.tokenizer.vocab_size
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(400, f"prompt {i} is empty", param="prompt")
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt {i}: token id {bad} is outside the vocabulary "
+                           f"(0..{vocab - 1})", param="prompt")  # fmt: skip
+    return prompts
+
+
+def _chat_prompt(core: RouterCore, messages: list[oa.ChatMessageIn]) -> list[int]:
+    chat: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}]: only text content parts are "
+                                   f"supported, got type {part.type!r}",
+                                   param=f"messages[{i}].content")  # fmt: skip
+            # As vLLM does for string templates: the parts of one message, one per line.
+            content = "\n".join(part.text for part in content if part.text is not None)
+        chat.append({"role": message.role, "content": content, "name": message.name})
+    try:
+        ids = core.tokenizer.encode_chat(chat)
+    except PdserveError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    if not ids:
+        raise ApiError(400, "the messages render to an empty prompt", param="messages")
+    return ids
+
+
+def make_app(core: RouterCore) -> web.Application:
+    app = web.Application(
+        middlewares=[_error_middleware],
+        client_max_size=MAX_BODY_BYTES,
+        handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
+    )
+    api = OpenAIApi(core)
+    openapi_body = OPENAPI_PATH.read_bytes()
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=openapi_body, content_type="application/json")
+
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.model)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app

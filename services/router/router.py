@@ -1,0 +1,278 @@
+"""The router's dispatch core: validates, picks instances, relays prefill -> decode.
+
+Every accepted request gets exactly one terminal event (Finished or Failed). A consumer
+that stops early (client gone) aborts the request on whichever service holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdserve.common import protocol as p
+from pdserve.common.block_pool import hash_blocks
+from pdserve.common.errors import RequestError
+from pdserve.common.metrics import Metrics, render
+from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.sockets import make_socket
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.services.router.links import Link, pick
+
+log = structlog.get_logger("pdserve.router")
+
+PING_SECONDS = 1.0
+PEER_TIMEOUT = 5.0  # no Pong for this long: the instance is down, its requests fail
+SCRAPE_TIMEOUT = 2.0
+
+Event = p.TokenChunk | p.Finished | p.Failed
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    trace_id: str
+    num_prompt_tokens: int
+    arrived: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    link: Link | None = None  # the instance holding the request now
+    finished: bool = False
+
+
+class Router:
+    def __init__(self, cfg: DeploymentConfig, tokenizer: Tokenizer, model_name: str, max_model_len: int, vocab_size: int) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.block_size = cfg.engine.block_size
+        self.metrics = Metrics("router", 0)
+        self.ctx = zmq.asyncio.Context()
+        self.prefills: list[Link] = []
+        self.decodes: list[Link] = []
+        self.requests: dict[str, RequestState] = {}
+        self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        if not self.cfg.colocated:
+            for i, addrs in enumerate(self.cfg.prefill_addresses):
+                self.prefills.append(self._link("prefill", i, addrs.address))
+        for i, addrs in enumerate(self.cfg.decode_addresses):
+            self.decodes.append(self._link("decode", i, addrs.address))
+        self._tasks.append(asyncio.create_task(self._ping_loop()))
+
+    def _link(self, role: str, index: int, address: str) -> Link:
+        link = Link(role, index, address, make_socket(self.ctx, zmq.DEALER, connect=address))
+        union = p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
+        self._tasks.append(asyncio.create_task(self._receive(link, p.Decoder(union))))
+        return link
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.ctx.destroy(linger=0)
+
+    @property
+    def links(self) -> list[Link]:
+        return self.prefills + self.decodes
+
+    # -- the RouterCore surface -------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        now = time.monotonic()
+        return bool(self.decodes) and all(link.is_alive(now, PEER_TIMEOUT) for link in self.links)
+
+    def health_detail(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {link.name: {"address": link.address, "ready": link.is_alive(now, PEER_TIMEOUT), "inflight": len(link.inflight)} for link in self.links}
+
+    def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
+        """Validates now (RequestError), then runs the request as the iterator is consumed."""
+        ids = self._prompt_ids(gen)
+        gen.sampling.validate()
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}")
+        rid = gen.request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        state = RequestState(rid, uuid.uuid4().hex, len(ids))
+        return self._run(state, ids, gen.sampling)
+
+    async def abort(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is not None and not state.finished:
+            if state.link is not None:
+                self._send(state.link, p.Abort(request_id=request_id, trace_id=state.trace_id))
+            state.queue.put_nowait(p.Finished(request_id=request_id, trace_id=state.trace_id, finish_reason="abort", usage=p.Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=0)))
+
+    async def metrics_text(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        waits = []
+        for link in self.links:
+            if not link.ready:
+                continue
+            fut: asyncio.Future[p.MetricsReport] = loop.create_future()
+            self._scrapes[link.name] = fut
+            self._send(link, p.MetricsQuery())
+            waits.append(fut)
+        samples = self.metrics.samples()
+        if waits:
+            done, _ = await asyncio.wait(waits, timeout=SCRAPE_TIMEOUT)
+            for fut in done:
+                samples += fut.result().samples
+        return render(samples)
+
+    # -- one request ------------------------------------------------------------------------
+
+    def _prompt_ids(self, gen: p.Generate) -> list[int]:
+        given = [x is not None for x in (gen.prompt_token_ids, gen.prompt, gen.messages)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of prompt, prompt_token_ids or messages")
+        if gen.prompt_token_ids is not None:
+            ids = list(gen.prompt_token_ids)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        elif gen.messages is not None:
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in gen.messages])
+        else:
+            assert gen.prompt is not None
+            ids = self.tokenizer.encode(gen.prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    async def _run(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> AsyncIterator[Event]:
+        rid, trace = state.request_id, state.trace_id
+        bound = log.bind(request_id=rid, trace_id=trace)
+        if len(self.requests) >= self.cfg.max_queued_requests:
+            yield self._failed(state, "overloaded", f"the router holds {len(self.requests)} requests, its limit; retry later")
+            return
+        self.requests[rid] = state
+        got_first = False
+        last = state.arrived
+        try:
+            first_token, num_cached, handle = None, 0, None
+            if not self.cfg.colocated:
+                done = await self._prefill(state, ids, sampling)
+                if not isinstance(done, p.PrefillDone):
+                    yield done
+                    return
+                first_token, num_cached, handle = done.first_token, done.num_cached_tokens, done.handle
+            decode = pick(self.decodes)
+            if decode is None:
+                yield self._failed(state, "peer_down", "no decode instance is up; retry later")
+                return
+            self._dispatch(state, decode, p.DecodeRequest(
+                request_id=rid, trace_id=trace, prompt_token_ids=ids, sampling=sampling,
+                first_token=first_token, num_cached_tokens=num_cached, handle=handle,
+            ))
+            while True:
+                event = await state.queue.get()
+                now = time.monotonic()
+                if isinstance(event, p.TokenChunk):
+                    if not got_first:
+                        self.metrics.observe("pdserve:time_to_first_token_seconds", now - state.arrived)
+                        got_first = True
+                    else:
+                        self.metrics.observe("pdserve:inter_token_latency_seconds", now - last)
+                    last = now
+                    yield event
+                    continue
+                state.finished = True
+                if isinstance(event, p.Finished):
+                    self.metrics.inc("pdserve:requests", finish_reason=event.finish_reason)
+                    self.metrics.observe("pdserve:e2e_request_latency_seconds", now - state.arrived)
+                else:
+                    self.metrics.inc("pdserve:requests", finish_reason="failed")
+                bound.info("request_done", outcome=getattr(event, "finish_reason", None) or event.reason)  # type: ignore[union-attr]
+                yield event
+                return
+        finally:
+            if not state.finished and state.link is not None:
+                self._send(state.link, p.Abort(request_id=rid, trace_id=trace))
+                bound.info("request_aborted", at=state.link.name)
+            self._undispatch(state)
+            self.requests.pop(rid, None)
+
+    async def _prefill(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> p.PrefillDone | p.Failed | p.Finished:
+        hashes = hash_blocks(ids, self.block_size)
+        link = pick(self.prefills, hashes)
+        if link is None:
+            return self._failed(state, "peer_down", "no prefill instance is up; retry later")
+        self._dispatch(state, link, p.PrefillRequest(request_id=state.request_id, trace_id=state.trace_id, prompt_token_ids=ids, sampling=sampling))
+        link.remember(hashes)
+        event = await state.queue.get()
+        self._undispatch(state)
+        if not isinstance(event, p.PrefillDone):  # Failed, or Finished by an abort
+            state.finished = True
+        return event
+
+    def _dispatch(self, state: RequestState, link: Link, msg: p.Message) -> None:
+        state.link = link
+        link.outstanding_tokens += state.num_prompt_tokens
+        link.inflight.add(state.request_id)
+        self._send(link, msg)
+
+    def _undispatch(self, state: RequestState) -> None:
+        link = state.link
+        if link is not None and state.request_id in link.inflight:
+            link.inflight.discard(state.request_id)
+            link.outstanding_tokens -= state.num_prompt_tokens
+        state.link = None
+
+    def _failed(self, state: RequestState, reason: str, message: str) -> p.Failed:
+        state.finished = True
+        self.metrics.inc("pdserve:requests", finish_reason="failed")
+        return p.Failed(request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message)
+
+    def _send(self, link: Link, msg: p.Message) -> None:
+        try:
+            link.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("send_failed", peer=link.name, message_type=type(msg).__name__, error=str(exc))
+
+    # -- receiving --------------------------------------------------------------------------
+
+    async def _receive(self, link: Link, decoder: p.Decoder[Any]) -> None:
+        while True:
+            payload = await link.sock.recv()
+            try:
+                msg = decoder.decode(payload)
+            except Exception as exc:
+                self.metrics.inc("pdserve:bad_messages")
+                log.warning("bad_message", peer=link.name, error=str(exc))
+                continue
+            if isinstance(msg, p.Pong):
+                link.ready, link.last_pong = msg.ready, time.monotonic()
+            elif isinstance(msg, p.MetricsReport):
+                fut = self._scrapes.pop(link.name, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            else:
+                state = self.requests.get(msg.request_id)
+                if state is not None:
+                    state.queue.put_nowait(msg)
+
+    async def _ping_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for link in self.links:
+                self._send(link, p.Ping(sent_at=time.time()))
+                if link.ready and not link.is_alive(now, PEER_TIMEOUT):
+                    link.ready = False
+                    log.error("peer_down", peer=link.name, address=link.address)
+                    for rid in list(link.inflight):
+                        state = self.requests.get(rid)
+                        if state is not None:
+                            state.queue.put_nowait(p.Failed(request_id=rid, trace_id=state.trace_id, reason="peer_down", message=f"{link.name} at {link.address} stopped answering"))
+            await asyncio.sleep(PING_SECONDS)

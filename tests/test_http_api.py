@@ -1,0 +1,439 @@
+"""The OpenAI-compatible HTTP API, behind a real aiohttp server, against a fake core.
+
+The fake core echoes the prompt's tokens back (so expected text is known exactly) and
+can be told to overload, fail, or go slowly (for disconnects). Well-formed requests go
+through the official `openai` SDK, because SDK compatibility is the point; error cases
+go through raw HTTP so that status codes and bodies are seen as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from pdserve.common.errors import RequestError
+from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk, Usage
+from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.services.router import openai_schema
+from pdserve.services.router.core_api import Event, RouterCore
+from pdserve.services.router.http_api import OPENAPI_PATH, make_app
+
+openai = pytest.importorskip("openai")
+
+MODEL = "fake-model"
+
+
+class FakeCore:
+    """A RouterCore whose output is its input: prompt tokens back, max_tokens honoured."""
+
+    model_name = MODEL
+    max_model_len = 256
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.reset()
+
+    def reset(self) -> None:
+        self.mode = "echo"  # echo | slow | overloaded | peer_down | fail_mid | crash
+        self.ready = True
+        self.submitted: list[Generate] = []
+        self.closed: list[str] = []  # requests whose iterator was closed before the end
+
+    def submit(self, gen: Generate) -> AsyncIterator[Event]:
+        return self._run(gen)
+
+    async def _run(self, gen: Generate) -> AsyncIterator[Event]:
+        gen.sampling.validate()  # like the real core: RequestError before any event
+        if not gen.prompt_token_ids:
+            raise RequestError("the HTTP layer must send token ids")
+        self.submitted.append(gen)
+        rid, ids, limit = gen.request_id, gen.prompt_token_ids, gen.sampling.max_tokens
+        if self.mode in ("overloaded", "peer_down"):
+            yield Failed(request_id=rid, reason=self.mode, message=f"fake {self.mode}")
+            return
+        if self.mode == "crash":
+            raise RuntimeError("fake core bug")
+        out = (ids * (limit // len(ids) + 1))[:limit] if self.mode == "slow" else ids[:limit]
+        detok = IncrementalDetokenizer(self.tokenizer)
+        ended = False
+        try:
+            for i, token in enumerate(out):
+                if self.mode == "slow":
+                    await asyncio.sleep(0.02)
+                if self.mode == "fail_mid" and i == 1:
+                    ended = True
+                    yield Failed(request_id=rid, reason="peer_down", message="decode-0 died")
+                    return
+                text = detok.add(token) + (detok.flush() if i == len(out) - 1 else "")
+                yield TokenChunk(request_id=rid, trace_id="t", token_ids=[token], text=text)
+            ended = True
+            usage = Usage(prompt_tokens=len(ids), completion_tokens=len(out))
+            reason = "length" if len(out) == limit else "stop"
+            yield Finished(request_id=rid, trace_id="t", finish_reason=reason, usage=usage)
+        finally:
+            if not ended:
+                self.closed.append(rid)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def health_detail(self) -> dict[str, Any]:
+        return {"decode-0": "down"}
+
+    async def metrics_text(self) -> bytes:
+        return b"# TYPE pdserve:requests counter\npdserve:requests 3\n"
+
+
+class Server:
+    """make_app(core) on a free localhost port, in a thread with its own event loop."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runner = web.AppRunner(make_app(core))
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> int:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return int(self.runner.addresses[0][1])
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server_core(tokenizer: Tokenizer) -> Iterator[tuple[Server, FakeCore]]:
+    core = FakeCore(tokenizer)
+    server = Server(core)
+    yield server, core
+    server.stop()
+
+
+@pytest.fixture
+def core(server_core: tuple[Server, FakeCore]) -> FakeCore:
+    server_core[1].reset()
+    return server_core[1]
+
+
+@pytest.fixture
+def port(server_core: tuple[Server, FakeCore], core: FakeCore) -> int:
+    return server_core[0].port
+
+
+@pytest.fixture
+def client(port: int) -> Any:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+def request(port: int, method: str, path: str, body: Any = None,
+            headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:  # fmt: skip
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, body=body, headers=headers or {})
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, response.headers, data
+
+
+def error_of(status: int, data: bytes, expected: int) -> dict[str, Any]:
+    assert status == expected, data
+    error = json.loads(data)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def sse_events(data: bytes) -> list[Any]:
+    events = [e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# -- happy paths, through the official SDK ---------------------------------------------------
+
+
+def test_models(client: Any) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    prompt = "The capital of France is a city called"
+    ids = tokenizer.encode(prompt)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    assert out.choices[0].text == tokenizer.decode(ids[:3])
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 3)
+    assert out.usage.total_tokens == len(ids) + 3
+    assert out.id.startswith("cmpl-") and core.submitted[0].request_id == out.id
+    assert core.submitted[0].prompt_token_ids == ids
+
+
+def test_completion_defaults_and_sampling(client: Any, core: FakeCore) -> None:
+    client.completions.create(model=MODEL, prompt="a b c d e f g h i j k l m n o p q r s t")
+    assert core.submitted[-1].sampling.max_tokens == 16  # OpenAI's default
+    client.completions.create(
+        model=MODEL, prompt="hi there", max_tokens=5, temperature=0.5, top_p=0.9, seed=7,
+        stop=["x", "y"], extra_body={"top_k": 20, "ignore_eos": True},
+    )  # fmt: skip
+    sp = core.submitted[-1].sampling
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (5, 0.5, 0.9, 20, 7)
+    assert sp.stop == ("x", "y") and sp.ignore_eos
+    client.completions.create(model=MODEL, prompt="hi", stop="\n")
+    assert core.submitted[-1].sampling.stop == ("\n",)
+
+
+def test_completion_prompt_shapes(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    texts = ["one two three", "four five"]
+    out = client.completions.create(model=MODEL, prompt=texts, max_tokens=50)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [tokenizer.decode(tokenizer.encode(t)) for t in texts]
+    assert [c.finish_reason for c in out.choices] == ["stop", "stop"]
+    assert len({g.request_id for g in core.submitted}) == 2
+    out = client.completions.create(model=MODEL, prompt=[100, 200, 300], max_tokens=2)
+    assert core.submitted[-1].prompt_token_ids == [100, 200, 300]
+    out = client.completions.create(model=MODEL, prompt=[[100, 200], [300]], max_tokens=2)
+    assert len(out.choices) == 2 and out.usage.prompt_tokens == 3
+
+
+def test_completion_stream(client: Any, tokenizer: Tokenizer) -> None:
+    prompt = "Streaming is fun, isn't it?"
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=100, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == tokenizer.decode(tokenizer.encode(prompt))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.encode_chat(messages)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == tokenizer.decode(ids)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens == len(ids) and out.id.startswith("chatcmpl-")
+    assert core.submitted[-1].prompt_token_ids == ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]  # fmt: skip
+    client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=4)
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert core.submitted[-1].prompt_token_ids == tokenizer.encode_chat(joined)
+    assert core.submitted[-1].sampling.max_tokens == 4
+    client.chat.completions.create(model=MODEL, messages=messages)  # no limit: the context's room
+    assert core.submitted[-1].sampling.max_tokens == core.max_model_len - len(ids)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_chat_stream(client: Any, tokenizer: Tokenizer, include_usage: bool) -> None:
+    messages = [{"role": "user", "content": "Hi!"}]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=True,
+        stream_options={"include_usage": include_usage},
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == tokenizer.decode(tokenizer.encode_chat(messages)[:5])
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    if include_usage:
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    else:
+        assert all(c.usage is None for c in chunks)
+
+
+def test_request_id_echo(client: Any, core: FakeCore) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=2, extra_headers={"x-request-id": "trace-42"}
+    )
+    assert raw.headers["x-request-id"] == "trace-42"
+    assert raw.parse().id == "cmpl-trace-42" == core.submitted[-1].request_id
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1
+    )
+    assert raw.headers["x-request-id"] == raw.parse().id  # none sent: the generated id
+
+
+def test_request_id_echo_on_stream_and_error(port: int) -> None:
+    body = {"prompt": "hello", "max_tokens": 2, "stream": True}
+    status, headers, _ = request(port, "POST", "/v1/completions", body, {"x-request-id": "s-1"})
+    assert status == 200 and headers["x-request-id"] == "s-1"
+    assert headers["Content-Type"].startswith("text/event-stream")
+    status, headers, _ = request(port, "POST", "/v1/completions", b"{", {"x-request-id": "e-1"})
+    assert status == 400 and headers["x-request-id"] == "e-1"
+
+
+def test_sdk_sees_errors(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="hi")
+
+
+# -- errors, over raw HTTP ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": "hi", "model": "gpt-4"}, "model", "model_not_found"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
+        ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "invalid_value"),
+        ({"prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
+        ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+        ({"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
+        ({"max_tokens": 3}, None, "invalid_value"),  # no prompt
+        ({"prompt": ""}, "prompt", None),
+        ({"prompt": [1, "a"]}, "prompt", None),
+        ({"prompt": [10**6]}, "prompt", None),  # outside the vocabulary
+        ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": [5] * 300}, "prompt", "context_length_exceeded"),
+        ({"prompt": "hi", "stop": [""]}, None, "bad_request"),  # the core's RequestError
+    ],
+)
+def test_completion_errors(port: int, body: Any, param: str | None, code: str | None) -> None:
+    error = error_of(*request(port, "POST", "/v1/completions", body)[::2], 400)
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+         "max_completion_tokens"),
+    ],
+)  # fmt: skip
+def test_chat_errors(port: int, body: Any, param: str) -> None:
+    error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert error["param"] == param
+
+
+def test_malformed_json(port: int) -> None:
+    for body in (b"{not json", b"", b"[1, 2]"):
+        error = error_of(*request(port, "POST", "/v1/completions", body)[::2], 400)
+        assert error["type"] == "invalid_request_error"
+
+
+def test_routes_and_methods(port: int) -> None:
+    error = error_of(*request(port, "GET", "/v1/nope")[::2], 404)
+    assert "/v1/nope" in error["message"]
+    status, headers, data = request(port, "GET", "/v1/completions")
+    assert "POST" in error_of(status, data, 405)["message"] and headers["Allow"] == "POST"
+    error_of(*request(port, "GET", "/v1/models/other")[::2], 404)
+
+
+def test_overloaded_is_429(port: int, core: FakeCore) -> None:
+    core.mode = "overloaded"
+    for stream in (False, True):
+        status, headers, data = request(port, "POST", "/v1/completions",
+                                        {"prompt": "hi", "stream": stream})  # fmt: skip
+        assert error_of(status, data, 429)["code"] == "overloaded"
+        assert headers["Retry-After"]
+
+
+def test_peer_down_is_503(port: int, core: FakeCore) -> None:
+    core.mode = "peer_down"
+    status, _, data = request(port, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+    assert error_of(status, data, 503)["code"] == "peer_down"
+
+
+def test_failure_mid_stream(port: int, core: FakeCore) -> None:
+    core.mode = "fail_mid"
+    body = {"prompt": "one two three", "stream": True}
+    status, _, data = request(port, "POST", "/v1/completions", body)
+    assert status == 200
+    events = sse_events(data)
+    assert events[0]["choices"][0]["text"]  # the token before the failure
+    assert events[-1]["error"]["code"] == "peer_down" and "decode-0" in events[-1]["error"]["message"]
+    body["stream"] = False  # no token can be taken back: the whole answer fails
+    assert error_of(*request(port, "POST", "/v1/completions", body)[::2], 503)
+
+
+def test_internal_error_is_500_without_traceback(port: int, core: FakeCore) -> None:
+    core.mode = "crash"
+    status, headers, data = request(port, "POST", "/v1/completions", {"prompt": "hi"},
+                                    {"x-request-id": "boom"})  # fmt: skip
+    error = error_of(status, data, 500)
+    assert error["code"] == "internal" and "boom" in error["message"]
+    assert b"Traceback" not in data and b"fake core bug" not in data
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts(port: int, core: FakeCore, stream: bool) -> None:
+    core.mode = "slow"  # 200 tokens at 20 ms each: far longer than the test
+    body = json.dumps({"prompt": "hello", "max_tokens": 200, "stream": stream}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    if stream:
+        assert b"data: " in sock.recv(65536)  # the stream is running
+    else:
+        deadline = time.monotonic() + 5
+        while not core.submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while not core.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.closed == [core.submitted[0].request_id]
+
+
+# -- health, metrics, schema -------------------------------------------------------------------
+
+
+def test_health(port: int, core: FakeCore) -> None:
+    status, _, data = request(port, "GET", "/health")
+    assert (status, json.loads(data)) == (200, {"status": "ok"})
+    core.ready = False
+    status, _, data = request(port, "GET", "/health")
+    assert status == 503 and json.loads(data)["detail"] == {"decode-0": "down"}
+
+
+def test_metrics(port: int) -> None:
+    status, headers, data = request(port, "GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert b"pdserve:requests 3" in data
+
+
+def test_openapi_is_served_and_current(port: int) -> None:
+    status, _, data = request(port, "GET", "/openapi.json")
+    assert status == 200
+    served = json.loads(data)
+    assert set(served["paths"]) >= {"/v1/models", "/v1/completions", "/v1/chat/completions",
+                                     "/health", "/metrics"}  # fmt: skip
+    # Regenerate with: python -m pdserve.services.router.openai_schema > services/router/openapi.json
+    assert served == json.loads(json.dumps(openai_schema.openapi())), "openapi.json is stale"
+    assert json.loads(OPENAPI_PATH.read_bytes()) == served
