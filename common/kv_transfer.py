@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import structlog
 import torch
+
 from pdserve.common.errors import PdserveError
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.protocol import Decoder, HandshakeReply, KVHandle, Release, encode

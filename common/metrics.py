@@ -81,6 +81,11 @@ class Metrics:
         with self._lock:
             self.counters[key] += amount
 
+    def declare(self, *names: str, **labels: str | int) -> None:
+        """Show counters at 0 before their first event, so dashboards see them exist."""
+        for name in names:
+            self.inc(name, 0.0, **labels)
+
     def set(self, name: str, value: float, **labels: str | int) -> None:
         key = self._key(name, labels)
         with self._lock:

@@ -395,11 +395,13 @@ def test_internal_error_is_500_without_traceback(port: int, core: FakeCore) -> N
 def test_client_disconnect_aborts(port: int, core: FakeCore, stream: bool) -> None:
     core.mode = "slow"  # 200 tokens at 20 ms each: far longer than the test
     body = json.dumps({"prompt": "hello", "max_tokens": 200, "stream": stream}).encode()
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     if stream:
-        assert b"data: " in sock.recv(65536)  # the stream is running
+        received = b""
+        while b"data: " not in received:  # the stream is running
+            received += sock.recv(65536)
     else:
         deadline = time.monotonic() + 5
         while not core.submitted and time.monotonic() < deadline:

@@ -1,9 +1,10 @@
 """KV transfer by NIXL READ between real processes (UCX over DRAM on CPU).
 
 Two producer processes (spawn) are two replicas of one prefill engine holding identical
-caches filled from one seed; the consumer runs in the test process and checks the bytes
-it pulled against the same seeded fill. Every wait is bounded; children are stopped by
-the fixture's finalizer and are daemons, so they never outlive the test run.
+caches filled from one seed; a third, of another engine, is killed by the crash test.
+The consumer runs in the test process and checks the bytes it pulled against the same
+seeded fill. Every wait is bounded; children are stopped by the fixture's finalizer and
+are daemons, so they never outlive the test run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+
 from pdserve.common.kv_layout import KVLayout
+from pdserve.common.kv_transfer import KVConsumer, KVTransferError, coalesce
 from pdserve.common.protocol import (
     Decoder,
     HandshakeReply,
@@ -31,13 +34,16 @@ from pdserve.common.protocol import (
 
 pytest.importorskip("nixl")
 
-from pdserve.common.kv_transfer import KVConsumer, KVTransferError, coalesce
-
-LAYOUT = KVLayout(num_blocks=32, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")
+# block_bytes = 2 layers x K,V x 2 heads x 4 tokens x 8 dims x 4 B = 1 KiB; 32 blocks
+LAYOUT = KVLayout(
+    num_blocks=32, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32"
+)
 COMPAT = {"model": "tiny-random", "kv_cache_dtype": "float32"}
 ENGINE, EPOCH, SEED = "prefill-0", 7, 1234
 AGENTS = ("prefill-0-rank0", "prefill-0-rank1")
+VICTIM, VICTIM_ENGINE = "prefill-9-rank0", "prefill-9"
 WAIT_S = 20.0
+START_WAIT_S = 30.0  # three children importing torch on two (shared) cores
 
 
 def seeded_cache(layout: KVLayout, seed: int) -> torch.Tensor:
@@ -45,12 +51,12 @@ def seeded_cache(layout: KVLayout, seed: int) -> torch.Tensor:
     return torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _producer_main(conn: Connection, agent_name: str) -> None:
+def _producer_main(conn: Connection, agent_name: str, engine_id: str = ENGINE) -> None:
     """Child: serve the seeded cache; answer 'state' with (releases, bad count)."""
     torch.set_num_threads(1)
     from pdserve.common.kv_transfer import KVProducer
 
-    producer = KVProducer(engine_id=ENGINE, epoch=EPOCH, agent_name=agent_name,
+    producer = KVProducer(engine_id=engine_id, epoch=EPOCH, agent_name=agent_name,
                           kv_cache=seeded_cache(LAYOUT, SEED), layout=LAYOUT, compat=COMPAT)
     releases: list[bytes] = []
     try:
@@ -68,16 +74,21 @@ def _producer_main(conn: Connection, agent_name: str) -> None:
 
 
 class ProducerProc:
-    def __init__(self, ctx: Any, agent_name: str) -> None:
+    def __init__(self, ctx: Any, agent_name: str, engine_id: str = ENGINE) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, agent_name), daemon=True)
+        self.proc = ctx.Process(
+            target=_producer_main, args=(child, agent_name, engine_id), daemon=True
+        )
         self.proc.start()
         child.close()
         self.reply: HandshakeReply | None = None
 
-    def read_reply(self) -> HandshakeReply:
+    def read_reply(self, wait_s: float = WAIT_S) -> HandshakeReply:
+        deadline = time.monotonic() + wait_s
+        while self.reply is None and not self.conn.poll(0.1):
+            assert self.proc.is_alive(), f"producer died at start (exit {self.proc.exitcode})"
+            assert time.monotonic() < deadline, "producer gave no handshake reply in time"
         if self.reply is None:
-            assert self.conn.poll(WAIT_S), "producer gave no handshake reply in time"
             self.reply = Decoder(HandshakeReply).decode(self.conn.recv_bytes())
         return self.reply
 
@@ -87,11 +98,14 @@ class ProducerProc:
         raw, bad = self.conn.recv()
         return [Decoder(Release).decode(r) for r in raw], bad
 
-    def stop(self) -> None:
+    def ask_stop(self) -> None:
         try:
             self.conn.send("stop")
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # already gone
             pass
+
+    def stop(self) -> None:
+        self.ask_stop()
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -102,14 +116,29 @@ class ProducerProc:
 
 
 @pytest.fixture(scope="module")
-def producers(request: pytest.FixtureRequest) -> list[ProducerProc]:
+def all_producers(request: pytest.FixtureRequest) -> list[ProducerProc]:
+    """Two replicas of ENGINE, and a victim of another engine for the crash test: started
+    together, because a child's start (torch + UCX) is most of this module's time."""
     ctx = mp.get_context("spawn")
     procs: list[ProducerProc] = []
-    request.addfinalizer(lambda: [p.stop() for p in procs])
+
+    def stop_all() -> None:
+        for p in procs:  # all shut down at once, then are joined (and killed if stuck)
+            p.ask_stop()
+        for p in procs:
+            p.stop()
+
+    request.addfinalizer(stop_all)
     procs += [ProducerProc(ctx, name) for name in AGENTS]
+    procs.append(ProducerProc(ctx, VICTIM, engine_id=VICTIM_ENGINE))
     for p in procs:
-        p.read_reply()
+        p.read_reply(START_WAIT_S)
     return procs
+
+
+@pytest.fixture
+def producers(all_producers: list[ProducerProc]) -> list[ProducerProc]:
+    return all_producers[:2]
 
 
 @pytest.fixture
@@ -122,8 +151,10 @@ def consumer() -> Iterator[KVConsumer]:
         c.close()
 
 
-def make_handle(block_ids: list[int], agents: tuple[str, ...] = AGENTS, epoch: int = EPOCH) -> KVHandle:
-    return KVHandle(engine_id=ENGINE, epoch=epoch, layout=LAYOUT, block_ids=block_ids,
+def make_handle(
+    block_ids: list[int], agents: tuple[str, ...] = AGENTS, epoch: int = EPOCH, engine: str = ENGINE
+) -> KVHandle:
+    return KVHandle(engine_id=engine, epoch=epoch, layout=LAYOUT, block_ids=block_ids,
                     num_tokens=len(block_ids) * LAYOUT.block_size,
                     replicas=[Replica(agent_name=a, side_channel="") for a in agents],
                     lease_deadline=time.time() + 30)
@@ -151,7 +182,9 @@ def connect_all(consumer: KVConsumer, producers: list[ProducerProc]) -> None:
         consumer.connect(p.read_reply())
 
 
-def test_pull_non_contiguous_blocks_coalesced(producers: list[ProducerProc], consumer: KVConsumer) -> None:
+def test_pull_non_contiguous_blocks_coalesced(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
     connect_all(consumer, producers)
     # runs: 3-5->0-2, 9->7, 12-13->10-11, 20->15, 30-31->16-17, then remote-adjacent but
     # local-apart 21->25, 22->27 (two descriptors): 7 descriptors for 11 blocks.
@@ -187,7 +220,9 @@ def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: 
     assert consumer.release(make_handle([1], (*AGENTS, "ghost")), "req-ghost") == [2]
 
 
-def test_incompatible_handshake_refused(producers: list[ProducerProc], consumer: KVConsumer) -> None:
+def test_incompatible_handshake_refused(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
     reply = producers[0].read_reply()
     bad = msgspec.structs.replace(
         reply, compat={**COMPAT, "model": "other-model"},
@@ -202,7 +237,9 @@ def test_incompatible_handshake_refused(producers: list[ProducerProc], consumer:
     assert not consumer.is_connected(ENGINE, EPOCH)
 
 
-def test_stale_or_unknown_handle_refused(producers: list[ProducerProc], consumer: KVConsumer) -> None:
+def test_stale_or_unknown_handle_refused(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
     with pytest.raises(KVTransferError, match="not connected"):
         consumer.start_pull("req-nc", make_handle([0]), [0])
     connect_all(consumer, producers)
@@ -215,7 +252,8 @@ def test_out_of_range_blocks_refused_then_pull_still_works(
     producers: list[ProducerProc], consumer: KVConsumer
 ) -> None:
     connect_all(consumer, producers)
-    with pytest.raises(KVTransferError, match=r"req-oob.*remote block ids \[32\] outside \[0, 32\)"):
+    oob = r"req-oob.*remote block ids \[32\] outside \[0, 32\)"
+    with pytest.raises(KVTransferError, match=oob):
         consumer.start_pull("req-oob", make_handle([30, 31, 32]), [0, 1, 2])
     with pytest.raises(KVTransferError, match="local block ids"):
         consumer.start_pull("req-oob", make_handle([0]), [-1])
@@ -243,7 +281,8 @@ def test_malformed_notification_counted_not_raised(
     assert consumer.release(make_handle([0]), "req-after-bad") == []
 
     releases, bad = wait_producer(
-        target, lambda rs, b: b >= bad_before + 3 and any(r.request_id == "req-after-bad" for r in rs)
+        target,
+        lambda rs, b: b >= bad_before + 3 and any(r.request_id == "req-after-bad" for r in rs),
     )
     assert bad == bad_before + 3
     assert target.proc.is_alive()
@@ -255,3 +294,57 @@ def test_coalesce_runs() -> None:
     assert coalesce([5, 6, 7], [0, 1, 2]) == [(5, 0, 3)]
     assert coalesce([5, 6, 8], [0, 1, 2]) == [(5, 0, 2), (8, 2, 1)]
     assert coalesce([1, 2], [4, 3]) == [(1, 4, 1), (2, 3, 1)]
+
+
+def test_restarted_producer_epoch_replaces_old(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
+    # Same agents seen under a newer epoch (a restart keeping agent names): the old epoch
+    # is forgotten and its handles refused; an older handshake is refused too.
+    connect_all(consumer, producers)
+    for p in producers:
+        consumer.connect(msgspec.structs.replace(p.read_reply(), epoch=EPOCH + 1))
+    assert not consumer.is_connected(ENGINE, EPOCH)
+    assert consumer.is_connected(ENGINE, EPOCH + 1, AGENTS[0])
+    with pytest.raises(KVTransferError, match=r"stale epoch \(connected: \[8\]\)"):
+        consumer.start_pull("req-e7", make_handle([0]), [0])
+    with pytest.raises(KVTransferError, match="stale epoch, epoch 8 is connected"):
+        consumer.connect(producers[0].read_reply())
+    pull = consumer.start_pull("req-e8", make_handle([5, 6], epoch=EPOCH + 1), [0, 1])
+    wait_pull(consumer, pull)
+    assert torch.equal(consumer.kv_cache[[0, 1]], seeded_cache(LAYOUT, SEED)[[5, 6]])
+    consumer.disconnect(ENGINE, EPOCH + 1)
+    assert not consumer.is_connected(ENGINE, EPOCH + 1)
+
+
+def test_dead_producer_fails_pull_and_release(
+    all_producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
+    victim = all_producers[2]
+    consumer.connect(victim.read_reply())
+    handle = make_handle([0, 1], (VICTIM,), engine=VICTIM_ENGINE)
+    wait_pull(consumer, consumer.start_pull("req-alive", handle, [0, 1]))
+    victim.proc.kill()
+    victim.proc.join(5)
+    # The READ fails at post or at poll (UCX notices the peer at its own pace): either
+    # way a KVTransferError naming request and peer, within the bound, never a hang.
+    with pytest.raises(KVTransferError, match=rf"req-dead.*{VICTIM}.*epoch 7"):
+        wait_pull(consumer, consumer.start_pull("req-dead", handle, [2, 3]))
+    deadline = time.monotonic() + WAIT_S
+    while consumer.release(handle, "req-dead") != [0]:  # the caller's ZMQ fallback
+        assert time.monotonic() < deadline, "release to a dead replica never reported failed"
+        time.sleep(0.05)
+
+
+def test_nixl_imported_lazily() -> None:
+    # Importing the module must not need nixl: no module-level nixl import.
+    import ast
+    import inspect
+
+    from pdserve.common import kv_transfer
+
+    tree = ast.parse(inspect.getsource(kv_transfer))
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] == "nixl"]

@@ -67,6 +67,10 @@ class DecodeWorker(WorkerThread):
         )
         self.metrics = self.svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
+        self.metrics.declare(
+            "pdserve:kv_transfers", "pdserve:kv_transfer_bytes", "pdserve:kv_transfer_failures",
+            "pdserve:kv_notification_failures", "pdserve:num_preemptions", "pdserve:bad_messages",
+        )
 
     def teardown(self) -> None:
         if hasattr(self, "consumer"):

@@ -44,6 +44,9 @@ class PrefillWorker(WorkerThread):
         self.replica = p.Replica(agent_name=self.producer.handshake_reply.agent_name, side_channel=self.svc.side_channel)
         self.metrics = self.svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
+        self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
+        for rank in range(self.leases.num_ranks):
+            self.metrics.declare("pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank)
 
     def teardown(self) -> None:
         if hasattr(self, "producer"):

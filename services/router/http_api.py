@@ -22,6 +22,7 @@ import asyncio
 import re
 import time
 import uuid
+from contextvars import ContextVar
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
@@ -54,6 +55,9 @@ _ERROR_TYPES = {
     429: "overloaded_error",
     503: "service_unavailable_error",
 }
+# The id to echo in x-request-id: set by a generation handler, read by the middleware (same
+# task, so the same context).
+_ECHO_ID: ContextVar[str | None] = ContextVar("pdserve_http_request_id", default=None)
 _RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour Retry-After)
 
 T = TypeVar("T")
@@ -100,6 +104,7 @@ def _json(
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as OpenAI's error body; a bug is a 500 naming the request, and
     its traceback goes to the log, never to the client."""
+    _ECHO_ID.set(None)  # keep-alive requests share the connection's task
     try:
         response = await handler(request)
     except ApiError as exc:
@@ -113,13 +118,13 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
     except Exception:
-        request_id = request.get("x_request_id", "-")
+        request_id = _ECHO_ID.get() or "-"
         log.exception("http_internal_error", request_id=request_id, path=request.path)
         response = ApiError(
             500, f"internal error in request {request_id}; the router's log has details",
             code="internal",
         ).response()  # fmt: skip
-    request_id = request.get("x_request_id") or _sane_header(request)
+    request_id = _ECHO_ID.get() or _sane_header(request)
     if request_id is not None and not response.prepared:
         response.headers["x-request-id"] = request_id
     return response
@@ -225,7 +230,7 @@ class OpenAIApi:
         request_id = f"{prefix}-{header or uuid.uuid4().hex}"
         if request_id in self._in_flight:
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        request["x_request_id"] = header or request_id
+        _ECHO_ID.set(header or request_id)
         return request_id
 
     def _max_tokens(self, prompt: list[int], default: int | None, requested: int | None) -> int:
@@ -297,7 +302,7 @@ class OpenAIApi:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not hold back events
-            "x-request-id": request["x_request_id"],
+            "x-request-id": _ECHO_ID.get() or renderer.request_id,
         })  # fmt: skip
         await response.prepare(request)
         done: list[Finished] = []

@@ -251,7 +251,7 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
-class Health(msgspec.Struct, kw_only=True):
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str  # ok | unavailable
     detail: dict[str, Any] | None = None
 

@@ -55,6 +55,7 @@ class Router:
         self.vocab_size = vocab_size
         self.block_size = cfg.engine.block_size
         self.metrics = Metrics("router", 0)
+        self.metrics.declare("pdserve:bad_messages")
         self.ctx = zmq.asyncio.Context()
         self.prefills: list[Link] = []
         self.decodes: list[Link] = []

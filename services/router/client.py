@@ -1,0 +1,348 @@
+"""The ZMQ client SDK: generate text from Python over the router's front door.
+
+    with Client("tcp://127.0.0.1:5555") as client:
+        print(client.generate("The capital of France is", max_tokens=8).text)
+        for chunk in client.stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="")
+
+    async with AsyncClient() as client:
+        result = await client.generate(prompt_token_ids=[1, 2, 3], temperature=0.7)
+        async for chunk in client.stream("Once upon a time"):
+            ...
+
+One DEALER socket per client carries every request, multiplexed by ``request_id``: the
+SDK names each request (``sdk-<uuid4 hex>`` unless the caller passes ``request_id``) and
+routes reply frames by it. Frames are single msgpack messages (protocol.encode), no
+empty delimiter. A request ends with exactly one Finished (a Result) or Failed (raised
+as GenerationFailed). A stream left early, or a request past its ``timeout``, sends an
+Abort so the router frees its resources. There is no timeout by default: generation
+can legitimately take minutes, but a router that is down then means waiting; pass
+``timeout=`` (per client or per call) to bound it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdserve.common.errors import PdserveError, RequestError
+from pdserve.common.protocol import (
+    Abort,
+    ChatMessage,
+    Decoder,
+    Failed,
+    Finished,
+    Generate,
+    RouterToClient,
+    TokenChunk,
+    Usage,
+    encode,
+)
+from pdserve.common.sampling import SamplingParams
+
+log = structlog.get_logger("pdserve.client")
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+HWM = 100_000  # per-token frames of many concurrent streams; queued, not dropped
+POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
+Event = TokenChunk | Finished | Failed
+
+
+class GenerationFailed(PdserveError):
+    """The router answered Failed: ``reason`` is its short code, ``message`` says why."""
+
+    def __init__(self, reason: str, message: str, request_id: str = "") -> None:
+        super().__init__(f"request {request_id or '?'} failed ({reason}): {message}")
+        self.reason = reason
+        self.message = message
+        self.request_id = request_id
+
+
+class GenerationTimeout(GenerationFailed, TimeoutError):
+    def __init__(self, request_id: str, timeout: float) -> None:
+        super().__init__("timeout", f"no answer within {timeout} s; the request was aborted",
+                         request_id)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort
+    usage: Usage
+
+
+def _dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    """The client's one socket. (To become common.sockets.make_socket(ctx, zmq.DEALER, ...).)"""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)  # closing must not wait on a router that is gone
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.connect(address)
+    return sock
+
+
+def _request(
+    prompt: str | None,
+    prompt_token_ids: Sequence[int] | None,
+    messages: Sequence[ChatMessage | dict[str, str]] | None,
+    request_id: str | None,
+    stream: bool,
+    sampling: dict[str, Any],
+) -> Generate:
+    if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+        raise RequestError("pass exactly one of prompt, prompt_token_ids or messages")
+    unknown = set(sampling) - set(SamplingParams.__struct_fields__)
+    if unknown:  # msgspec would ignore them; a typo must not silently change nothing
+        known = ", ".join(SamplingParams.__struct_fields__)
+        raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {known}")
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = (sampling["stop"],)
+    try:
+        params = msgspec.convert(sampling, SamplingParams)
+        chat = None if messages is None else [
+            m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage) for m in messages
+        ]  # fmt: skip
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"bad request argument: {exc}") from None
+    params.validate()  # fail here, not after a round trip
+    return Generate(
+        request_id=request_id or f"sdk-{uuid.uuid4().hex}",
+        prompt=prompt,
+        prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
+        messages=chat,
+        sampling=params,
+        stream=stream,
+    )
+
+
+def _result(request_id: str, chunks: list[TokenChunk], finished: Finished) -> Result:
+    return Result(
+        request_id=request_id,
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=finished.finish_reason,
+        usage=finished.usage,
+    )
+
+
+def _failed(event: Failed) -> GenerationFailed:
+    return GenerationFailed(event.reason, event.message, event.request_id)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+class _Inbox:
+    """Reply frames -> per-request queues. A frame for no pending request (late tokens of
+    an aborted one) is dropped. A Failed with no request id is the router refusing a
+    frame it could not decode (version skew): every pending request gets it, since one of
+    them caused it and hanging would be worse than failing."""
+
+    def __init__(self) -> None:
+        self.decoder: Decoder[Event] = Decoder(RouterToClient)
+
+    def route(self, frames: list[bytes], queues: dict[str, Any]) -> None:
+        try:
+            event = self.decoder.decode(frames[-1])
+        except msgspec.DecodeError as exc:
+            log.warning("client_bad_frame", error=str(exc), size=len(frames[-1]))
+            return
+        if isinstance(event, Failed) and not event.request_id:
+            targets = list(queues.values())
+        else:
+            targets = [queues[event.request_id]] if event.request_id in queues else []
+        for queue in targets:
+            if isinstance(queue, deque):
+                queue.append(event)
+            else:
+                queue.put_nowait(event)
+
+
+class Client:
+    """Blocking client; safe to share between threads (one socket, guarded by a lock)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 ctx: zmq.Context[Any] | None = None) -> None:  # fmt: skip
+        self.address = address
+        self.timeout = timeout
+        self._sock = _dealer(ctx or zmq.Context.instance(), address)
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[Event]] = {}
+        self._inbox = _Inbox()
+
+    def generate(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                 messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+                 request_id: str | None = None, timeout: float | None = None,
+                 **sampling: Any) -> Result:  # fmt: skip
+        """Generate to the end; ``sampling`` are SamplingParams fields (max_tokens, ...)."""
+        gen = _request(prompt, prompt_token_ids, messages, request_id, False, sampling)
+        chunks: list[TokenChunk] = []
+        for event in self._events(gen, timeout):
+            if isinstance(event, TokenChunk):
+                chunks.append(event)
+            else:
+                return _result(gen.request_id, chunks, event)
+        raise AssertionError("unreachable: _events ends with Finished or raises")
+
+    def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+               messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+               request_id: str | None = None, timeout: float | None = None,
+               **sampling: Any) -> Iterator[TokenChunk]:  # fmt: skip
+        """TokenChunks as they come; breaking out of the loop aborts the request."""
+        gen = _request(prompt, prompt_token_ids, messages, request_id, True, sampling)
+        for event in self._events(gen, timeout):
+            if isinstance(event, TokenChunk):
+                yield event
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id=request_id))
+
+    def _events(self, gen: Generate, timeout: float | None) -> Iterator[TokenChunk | Finished]:
+        rid = gen.request_id
+        timeout = self.timeout if timeout is None else timeout
+        deadline = _deadline(timeout)
+        queue: deque[Event] = deque()
+        self._queues[rid] = queue
+        ended = False
+        try:
+            self._send(gen)
+            while not ended:
+                event = self._next(queue, rid, deadline, timeout)
+                ended = isinstance(event, (Finished, Failed))
+                if isinstance(event, Failed):
+                    raise _failed(event)
+                yield event
+        finally:
+            self._queues.pop(rid, None)
+            if not ended:  # left early, timed out, or interrupted: the router must know
+                self._send(Abort(request_id=rid))
+
+    def _next(self, queue: deque[Event], rid: str, deadline: float | None,
+              timeout: float | None) -> Event:  # fmt: skip
+        while not queue:
+            wait = POLL_SLICE_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise GenerationTimeout(rid, timeout or 0.0)
+            with self._lock:
+                if not queue and self._sock.poll(int(wait * 1000) + 1):
+                    self._inbox.route(self._sock.recv_multipart(), self._queues)
+        return queue.popleft()
+
+    def _send(self, msg: Generate | Abort) -> None:
+        with self._lock:
+            self._sock.send(encode(msg))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: one receive task routes reply frames to per-request queues."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 ctx: zmq.asyncio.Context | None = None) -> None:  # fmt: skip
+        self.address = address
+        self.timeout = timeout
+        self._sock = _dealer(ctx or zmq.asyncio.Context.instance(), address)
+        self._queues: dict[str, asyncio.Queue[Event]] = {}
+        self._inbox = _Inbox()
+        self._receiver: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # fire-and-forget aborts
+
+    async def generate(self, prompt: str | None = None, *,
+                       prompt_token_ids: Sequence[int] | None = None,
+                       messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+                       request_id: str | None = None, timeout: float | None = None,
+                       **sampling: Any) -> Result:  # fmt: skip
+        gen = _request(prompt, prompt_token_ids, messages, request_id, False, sampling)
+        chunks: list[TokenChunk] = []
+        async for event in self._events(gen, timeout):
+            if isinstance(event, TokenChunk):
+                chunks.append(event)
+            else:
+                return _result(gen.request_id, chunks, event)
+        raise AssertionError("unreachable: _events ends with Finished or raises")
+
+    async def stream(self, prompt: str | None = None, *,
+                     prompt_token_ids: Sequence[int] | None = None,
+                     messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+                     request_id: str | None = None, timeout: float | None = None,
+                     **sampling: Any) -> AsyncIterator[TokenChunk]:  # fmt: skip
+        gen = _request(prompt, prompt_token_ids, messages, request_id, True, sampling)
+        async for event in self._events(gen, timeout):
+            if isinstance(event, TokenChunk):
+                yield event
+
+    async def abort(self, request_id: str) -> None:
+        await self._sock.send(encode(Abort(request_id=request_id)))
+
+    async def _events(self, gen: Generate, timeout: float | None) -> AsyncIterator[TokenChunk | Finished]:  # fmt: skip
+        rid = gen.request_id
+        timeout = self.timeout if timeout is None else timeout
+        deadline = _deadline(timeout)
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queues[rid] = queue
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.create_task(self._receive())
+        ended = False
+        try:
+            await self._sock.send(encode(gen))
+            while not ended:
+                # A deadline per wait, not asyncio.timeout around the loop: that would
+                # cancel the consumer's own code while it holds a chunk between yields.
+                remaining = None if deadline is None else deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    raise GenerationTimeout(rid, timeout or 0.0) from None
+                ended = isinstance(event, (Finished, Failed))
+                if isinstance(event, Failed):
+                    raise _failed(event)
+                yield event
+        finally:
+            self._queues.pop(rid, None)
+            if not ended:  # no await here: a finally may run while being cancelled or GC'd
+                task = asyncio.get_running_loop().create_task(self.abort(rid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            self._inbox.route(frames, self._queues)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._sock.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
