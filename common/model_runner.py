@@ -88,9 +88,10 @@ class ModelRunner:
 
     def _blocks_for_memory(self, block_bytes: int, cpu_gb: float, gpu_share: float) -> int:
         if self.device.type == "cuda":
+            # The share is of the whole device and counts this process's own weights only:
+            # prefill and decode sharing one GPU each take their own share.
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * gpu_share - used
+            budget = min(total * gpu_share - torch.cuda.memory_allocated(self.device), free * 0.95)
         else:
             budget = cpu_gb * 2**30
         num = int(budget // block_bytes)

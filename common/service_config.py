@@ -115,10 +115,13 @@ def load_config(path: str | os.PathLike[str] | None = None, **flags: Any) -> Dep
 
 def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    fields = {f.name for f in msgspec.structs.fields(DeploymentConfig)}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS", "PDSERVE_VENV", "PDSERVE_TORCH_VERSION"):
+        if not key.startswith(ENV_PREFIX):
             continue
         path = key[len(ENV_PREFIX):].lower().split("__")
+        if path[0] not in fields:  # PDSERVE_CACHE_DIR and the like belong to other parts
+            continue
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})

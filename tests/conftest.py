@@ -7,6 +7,7 @@ per machine and later test runs start in milliseconds.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ from pdserve.common.model_files import resolve_model
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    return resolve_model(None)
+    # PDSERVE_TEST_MODEL: a model directory to use instead (the GPU machine, which cannot
+    # carry the embedded model, points it at a small random model with the same tokenizer).
+    return resolve_model(os.environ.get("PDSERVE_TEST_MODEL") or None)
 
 
 @pytest.fixture(scope="session")

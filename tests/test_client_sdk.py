@@ -131,7 +131,8 @@ def test_generate(client: Client, router: FakeRouter) -> None:
     gen = router.received[0]
     assert isinstance(gen, Generate) and gen.request_id == result.request_id
     assert result.request_id.startswith("sdk-") and not gen.stream
-    assert (gen.sampling.max_tokens, gen.sampling.temperature, gen.sampling.stop) == (5, 0.5, ("\n",))
+    sampling = gen.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.stop) == (5, 0.5, ("\n",))
 
 
 def test_generate_ids_messages_and_own_id(client: Client) -> None:

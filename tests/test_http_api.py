@@ -24,13 +24,14 @@ from aiohttp import web
 from pdserve.common.errors import RequestError
 from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk, Usage
 from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.services.router import openai_schema
+from pdserve.services.router import openapi
 from pdserve.services.router.core_api import Event, RouterCore
-from pdserve.services.router.http_api import OPENAPI_PATH, make_app
+from pdserve.services.router.http_api import make_app
 
 openai = pytest.importorskip("openai")
 
 MODEL = "fake-model"
+OPENAPI_PATH = Path(openapi.__file__).with_name("openapi.json")
 
 
 class FakeCore:
@@ -44,7 +45,7 @@ class FakeCore:
         self.reset()
 
     def reset(self) -> None:
-        self.mode = "echo"  # echo | slow | overloaded | peer_down | fail_mid | crash
+        self.mode = "echo"  # echo | slow | overloaded | peer_down | fail_mid | crash | reject
         self.ready = True
         self.submitted: list[Generate] = []
         self.closed: list[str] = []  # requests whose iterator was closed before the end
@@ -54,8 +55,8 @@ class FakeCore:
 
     async def _run(self, gen: Generate) -> AsyncIterator[Event]:
         gen.sampling.validate()  # like the real core: RequestError before any event
-        if not gen.prompt_token_ids:
-            raise RequestError("the HTTP layer must send token ids")
+        if not gen.prompt_token_ids or self.mode == "reject":
+            raise RequestError("the fake core refuses this request")
         self.submitted.append(gen)
         rid, ids, limit = gen.request_id, gen.prompt_token_ids, gen.sampling.max_tokens
         if self.mode in ("overloaded", "peer_down"):
@@ -145,8 +146,11 @@ def client(port: int) -> Any:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
 
+Reply = tuple[int, http.client.HTTPMessage, bytes]
+
+
 def request(port: int, method: str, path: str, body: Any = None,
-            headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:  # fmt: skip
+            headers: dict[str, str] | None = None) -> Reply:  # fmt: skip
     if body is not None and not isinstance(body, bytes):
         body = json.dumps(body).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -203,6 +207,9 @@ def test_completion_defaults_and_sampling(client: Any, core: FakeCore) -> None:
     assert sp.stop == ("x", "y") and sp.ignore_eos
     client.completions.create(model=MODEL, prompt="hi", stop="\n")
     assert core.submitted[-1].sampling.stop == ("\n",)
+    client.completions.create(model=MODEL, prompt=[1.0, 2.0], max_tokens=4.0)  # JSON numbers
+    assert core.submitted[-1].sampling.max_tokens == 4
+    assert core.submitted[-1].prompt_token_ids == [1, 2]
 
 
 def test_completion_prompt_shapes(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
@@ -303,18 +310,20 @@ def test_sdk_sees_errors(client: Any) -> None:
         ({"prompt": "hi", "model": "gpt-4"}, "model", "model_not_found"),
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "invalid_value"),
+        ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
         ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
         ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"max_tokens": 3}, None, "invalid_value"),  # no prompt
-        ({"prompt": ""}, "prompt", None),
-        ({"prompt": [1, "a"]}, "prompt", None),
-        ({"prompt": [10**6]}, "prompt", None),  # outside the vocabulary
+        ({"prompt": ""}, "prompt", "invalid_value"),
+        ({"prompt": [1, "a"]}, "prompt", "invalid_value"),
+        ({"prompt": [10**6]}, "prompt", "invalid_value"),  # outside the vocabulary
         ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens", "context_length_exceeded"),
         ({"prompt": [5] * 300}, "prompt", "context_length_exceeded"),
-        ({"prompt": "hi", "stop": [""]}, None, "bad_request"),  # the core's RequestError
+        ({"prompt": "hi", "stop": [""]}, "stop[0]", "invalid_value"),
+        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
     ],
 )
 def test_completion_errors(port: int, body: Any, param: str | None, code: str | None) -> None:
@@ -333,6 +342,8 @@ def test_completion_errors(port: int, body: Any, param: str | None, code: str | 
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_object"}}, "response_format.type"),
     ],
 )  # fmt: skip
 def test_chat_errors(port: int, body: Any, param: str) -> None:
@@ -352,6 +363,12 @@ def test_routes_and_methods(port: int) -> None:
     status, headers, data = request(port, "GET", "/v1/completions")
     assert "POST" in error_of(status, data, 405)["message"] and headers["Allow"] == "POST"
     error_of(*request(port, "GET", "/v1/models/other")[::2], 404)
+
+
+def test_core_request_error_is_400(port: int, core: FakeCore) -> None:
+    core.mode = "reject"
+    error = error_of(*request(port, "POST", "/v1/completions", {"prompt": "hi"})[::2], 400)
+    assert error["code"] == "bad_request" and "refuses" in error["message"]
 
 
 def test_overloaded_is_429(port: int, core: FakeCore) -> None:
@@ -377,7 +394,8 @@ def test_failure_mid_stream(port: int, core: FakeCore) -> None:
     assert status == 200
     events = sse_events(data)
     assert events[0]["choices"][0]["text"]  # the token before the failure
-    assert events[-1]["error"]["code"] == "peer_down" and "decode-0" in events[-1]["error"]["message"]
+    error = events[-1]["error"]
+    assert error["code"] == "peer_down" and "decode-0" in error["message"]
     body["stream"] = False  # no token can be taken back: the whole answer fails
     assert error_of(*request(port, "POST", "/v1/completions", body)[::2], 503)
 
@@ -388,6 +406,7 @@ def test_internal_error_is_500_without_traceback(port: int, core: FakeCore) -> N
                                     {"x-request-id": "boom"})  # fmt: skip
     error = error_of(status, data, 500)
     assert error["code"] == "internal" and "boom" in error["message"]
+    assert headers["x-request-id"] == "boom"
     assert b"Traceback" not in data and b"fake core bug" not in data
 
 
@@ -430,12 +449,16 @@ def test_metrics(port: int) -> None:
     assert b"pdserve:requests 3" in data
 
 
-def test_openapi_is_served_and_current(port: int) -> None:
+def test_openapi_is_served_and_current(port: int, core: FakeCore) -> None:
     status, _, data = request(port, "GET", "/openapi.json")
     assert status == 200
     served = json.loads(data)
     assert set(served["paths"]) >= {"/v1/models", "/v1/completions", "/v1/chat/completions",
                                      "/health", "/metrics"}  # fmt: skip
-    # Regenerate with: python -m pdserve.services.router.openai_schema > services/router/openapi.json
-    assert served == json.loads(json.dumps(openai_schema.openapi())), "openapi.json is stale"
-    assert json.loads(OPENAPI_PATH.read_bytes()) == served
+    assert served == json.loads(json.dumps(openapi.openapi(
+        MODEL, FakeCore.max_model_len, core.tokenizer.vocab_size)))
+    request_fields = served["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert request_fields["model"]["anyOf"][0] == {"enum": [MODEL]}
+    # Regenerate: python -m pdserve.services.router.openapi > services/router/openapi.json
+    generic = json.loads(json.dumps(openapi.openapi()))
+    assert json.loads(OPENAPI_PATH.read_bytes()) == generic, "openapi.json is stale"

@@ -29,7 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeAlias, TypeVar
 
 import msgspec
 import structlog
@@ -56,7 +56,8 @@ log = structlog.get_logger("pdserve.client")
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 HWM = 100_000  # per-token frames of many concurrent streams; queued, not dropped
 POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
-Event = TokenChunk | Finished | Failed
+Event: TypeAlias = TokenChunk | Finished | Failed
+_S = TypeVar("_S", bound=zmq.Socket[Any])  # a sync or an asyncio socket
 
 
 class GenerationFailed(PdserveError):
@@ -84,7 +85,7 @@ class Result:
     usage: Usage
 
 
-def _dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+def _dealer(ctx: zmq.Context[_S], address: str) -> _S:
     """The client's one socket. (To become common.sockets.make_socket(ctx, zmq.DEALER, ...).)"""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)  # closing must not wait on a router that is gone
@@ -298,7 +299,9 @@ class AsyncClient:
     async def abort(self, request_id: str) -> None:
         await self._sock.send(encode(Abort(request_id=request_id)))
 
-    async def _events(self, gen: Generate, timeout: float | None) -> AsyncIterator[TokenChunk | Finished]:  # fmt: skip
+    async def _events(
+        self, gen: Generate, timeout: float | None
+    ) -> AsyncIterator[TokenChunk | Finished]:
         rid = gen.request_id
         timeout = self.timeout if timeout is None else timeout
         deadline = _deadline(timeout)

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.common.tokenizer import Tokenizer
 
-Event = TokenChunk | Finished | Failed
+Event: TypeAlias = TokenChunk | Finished | Failed
 _TERMINAL = (Finished, Failed)
 
 

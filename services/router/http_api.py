@@ -25,7 +25,6 @@ import uuid
 from contextvars import ContextVar
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,25 +35,21 @@ from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.openapi import openapi
 from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer
 
 log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON ints is ~7 MB
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LONG_TEXT_CHARS = 16_384  # tokenize longer inputs off the event loop
-OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+LONG_TEXT_BYTES = 16_384  # tokenize longer bodies off the event loop
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
 _FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503}
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "overloaded_error",
-    503: "service_unavailable_error",
-}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "overloaded_error",
+                503: "service_unavailable_error"}  # fmt: skip
 # The id to echo in x-request-id: set by a generation handler, read by the middleware (same
 # task, so the same context).
 _ECHO_ID: ContextVar[str | None] = ContextVar("pdserve_http_request_id", default=None)
@@ -89,15 +84,11 @@ class ApiError(Exception):
         return _json(oa.ErrorBody(error=self.detail), status=self.status, headers=headers)
 
 
-def _json(
-    body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(body),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
+def _json(body: msgspec.Struct, status: int = 200,
+          headers: dict[str, str] | None = None) -> web.Response:  # fmt: skip
+    body_bytes = msgspec.json.encode(body)
+    return web.Response(body=body_bytes, status=status, content_type="application/json",
+                        headers=headers)  # fmt: skip
 
 
 @web.middleware
@@ -118,15 +109,15 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
     except Exception:
-        request_id = _ECHO_ID.get() or "-"
-        log.exception("http_internal_error", request_id=request_id, path=request.path)
+        failed_id = _ECHO_ID.get() or "-"
+        log.exception("http_internal_error", request_id=failed_id, path=request.path)
         response = ApiError(
-            500, f"internal error in request {request_id}; the router's log has details",
+            500, f"internal error in request {failed_id}; the router's log has details",
             code="internal",
         ).response()  # fmt: skip
-    request_id = _ECHO_ID.get() or _sane_header(request)
-    if request_id is not None and not response.prepared:
-        response.headers["x-request-id"] = request_id
+    echo_id = _ECHO_ID.get() or _sane_header(request)
+    if echo_id is not None and not response.prepared:
+        response.headers["x-request-id"] = echo_id
     return response
 
 
@@ -152,7 +143,7 @@ def _sane_header(request: web.Request) -> str | None:
 async def _decode(request: web.Request, kind: type[T]) -> T:
     body = await request.read()
     try:
-        return msgspec.json.decode(body, type=kind)
+        return oa.decode_request(body, kind)
     except msgspec.ValidationError as exc:
         field = _FIELD.search(str(exc))
         raise ApiError(400, f"invalid request: {exc}", param=field and field.group(1),
@@ -179,7 +170,8 @@ class OpenAIApi:
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.core.model_name:
             raise ApiError(404, f"model {request.match_info['model']!r} is not served here; "
-                           f"this server serves {self.core.model_name!r}", code="model_not_found")  # fmt: skip
+                           f"this server serves {self.core.model_name!r}",
+                           code="model_not_found")  # fmt: skip
         return _json(self._card())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -189,14 +181,14 @@ class OpenAIApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = await self.core.metrics_text()
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
+        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
     # -- generation -----------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.CompletionRequest)
         self._check(req, req.unsupported())
-        prompts = await self._tokenize(_completion_prompts, req.prompt)
+        prompts = await self._tokenize(request, _completion_prompts, req.prompt)
         request_id = self._request_id(request, "cmpl")
         renderer = CompletionRenderer(request_id, self.core.model_name)
         return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -205,7 +197,7 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.ChatCompletionRequest)
         self._check(req, req.unsupported())
-        prompt = await self._tokenize(_chat_prompt, req.messages)
+        prompt = await self._tokenize(request, _chat_prompt, req.messages)
         request_id = self._request_id(request, "chatcmpl")
         renderer = ChatRenderer(request_id, self.core.model_name)
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
@@ -219,9 +211,10 @@ class OpenAIApi:
         if unsupported is not None:
             raise ApiError(400, unsupported[1], param=unsupported[0], code="unsupported_parameter")
 
-    async def _tokenize(self, fn: Callable[[RouterCore, Any], T], arg: Any) -> T:
+    async def _tokenize(self, request: web.Request, fn: Callable[[RouterCore, Any], T],
+                        arg: Any) -> T:  # fmt: skip
         # Tokenizing a long prompt takes milliseconds: keep the loop free for streams.
-        if len(msgspec.json.encode(arg)) > LONG_TEXT_CHARS:
+        if (request.content_length or 0) > LONG_TEXT_BYTES:
             return await asyncio.to_thread(fn, self.core, arg)
         return fn(self.core, arg)
 
@@ -262,7 +255,8 @@ class OpenAIApi:
         ]  # fmt: skip
         gens = []
         for request_id, prompt in zip(ids, prompts):
-            sampling = req.sampling(self._max_tokens(prompt, default_max_tokens, requested_max_tokens))
+            max_tokens = self._max_tokens(prompt, default_max_tokens, requested_max_tokens)
+            sampling = req.sampling(max_tokens)
             sampling.validate()  # the core checks again; failing here names no peer
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
                                  sampling=sampling, stream=req.stream))  # fmt: skip
@@ -293,7 +287,8 @@ class OpenAIApi:
                 raise ApiError.from_failed(event)
         done = [f for f in finished if f is not None]
         reasons = [f.finish_reason for f in done]
-        return _json(renderer.body(["".join(t) for t in texts], reasons, _usage(done)))
+        usage = oa.usage_of([f.usage for f in done])
+        return _json(renderer.body(["".join(t) for t in texts], reasons, usage))
 
     async def _stream(
         self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
@@ -321,7 +316,8 @@ class OpenAIApi:
                     break
             else:
                 if include_usage:
-                    await _send(response, renderer.usage_chunk(_usage(done)))
+                    usage = oa.usage_of([f.usage for f in done])
+                    await _send(response, renderer.usage_chunk(usage))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             pass  # the client left; closing the batch (finally, above) aborts the requests
@@ -343,15 +339,6 @@ async def _send(response: web.StreamResponse, event: msgspec.Struct | None) -> N
     await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
 
-def _usage(done: list[Finished]) -> oa.UsageInfo:
-    prompt = sum(f.usage.prompt_tokens for f in done)
-    completion = sum(f.usage.completion_tokens for f in done)
-    cached = sum(f.usage.cached_tokens for f in done)
-    details = oa.PromptTokensDetails(cached_tokens=cached) if cached else None
-    return oa.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                        total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
-
-
 def _completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[int]]:
     """OpenAI's four prompt shapes -> one token list per choice."""
     if isinstance(prompt, str):
@@ -364,15 +351,15 @@ def _completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[
         prompts = list(prompt)
     else:
         raise ApiError(400, "prompt: a list must hold only strings, only token ids, or only "
-                       "lists of token ids", param="prompt")  # fmt: skip
+                       "lists of token ids", param="prompt", code="invalid_value")  # fmt: skip
     vocab = core.tokenizer.vocab_size
     for i, ids in enumerate(prompts):
         if not ids:
-            raise ApiError(400, f"prompt {i} is empty", param="prompt")
+            raise ApiError(400, f"prompt {i} is empty", param="prompt", code="invalid_value")
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"prompt {i}: token id {bad} is outside the vocabulary "
-                           f"(0..{vocab - 1})", param="prompt")  # fmt: skip
+                           f"(0..{vocab - 1})", param="prompt", code="invalid_value")  # fmt: skip
     return prompts
 
 
@@ -384,17 +371,19 @@ def _chat_prompt(core: RouterCore, messages: list[oa.ChatMessageIn]) -> list[int
             for part in content:
                 if part.type != "text" or part.text is None:
                     raise ApiError(400, f"messages[{i}]: only text content parts are "
-                                   f"supported, got type {part.type!r}",
+                                   f"supported, got type {part.type!r}", code="invalid_value",
                                    param=f"messages[{i}].content")  # fmt: skip
             # As vLLM does for string templates: the parts of one message, one per line.
             content = "\n".join(part.text for part in content if part.text is not None)
-        chat.append({"role": message.role, "content": content, "name": message.name})
+        # OpenAI allows a null content (an assistant's tool call); templates index it.
+        chat.append({"role": message.role, "content": content or "", "name": message.name})
     try:
         ids = core.tokenizer.encode_chat(chat)
     except PdserveError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
+        raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     if not ids:
-        raise ApiError(400, "the messages render to an empty prompt", param="messages")
+        raise ApiError(400, "the messages render to an empty prompt", param="messages",
+                       code="invalid_value")
     return ids
 
 
@@ -405,10 +394,12 @@ def make_app(core: RouterCore) -> web.Application:
         handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
     )
     api = OpenAIApi(core)
-    openapi_body = OPENAPI_PATH.read_bytes()
+    # The checked-in openapi.json is the generic document; this one names the model.
+    document = openapi(core.model_name, core.max_model_len, core.tokenizer.vocab_size)
+    document_body = msgspec.json.encode(document)
 
-    async def openapi(request: web.Request) -> web.Response:
-        return web.Response(body=openapi_body, content_type="application/json")
+    async def openapi_json(request: web.Request) -> web.Response:
+        return web.Response(body=document_body, content_type="application/json")
 
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{model}", api.model)
@@ -416,5 +407,5 @@ def make_app(core: RouterCore) -> web.Application:
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
-    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/openapi.json", openapi_json)
     return app

@@ -8,42 +8,64 @@ Unknown fields are ignored, as OpenAI and vLLM do: SDKs send fields like `user` 
 than silently ignored, because ignoring them would return a different answer from the
 one asked for.
 
-``openapi()`` builds the OpenAPI document from these same types, so the schema that
-fuzzers read cannot drift from what the server decodes; openapi.json is its output
-(``python -m pdserve.services.router.openai_schema > services/router/openapi.json``).
+openapi.py builds the OpenAPI document from these same types, so the schema that
+fuzzers read cannot drift from what the server decodes.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
+from pdserve.common.protocol import Usage
 from pdserve.common.sampling import SamplingParams
 
+T = TypeVar("T")
+
 TokenId = Annotated[int, Meta(ge=0)]
+NonNegative = Annotated[int, Meta(ge=0)]
+Text = Annotated[str, Meta(min_length=1)]
+
+
+def only(schema: dict[str, Any]) -> Meta:
+    """A field this server takes only at its default: the schema says so (fuzzers then
+    send what is supported), the handler refuses other values with a clear message."""
+    return Meta(extra_json_schema=schema, description="not supported beyond this value")
+
+
 Count = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what torch's manual_seed takes
-_TOKEN_LIST: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 # msgspec can only hold one array type in a union, so the decoded type is looser
 # (a list of str | int | list[int]) and the handler checks the list is homogeneous;
-# the schema states the four shapes OpenAI accepts.
-PROMPT_SCHEMA: dict[str, Any] = {
-    "anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        {**_TOKEN_LIST, "minItems": 1},
-        {"type": "array", "items": {**_TOKEN_LIST, "minItems": 1}, "minItems": 1},
-    ]
-}
-Prompt = Annotated[
-    str | Annotated[list[str | TokenId | Annotated[list[TokenId], Meta(min_length=1)]], Meta(min_length=1)],
-    Meta(extra_json_schema=PROMPT_SCHEMA),
-]
+# the OpenAPI document (openapi.py) states the four shapes OpenAI accepts.
+Prompt = Text | Annotated[list[Text | TokenId | Annotated[list[TokenId], Meta(min_length=1)]],
+                          Meta(min_length=1)]  # fmt: skip
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    return value
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Strict decoding, raising msgspec's DecodeError / ValidationError (which name the
+    field), except that an integral float is taken for an int."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        if "got `float`" not in str(exc):
+            raise
+    # JSON has one number type, and JSON Schema counts 16.0 as an integer: accept it, but
+    # nothing looser (no "16" strings). A slow path, taken only for such bodies.
+    return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), kind)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -51,7 +73,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
+    type: Literal["text"] = "text"  # json_object / json_schema: not supported
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True):
@@ -63,18 +85,18 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = 0  # extension (vLLM's); 0 or -1: off
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM's)
     ignore_eos: bool = False  # extension (vLLM's)
-    n: Count = 1
+    n: Annotated[int, Meta(ge=1), only({"maximum": 1})] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, only({"const": 0})] = 0.0
+    frequency_penalty: Annotated[float, only({"const": 0})] = 0.0
+    logit_bias: Annotated[dict[str, float] | None, only({"maxProperties": 0})] = None
     user: str | None = None
 
-    def _common_unsupported(self) -> tuple[str, str] | None:
+    def _common_unsupported(self) -> tuple[str, str] | None:  # (param, message)
         if self.n != 1:
             return "n", f"n={self.n} is not supported: only one choice per prompt (n=1)"
         if self.presence_penalty or self.frequency_penalty:
@@ -104,10 +126,10 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
     prompt: Prompt
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: Count | None = None
-    suffix: str | None = None
+    echo: Annotated[bool, only({"const": False})] = False
+    logprobs: Annotated[int | None, only({"type": "null"})] = None
+    best_of: Annotated[Count | None, only({"maximum": 1})] = None
+    suffix: Annotated[str | None, only({"maxLength": 0})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
@@ -136,9 +158,9 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    logprobs: Annotated[bool, only({"const": False})] = False
+    top_logprobs: Annotated[NonNegative | None, only({"maximum": 0})] = None
+    tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
     response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -146,8 +168,6 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
             return "logprobs", "logprobs are not supported"
         if self.tools:
             return "tools", "tool calling is not supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", "only response_format type 'text' is supported"
         return self._common_unsupported()
 
     @property
@@ -256,11 +276,21 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     detail: dict[str, Any] | None = None
 
 
+def usage_of(usages: list[Usage]) -> UsageInfo:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    cached = sum(u.cached_tokens for u in usages)
+    details = PromptTokensDetails(cached_tokens=cached) if cached else None
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
+
+
 # -- rendering the core's events -----------------------------------------------------------
 
 
 class Renderer:
-    """Turns generated text into one endpoint's bodies and stream chunks."""
+    """Turns generated text into one endpoint's bodies and stream chunks (the subclasses
+    add delta, finish, usage_chunk and body)."""
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
@@ -269,18 +299,6 @@ class Renderer:
 
     def start(self, index: int) -> msgspec.Struct | None:
         return None
-
-    def delta(self, index: int, text: str) -> msgspec.Struct:
-        raise NotImplementedError
-
-    def finish(self, index: int, finish_reason: str) -> msgspec.Struct:
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct:
-        raise NotImplementedError
-
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> msgspec.Struct:
-        raise NotImplementedError
 
 
 class CompletionRenderer(Renderer):
@@ -298,122 +316,36 @@ class CompletionRenderer(Renderer):
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> Completion:
-        choices = [
-            CompletionChoice(index=i, text=text, finish_reason=reason)
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]
+        choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
+                   for i, (text, reason) in enumerate(zip(texts, reasons))]  # fmt: skip
         return self._chunk(choices, usage)
 
 
 class ChatRenderer(Renderer):
-    def _chunk(
-        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
-    ) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice],
+               usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
         return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
                                    created=self.created, model=self.model, choices=choices,
                                    usage=usage)  # fmt: skip
 
     def start(self, index: int) -> ChatCompletionChunk:
         # OpenAI's first chunk names the role; clients key their message assembly on it.
-        return self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        delta = Delta(role="assistant", content="")
+        return self._chunk([ChatChunkChoice(index=index, delta=delta)])
 
     def delta(self, index: int, text: str) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
     def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)])
+        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
+        return self._chunk([choice])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> ChatCompletion:
-        choices = [
-            ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
-                       finish_reason=reason)
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]  # fmt: skip
+        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
+                              finish_reason=reason)
+                   for i, (text, reason) in enumerate(zip(texts, reasons))]  # fmt: skip
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
                               model=self.model, choices=choices, usage=usage)  # fmt: skip
-
-
-# -- OpenAPI ------------------------------------------------------------------------------
-
-_SCHEMA_TYPES: tuple[type, ...] = (
-    CompletionRequest, ChatCompletionRequest, Completion, ChatCompletion,
-    ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health,
-)  # fmt: skip
-_ERROR_STATUSES = {
-    "400": "invalid request: malformed JSON, a bad field, an unknown model",
-    "404": "no such route",
-    "405": "wrong method for this route",
-    "413": "request body too large",
-    "429": "overloaded before the first token; retry later (Retry-After)",
-    "500": "internal error",
-    "503": "a service the request needs is down",
-}
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _errors() -> dict[str, Any]:
-    body = {"application/json": {"schema": _ref("ErrorBody")}}
-    return {code: {"description": why, "content": body} for code, why in _ERROR_STATUSES.items()}
-
-
-def _generate_op(request: str, response: str, summary: str) -> dict[str, Any]:
-    return {
-        "summary": summary,
-        "parameters": [
-            {"name": "x-request-id", "in": "header", "required": False,
-             "schema": {"type": "string"}, "description": "echoed back; names the request"},
-        ],
-        "requestBody": {
-            "required": True, "content": {"application/json": {"schema": _ref(request)}},
-        },
-        "responses": {
-            "200": {
-                "description": "the answer; with stream=true, server-sent events ending in [DONE]",
-                "content": {
-                    "application/json": {"schema": _ref(response)},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
-            **_errors(),
-        },
-    }  # fmt: skip
-
-
-def openapi() -> dict[str, Any]:
-    _, components = msgspec.json.schema_components(
-        _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
-    )
-    json_of = lambda name, why: {
-        "description": why, "content": {"application/json": {"schema": _ref(name)}},
-    }  # fmt: skip
-    text = {"description": "Prometheus text format 0.0.4",
-            "content": {"text/plain": {"schema": {"type": "string"}}}}  # fmt: skip
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "pdserve router", "version": "1"},
-        "paths": {
-            "/v1/models": {"get": {"summary": "the served model",
-                                   "responses": {"200": json_of("ModelList", "models")}}},
-            "/v1/completions": {"post": _generate_op("CompletionRequest", "Completion",
-                                                     "text completion")},
-            "/v1/chat/completions": {"post": _generate_op("ChatCompletionRequest",
-                                                          "ChatCompletion", "chat completion")},
-            "/health": {"get": {"summary": "ready to serve?", "responses": {
-                "200": json_of("Health", "every routed service is ready"),
-                "503": json_of("Health", "some service is not ready; detail says which"),
-            }}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": text}}},
-        },
-        "components": {"schemas": components},
-    }  # fmt: skip
-
-
-if __name__ == "__main__":
-    json.dump(openapi(), sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
