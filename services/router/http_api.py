@@ -22,9 +22,9 @@ import asyncio
 import re
 import time
 import uuid
-from contextvars import ContextVar
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import msgspec
@@ -35,8 +35,8 @@ from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
-from pdserve.services.router.openapi import openapi
 from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer
+from pdserve.services.router.openapi import openapi
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -203,7 +203,7 @@ class OpenAIApi:
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
                                     renderer)  # fmt: skip
 
-    def _check(self, req: oa._SamplingRequest, unsupported: tuple[str, str] | None) -> None:
+    def _check(self, req: oa.SamplingRequest, unsupported: tuple[str, str] | None) -> None:
         if req.model is not None and req.model != self.core.model_name:
             raise ApiError(400, f"model {req.model!r} is not served here; this server serves "
                            f"{self.core.model_name!r} (see /v1/models)", param="model",
@@ -226,13 +226,14 @@ class OpenAIApi:
         _ECHO_ID.set(header or request_id)
         return request_id
 
-    def _max_tokens(self, prompt: list[int], default: int | None, requested: int | None) -> int:
+    def _max_tokens(self, prompt: list[int], prompt_param: str, default: int | None,
+                    requested: int | None) -> int:  # fmt: skip
         limit = self.core.max_model_len
         room = limit - len(prompt)
         if room < 1:
             raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model takes at most "
                            f"{limit - 1} (max_model_len {limit} counts the generated tokens too)",
-                           param="prompt", code="context_length_exceeded")  # fmt: skip
+                           param=prompt_param, code="context_length_exceeded")  # fmt: skip
         if requested is None:
             return min(default or room, room)
         if requested > room:
@@ -244,7 +245,7 @@ class OpenAIApi:
     async def _generate(
         self,
         request: web.Request,
-        req: oa._SamplingRequest,
+        req: oa.SamplingRequest,
         prompts: list[list[int]],
         default_max_tokens: int | None,
         requested_max_tokens: int | None,
@@ -254,8 +255,10 @@ class OpenAIApi:
             f"{renderer.request_id}-{i}" for i in range(len(prompts))
         ]  # fmt: skip
         gens = []
+        prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
         for request_id, prompt in zip(ids, prompts):
-            max_tokens = self._max_tokens(prompt, default_max_tokens, requested_max_tokens)
+            max_tokens = self._max_tokens(prompt, prompt_param, default_max_tokens,
+                                          requested_max_tokens)  # fmt: skip
             sampling = req.sampling(max_tokens)
             sampling.validate()  # the core checks again; failing here names no peer
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,

@@ -76,7 +76,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     type: Literal["text"] = "text"  # json_object / json_schema: not supported
 
 
-class _SamplingRequest(msgspec.Struct, kw_only=True):
+class SamplingRequest(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # absent: the served model
@@ -124,7 +124,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest, kw_only=True):
+class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Prompt
     echo: Annotated[bool, only({"const": False})] = False
     logprobs: Annotated[int | None, only({"type": "null"})] = None
@@ -155,7 +155,7 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: Annotated[bool, only({"const": False})] = False
