@@ -6,6 +6,7 @@ prefill chunks, so one attention layer makes at most two kernel calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [S_p + 1] int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor  # [S_p] int32
     prefill_block_tables: torch.Tensor  # [S_p, max_blocks] int32
+    # Context parallelism: gathers this rank's new K/V [2, T, H_kv, D] from every rank, in
+    # the order ``slot_mapping`` describes; None when one rank computes everything.
+    kv_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -37,8 +41,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # [T, H_q, D]
-    kernels.write_kv(layer_cache, k, v, meta.slot_mapping)
+    if meta.kv_gather is not None:
+        # Every rank writes every new token's K/V: all PCP ranks hold an equal replica.
+        kv = meta.kv_gather(torch.stack((k, v)))  # [2, T_all, H_kv, D]
+        kernels.write_kv(layer_cache, kv[0], kv[1], meta.slot_mapping)
+    else:
+        kernels.write_kv(layer_cache, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
+    if q.shape[0] == 0:  # a PCP rank with no piece of this step still joins the gather
+        return torch.empty_like(q)
     if meta.num_prefills == 0:
         return kernels.decode_attention(
             q, layer_cache, meta.decode_context_lens, meta.decode_block_tables, scale,

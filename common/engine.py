@@ -5,15 +5,17 @@ It is the reference the disaggregated services are checked against, token for to
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import structlog
+import torch
 
 from pdserve.common.block_pool import BlockPool
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import RequestError
+from pdserve.common.kv_layout import KVLayout
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
@@ -21,17 +23,25 @@ from pdserve.common.outputs import Completion, RequestOutput, TextTracker, finis
 from pdserve.common.request import Request
 from pdserve.common.sampling import Sampler, SamplingParams
 from pdserve.common.scheduler import Scheduler
+from pdserve.common.step_plan import StepPlan
 from pdserve.common.tokenizer import Tokenizer
 
 log = structlog.get_logger("pdserve.engine")
 
 
+class StepRunner(Protocol):
+    """What the engine needs of whatever executes its steps."""
+
+    layout: KVLayout
+
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+
+
 class LLMEngine:
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
+        """``runner`` replaces the in-process ModelRunner (prefill's PCP rank group)."""
         if config.device == "cuda":
-            import torch
-
             if not torch.cuda.is_available():
                 raise RequestError("device 'cuda' was asked for but torch sees no CUDA device")
         self.config = config
@@ -39,12 +49,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(
-            self.model_config, self.model_dir, device=config.device, dtype=config.torch_dtype_name,
-            block_size=config.block_size, num_blocks=config.num_kv_blocks,
-            kv_cache_memory_gb=config.kv_cache_memory_gb,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-        )
+        self.runner: StepRunner = runner or ModelRunner.from_config(self.model_config, self.model_dir, config)
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
@@ -53,18 +58,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self._arrivals = itertools.count()
-
-    def kv_compat(self) -> dict[str, str | int]:
-        """What must be equal between a KV producer and its consumer (checked at handshake)."""
-        cfg = self.model_config
-        return {
-            "model": hashlib.sha256((self.model_dir / "config.json").read_bytes()).hexdigest()[:16],
-            "dtype": self.config.torch_dtype_name,
-            "block_size": self.config.block_size,
-            "num_layers": cfg.num_hidden_layers,
-            "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-        }
 
     # -- requests -------------------------------------------------------------------------
 

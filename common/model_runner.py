@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import structlog
@@ -11,12 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.common.attention import AttentionMetadata
+from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.model import LlamaForCausalLM
 from pdserve.common.model_config import ModelConfig
+from pdserve.common.parallel import ParallelContext
 from pdserve.common.rope import inv_frequencies
 from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.zigzag import rank_pieces
 
 log = structlog.get_logger("pdserve.model_runner")
 
@@ -64,8 +69,11 @@ class ModelRunner:
         num_blocks: int | None,
         kv_cache_memory_gb: float,
         gpu_memory_utilization: float,
+        parallel: ParallelContext | None = None,
     ) -> None:
         self.cfg = cfg
+        self.model_dir = model_dir
+        self.parallel = parallel or ParallelContext()
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
         started = time.perf_counter()
@@ -84,6 +92,32 @@ class ModelRunner:
             "model_loaded", model=str(model_dir), device=device, dtype=dtype,
             load_seconds=round(self.load_seconds, 2), num_kv_blocks=num_blocks,
             kv_cache_mib=round(self.layout.total_bytes / 2**20),
+        )
+
+    def resize(self, num_blocks: int) -> None:
+        """Re-make the KV cache with ``num_blocks`` blocks (PCP ranks agree on one size)."""
+        if num_blocks != self.layout.num_blocks:
+            self.layout = msgspec.structs.replace(self.layout, num_blocks=num_blocks)
+            self.kv_cache = torch.zeros(self.layout.shape, dtype=self.dtype, device=self.device)
+
+    def kv_compat(self) -> dict[str, str | int]:
+        """What must be equal between a KV producer and its consumer (checked at handshake)."""
+        return {
+            "model": hashlib.sha256((self.model_dir / "config.json").read_bytes()).hexdigest()[:16],
+            "dtype": self.layout.dtype,
+            "block_size": self.layout.block_size,
+            "num_layers": self.cfg.num_hidden_layers,
+            "num_kv_heads": self.cfg.num_key_value_heads,
+            "head_dim": self.cfg.head_dim,
+        }
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, model_dir: Path, config: EngineConfig, **kwargs: Any) -> ModelRunner:
+        return cls(
+            cfg, model_dir, device=config.device, dtype=config.torch_dtype_name,
+            block_size=config.block_size, num_blocks=config.num_kv_blocks,
+            kv_cache_memory_gb=config.kv_cache_memory_gb,
+            gpu_memory_utilization=config.gpu_memory_utilization, **kwargs,
         )
 
     def _blocks_for_memory(self, block_bytes: int, cpu_gb: float, gpu_share: float) -> int:
@@ -105,7 +139,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``."""
-        input_ids, positions, meta, logits_indices = self.prepare(plan)
+        prepare = self.prepare_pcp if self.parallel.is_parallel else self.prepare
+        input_ids, positions, meta, logits_indices = prepare(plan)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -141,6 +176,59 @@ class ModelRunner:
             prefill_block_tables=_block_tables(prefills, dev),
         )
         return as_tensor(tokens, torch.int64), as_tensor(positions, torch.int64), meta, as_tensor(logits_indices, torch.int64)
+
+
+    def prepare_pcp(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """This rank's zigzag pieces of every sequence; K/V slots of all ranks' pieces.
+
+        Each piece attends as its own pseudo-sequence (its queries are the last positions
+        of a context ending at the piece's end), after every rank wrote the step's K/V.
+        """
+        par, block_size = self.parallel, self.layout.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        pieces: list[tuple[int, int, list[int]]] = []  # (num queries, context len, blocks)
+        slots_of_rank: list[list[int]] = [[] for _ in range(par.pcp_size)]
+        for seq in plan.seqs:
+            n = len(seq.token_ids)
+            for rank in range(par.pcp_size):
+                for a, b in rank_pieces(n, par.pcp_size, rank):
+                    span = range(seq.start_position + a, seq.start_position + b)
+                    slots_of_rank[rank] += [seq.block_ids[p // block_size] * block_size + p % block_size for p in span]
+                    if rank != par.pcp_rank:
+                        continue
+                    tokens += seq.token_ids[a:b]
+                    positions += span
+                    pieces.append((b - a, seq.start_position + b, seq.block_ids))
+                    if seq.sample and b == n:
+                        logits_indices.append(len(tokens) - 1)
+        pad_to = max(len(s) for s in slots_of_rank)
+        slots = [slot for s in slots_of_rank for slot in s + [-1] * (pad_to - len(s))]
+        num_own = len(tokens)
+        dev = self.device
+        cu = [0]
+        for num, _, _ in pieces:
+            cu.append(cu[-1] + num)
+        width = max((len(b) for _, _, b in pieces), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=0,
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor([c for _, c, _ in pieces], dtype=torch.int32, device=dev),
+            prefill_block_tables=torch.tensor(
+                [b + [0] * (width - len(b)) for _, _, b in pieces], dtype=torch.int32, device=dev
+            ).reshape(len(pieces), width),
+            kv_gather=lambda kv: par.gather_padded(kv, num_own, pad_to),
+        )
+        return (
+            torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
 
 
 def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:

@@ -2,4 +2,6 @@ import sys
 
 from pdserve.cli.main import main
 
-sys.exit(main())
+# Guarded: multiprocessing's spawn re-imports the main module in every child it starts.
+if __name__ == "__main__":
+    sys.exit(main())

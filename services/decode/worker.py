@@ -63,7 +63,7 @@ class DecodeWorker(WorkerThread):
         self.consumer = KVConsumer(
             agent_name=f"decode-{self.svc.instance}-{time.time_ns()}",
             kv_cache=self.engine.runner.kv_cache, layout=self.engine.runner.layout,
-            compat=self.engine.kv_compat(),
+            compat=self.engine.runner.kv_compat(),
         )
         self.metrics = self.svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)

@@ -38,7 +38,7 @@ class PrefillWorker(WorkerThread):
         self.producer = KVProducer(
             engine_id=self.svc.engine_id, epoch=self.svc.epoch,
             agent_name=f"{self.svc.engine_id}-e{self.svc.epoch}-r0", kv_cache=self.engine.runner.kv_cache,
-            layout=self.engine.runner.layout, compat=self.engine.kv_compat(),
+            layout=self.engine.runner.layout, compat=self.engine.runner.kv_compat(),
         )
         self.svc.handshake_reply = self.producer.handshake_reply
         self.replica = p.Replica(agent_name=self.producer.handshake_reply.agent_name, side_channel=self.svc.side_channel)

@@ -1,0 +1,449 @@
+"""``pdserve bench serve``: load a deployment over HTTP, as ``vllm bench serve`` does.
+
+Against a running deployment, or a self-contained comparison of the disaggregated
+deployment with the colocated baseline (router + decode only, decode computes prompts):
+
+    pdserve bench serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
+    pdserve bench serve --compare --num-prompts 32 --max-concurrency 8 \\
+        --json benchmarks/results/serve_cpu.json
+
+Every request is a random prompt of exactly --input-len token ids, sent to
+/v1/completions with stream, ignore_eos and max_tokens=--output-len, so every output has
+exactly --output-len tokens. Prompts are seeded and distinct, so no prefix-cache hits
+(reported as "cached prompt tokens"; run twice against one deployment with a new --seed).
+One untimed warm-up request goes first. Requests arrive all at once (--request-rate inf)
+or as a seeded Poisson process, at most --max-concurrency in flight.
+
+Metrics, as vLLM defines them: throughputs over the whole run's duration; TTFT = time to
+the first chunk with text; TPOT = (e2e - TTFT) / (output tokens - 1), one per request;
+ITL = every gap between chunks with text, all requests pooled; E2E = request latency.
+--compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
+PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
+progress to stderr; --json writes the config, the metrics and every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+
+FALLBACK_TOKEN_IDS = (1000, 30000)  # when the server does not say its vocabulary
+LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
+STATS = (("mean", "mean"), ("median", "median"), ("p90", "p90"), ("p99", "p99"))
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="online serving load over HTTP (TTFT, TPOT, ITL, throughput)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running deployment, e.g. http://127.0.0.1:8000")
+    target.add_argument("--compare", action="store_true",
+                        help="start disaggregated, then colocated deployments; load each")
+    p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
+    p.add_argument("--num-prompts", type=_positive_int, default=64)
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests/s, Poisson arrivals (seeded); inf: all at once")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None,
+                   help="at most this many requests in flight (default: no limit)")
+    p.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens")
+    p.add_argument("--output-len", type=_positive_int, default=64, help="generated tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write config, metrics and per-request records here")
+    p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive or inf, got {text}")
+    return value
+
+
+def progress(message: str) -> None:
+    print(f"bench serve: {message}", file=sys.stderr, flush=True)
+
+
+# -- the load (pure parts) --------------------------------------------------------------
+
+
+def make_prompts(n: int, input_len: int, id_range: tuple[int, int], seed: int,
+                 stream: str = "prompts") -> list[list[int]]:  # fmt: skip
+    """Seeded random token ids; distinct, so that none can hit the prefix cache."""
+    rng = random.Random(f"{seed}/{stream}")  # a string seed is stable across processes
+    low, high = id_range
+    prompts = [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(n)]
+    if len({tuple(p) for p in prompts}) != n:  # only possible with a tiny --input-len
+        raise RuntimeError("random prompts collided; use a longer --input-len")
+    return prompts
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process (as vLLM's
+    burstiness 1), or all at 0 for an infinite rate. The first request goes at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(f"{seed}/arrivals")
+    offsets = [0.0]
+    for _ in range(n - 1):
+        offsets.append(offsets[-1] + rng.expovariate(rate))
+    return offsets[:n]
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    ok: bool = False
+    error: str | None = None
+    start_s: float = 0.0  # when sent, from the start of the run
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+    def public(self) -> dict[str, Any]:
+        """The JSON record: times in ms, no per-gap list (it is in the pooled ITL)."""
+        out = asdict(self)
+        for key in ("start_s", "ttft_s", "e2e_s"):
+            value = out.pop(key)
+            out[key.replace("_s", "_ms")] = None if value is None else value * 1e3
+        out["chunks"] = len(out.pop("itl_s")) + (1 if self.ttft_s is not None else 0)
+        return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, which vLLM uses)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
+    ms = [s * 1e3 for s in seconds]
+    if not ms:  # e.g. TPOT with one-token outputs: no value rather than a fake 0
+        return {f"{stat}_{name}_ms": None for stat, _ in STATS}
+    return {
+        f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
+        f"p90_{name}_ms": percentile(ms, 90), f"p99_{name}_ms": percentile(ms, 99),
+    }
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """vLLM's serving metrics over the completed requests of one run."""
+    done = [r for r in records if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+            for r in done if r.output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None]
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        **_stats("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+        **_stats("tpot", tpot),
+        **_stats("itl", [gap for r in done for gap in r.itl_s]),
+        **_stats("e2el", [r.e2e_s for r in done if r.e2e_s is not None]),
+    }
+
+
+# -- the load (HTTP) --------------------------------------------------------------------
+
+
+class Progress:
+    """A bar on stderr: one redrawn line on a terminal, else a line per 10% (readable logs)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.started, self.tty = time.perf_counter(), sys.stderr.isatty()
+
+    def update(self) -> None:
+        self.done += 1
+        if not self.tty and self.done % max(1, self.total // 10) and self.done != self.total:
+            return
+        filled = 30 * self.done // self.total
+        line = (f"bench serve: {self.label} [{'#' * filled}{'.' * (30 - filled)}] "
+                f"{self.done}/{self.total} {time.perf_counter() - self.started:.1f} s")
+        end = "\n" if not self.tty or self.done == self.total else ""
+        print(f"\r{line}" if self.tty else line, end=end, file=sys.stderr, flush=True)
+
+
+async def _http_error(resp: aiohttp.ClientResponse) -> str:
+    text = await resp.text()
+    try:
+        return f"HTTP {resp.status}: {json.loads(text)['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status}: {text[:200]}"
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                       output_len: int, record: RequestRecord) -> None:  # fmt: skip
+    """One streamed completion; fills ``record`` and never raises (but for cancellation)."""
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    record.prompt_tokens = len(prompt)
+    start = last = time.perf_counter()
+    chunks, usage = 0, None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                record.error = await _http_error(resp)
+                return
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue  # the blank line that ends each event
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:  # a failure after the stream started
+                    record.error = f"stream error: {event['error'].get('message')}"
+                    return
+                usage = event.get("usage") or usage
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last)
+                    chunks, last = chunks + 1, now
+        record.e2e_s = time.perf_counter() - start
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed request is a record, not the end
+        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return
+    if chunks == 0:
+        record.error = "the stream carried no text"
+        return
+    record.output_tokens = usage["completion_tokens"] if usage else chunks
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    record.cached_tokens = details.get("cached_tokens", 0)
+    record.ok = True
+
+
+async def server_info(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """The served model, its length and the token-id range of the random prompts."""
+    async with session.get(f"{url}/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {url}/v1/models: {await _http_error(resp)}")
+        card = (await resp.json())["data"][0]
+    vocab = card.get("vocab_size")
+    if vocab is None:  # the router's /openapi.json bounds prompt token ids by the vocabulary
+        with contextlib.suppress(Exception):
+            async with session.get(f"{url}/openapi.json") as resp:
+                vocab = _vocab_from_openapi(await resp.json())
+    id_range = (0, vocab) if vocab else FALLBACK_TOKEN_IDS
+    return {"model": card["id"], "max_model_len": card.get("max_model_len"),
+            "vocab_size": vocab, "token_id_range": list(id_range)}  # fmt: skip
+
+
+def _vocab_from_openapi(document: dict[str, Any]) -> int | None:
+    prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    for shape in prompt.get("anyOf", ()):
+        items = shape.get("items", {})
+        if shape.get("type") == "array" and items.get("type") == "integer":
+            maximum = items.get("maximum")
+            return None if maximum is None else int(maximum) + 1
+    return None
+
+
+async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, Any]:
+    """Warm up, send every request on its schedule, and return the run's results."""
+    import aiohttp
+
+    url = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
+    # No connection cap of aiohttp's own: concurrency is what the flags say, no less.
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        try:
+            info = await server_info(session, url)
+        except aiohttp.ClientError as exc:
+            raise RuntimeError(f"cannot reach {url}: {exc}") from exc
+        limit = info["max_model_len"]
+        if limit is not None and args.input_len + args.output_len > limit:
+            raise RuntimeError(f"--input-len + --output-len exceeds max_model_len {limit}")
+        id_range = tuple(info["token_id_range"])
+        prompts = make_prompts(args.num_prompts, args.input_len, id_range, args.seed)
+        # The first request pays one-off costs (allocation, lazy init): keep it out.
+        warm = RequestRecord(-1)
+        [warm_prompt] = make_prompts(1, args.input_len, id_range, args.seed, "warm-up")
+        await send_request(session, url, warm_prompt, args.output_len, warm)
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
+
+        records = [RequestRecord(i) for i in range(args.num_prompts)]
+        gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
+                else contextlib.nullcontext())  # fmt: skip
+        bar = Progress(args.num_prompts, label)
+        load_start = os.getloadavg()[0]
+        start = time.perf_counter()
+
+        async def one(record: RequestRecord) -> None:
+            async with gate:
+                record.start_s = time.perf_counter() - start
+                await send_request(session, url, prompts[record.index], args.output_len, record)
+            bar.update()
+
+        tasks = []
+        for record, offset in zip(records, arrival_offsets(len(records), args.request_rate,
+                                                           args.seed), strict=True):  # fmt: skip
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(record)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    metrics = compute_metrics(records, duration)
+    for record in records:
+        if record.error:
+            progress(f"{label}: request {record.index} failed: {record.error}")
+    return {"label": label, "url": url, "server": info, "loadavg_1m_start": load_start,
+            "loadavg_1m_end": os.getloadavg()[0], "metrics": metrics,
+            "requests": [r.public() for r in records]}  # fmt: skip
+
+
+# -- deployments (--compare) ------------------------------------------------------------
+
+
+def _free_base_port(size: int = 100) -> int:
+    """A base port with the block above it free (the services derive theirs from it)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        with contextlib.suppress(OSError), contextlib.ExitStack() as stack:
+            for port in range(base, min(base + size, 65536)):
+                stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            if base + size <= 65536:
+                return base
+    raise RuntimeError("no free block of local ports")
+
+
+def run_deployed(args: argparse.Namespace, label: str, colocated: bool) -> dict[str, Any]:
+    from pdserve.cli.deployment import Deployment, local_config
+
+    base = _free_base_port()
+    cfg = local_config(model=args.model, device=args.device, colocated=colocated,
+                       base_port=base, http_port=base + 99)  # fmt: skip
+    dep = Deployment(cfg)
+    progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
+    with dep:
+        result = asyncio.run(run_load(dep.url, args, label))
+    result["deployment"] = {
+        "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
+        "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
+        "log_dir": str(dep.log_dir),
+    }  # fmt: skip
+    return result
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    rows = [("completed", "completed", "{:d}"), ("failed", "failed", "{:d}"),
+            ("duration_s", "duration (s)", "{:.2f}"),
+            ("request_throughput", "request throughput (req/s)", "{:.3f}"),
+            ("output_throughput", "output token throughput (tok/s)", "{:.1f}"),
+            ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}"),
+            ("cached_prompt_tokens", "cached prompt tokens", "{:d}")]  # fmt: skip
+    for name, title in LATENCIES:
+        rows += [(f"{stat}_{name}_ms", f"{title} {text} (ms)", "{:.1f}") for stat, text in STATS]
+    return rows
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    header = ["metric", *(run["label"] for run in runs)]
+    body = [[title, *(fmt.format(v) if (v := run["metrics"][key]) is not None else "-"
+                      for run in runs)]
+            for key, title, fmt in table_rows()]  # fmt: skip
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first, *rest = cells
+        return "  ".join([first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:]))])
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    rate = args.request_rate
+    return {
+        "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
+        "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+        "output_len": args.output_len, "seed": args.seed, "timeout_s": args.timeout,
+        "cpu_count": os.cpu_count(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }  # fmt: skip
+
+
+def write_json(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "serve", "config": config, "runs": runs}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.common.errors import PdserveError
+
+    if args.url and (args.model or args.device):
+        raise PdserveError("--model and --device choose what --compare deploys; with --url "
+                           "the deployment is already running")  # fmt: skip
+    config = bench_config(args)
+    try:
+        if args.compare:
+            runs = [run_deployed(args, "disaggregated", colocated=False),
+                    run_deployed(args, "colocated", colocated=True)]  # fmt: skip
+        else:
+            runs = [asyncio.run(run_load(args.url, args, args.label or "serve"))]
+    except RuntimeError as exc:  # a server that is unreachable or refuses the warm-up
+        raise PdserveError(str(exc)) from exc
+    server = runs[0]["server"]
+    print(f"model {server['model']}  prompts {args.num_prompts}  input {args.input_len}  "
+          f"output {args.output_len}  rate {config['request_rate']}  "
+          f"concurrency {args.max_concurrency or 'unlimited'}  seed {args.seed}")
+    print(format_table(runs))
+    if args.json is not None:
+        write_json(args.json, config, runs)
+        progress(f"wrote {args.json}")
+    return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1
