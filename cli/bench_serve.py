@@ -35,16 +35,18 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pdserve.cli.bench_engine import _positive_int  # stdlib-only at import time
 
 if TYPE_CHECKING:
     import aiohttp
 
 FALLBACK_TOKEN_IDS = (1000, 30000)  # when the server does not say its vocabulary
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
-STATS = (("mean", "mean"), ("median", "median"), ("p90", "p90"), ("p99", "p99"))
 
 
 def add_parser(sub: Any) -> None:
@@ -71,13 +73,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write config, metrics and per-request records here")
     p.set_defaults(run=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _rate(text: str) -> float:
@@ -148,14 +143,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+STATS: dict[str, Callable[[list[float]], float]] = {
+    "mean": statistics.fmean, "median": statistics.median,
+    "p90": lambda v: percentile(v, 90), "p99": lambda v: percentile(v, 99),
+}  # fmt: skip
+
+
 def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
     ms = [s * 1e3 for s in seconds]
-    if not ms:  # e.g. TPOT with one-token outputs: no value rather than a fake 0
-        return {f"{stat}_{name}_ms": None for stat, _ in STATS}
-    return {
-        f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-        f"p90_{name}_ms": percentile(ms, 90), f"p99_{name}_ms": percentile(ms, 99),
-    }
+    # No values (TPOT of one-token outputs, or nothing completed): None, not a fake 0.
+    return {f"{stat}_{name}_ms": fn(ms) if ms else None for stat, fn in STATS.items()}
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
@@ -384,7 +381,7 @@ def table_rows() -> list[tuple[str, str, str]]:
             ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}"),
             ("cached_prompt_tokens", "cached prompt tokens", "{:d}")]  # fmt: skip
     for name, title in LATENCIES:
-        rows += [(f"{stat}_{name}_ms", f"{title} {text} (ms)", "{:.1f}") for stat, text in STATS]
+        rows += [(f"{stat}_{name}_ms", f"{title} {stat} (ms)", "{:.1f}") for stat in STATS]
     return rows
 
 

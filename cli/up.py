@@ -22,6 +22,7 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda")
     p.add_argument("--prefill-instances", type=int, default=None)
     p.add_argument("--decode-instances", type=int, default=None)
+    p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel ranks per prefill instance")
     p.add_argument("--colocated", action="store_true", default=None, help="no prefill service: decode computes prompts")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
 
@@ -44,7 +45,7 @@ def _start(args: argparse.Namespace) -> Any:
     cfg = local_config(
         config=args.config, http_port=args.http_port, model=args.model, device=args.device,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
-        colocated=args.colocated,
+        colocated=args.colocated, pcp=args.pcp,
     )
     dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
     started = time.monotonic()

@@ -132,6 +132,7 @@ class Handshake(Message, kw_only=True):
     engine_id: str
     epoch: int
     consumer: str  # the decode agent's name, for the producer's logs
+    rank: int = 0  # which replica's agent metadata
 
 
 class HandshakeReply(Message, kw_only=True):
@@ -162,6 +163,7 @@ class Release(Message, kw_only=True):
     trace_id: str = ""
     engine_id: str
     epoch: int
+    rank: int = 0  # the replica rank released (matters for the side-channel fallback)
 
 
 class SideReply(Message, kw_only=True):

@@ -39,6 +39,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     prefill: list[InstanceAddresses] = []  # explicit addresses (multi-machine); else derived
     decode: list[InstanceAddresses] = []
     colocated: bool = False  # no prefill service: decode computes prompts (the baseline)
+    pcp: int = 1  # prefill context-parallel ranks per prefill instance
+    pull_from: str = "first"  # decode reads replica 0 ("first") or stripes across replicas
     kv_load_failure_policy: str = "fail"
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
@@ -55,7 +57,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"kv_load_failure_policy must be one of {', '.join(POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
             )
-        for name in ("prefill_instances", "decode_instances"):
+        if self.pull_from not in ("first", "striped"):
+            raise PdserveError(f"pull_from must be 'first' or 'striped', got {self.pull_from!r}")
+        for name in ("prefill_instances", "decode_instances", "pcp"):
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lease_seconds <= 0 or self.heartbeat_seconds <= 0:

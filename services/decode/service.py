@@ -73,7 +73,7 @@ class DecodeService(Service):
     async def _handshake(self, key: ProducerKey, handle: p.KVHandle) -> None:
         """Fetch every replica's agent metadata once per (engine, epoch)."""
         try:
-            replies = [await self._ask(r.side_channel, key) for r in handle.replicas]
+            replies = [await self._ask(r.side_channel, key, rank) for rank, r in enumerate(handle.replicas)]
         except Exception as exc:  # timeout, refusal, bad reply: fail the waiting requests
             message = str(exc) or type(exc).__name__
             self.log.warning("handshake_failed", engine_id=key[0], epoch=key[1], error=message)
@@ -82,17 +82,17 @@ class DecodeService(Service):
             return
         self.decode_worker.submit(("connected", key, replies))
 
-    async def _ask(self, address: str, key: ProducerKey) -> p.HandshakeReply:
+    async def _ask(self, address: str, key: ProducerKey, rank: int) -> p.HandshakeReply:
         sock = self.side_socket(address)
         async with self._side_locks[address]:
-            await sock.send(p.encode(p.Handshake(engine_id=key[0], epoch=key[1], consumer=f"decode-{self.instance}")))
+            await sock.send(p.encode(p.Handshake(engine_id=key[0], epoch=key[1], consumer=f"decode-{self.instance}", rank=rank)))
             deadline = self.loop.time() + HANDSHAKE_TIMEOUT
             while True:
                 remaining = deadline - self.loop.time()
                 if remaining <= 0 or not await sock.poll(remaining * 1000):
                     raise TimeoutError(f"producer {key[0]} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s")
                 reply = self._side_decoder.decode(await sock.recv())
-                if isinstance(reply, p.HandshakeReply) and (reply.engine_id, reply.epoch) == key:
+                if isinstance(reply, p.HandshakeReply) and (reply.engine_id, reply.epoch) == key and reply.agent_name.endswith(f"-r{rank}"):
                     return reply
                 if isinstance(reply, p.SideReply) and not reply.ok:
                     raise ConnectionRefusedError(reply.message)

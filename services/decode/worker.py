@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 
 from pdserve.common import protocol as p
@@ -35,7 +36,7 @@ class PendingPull:
     handle: p.KVHandle
     arrived: float = field(default_factory=time.monotonic)
     blocks: list[int] | None = None
-    pull: Pull | None = None
+    pulls: list[Pull] = field(default_factory=list)  # one per replica read from
     aborted: bool = False
 
     @property
@@ -84,7 +85,7 @@ class DecodeWorker(WorkerThread):
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
-        return self.engine.has_unfinished or any(pp.pull is not None for pp in self.pending.values())
+        return self.engine.has_unfinished or any(pp.pulls for pp in self.pending.values())
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -114,14 +115,14 @@ class DecodeWorker(WorkerThread):
 
     def _on_handshake_failed(self, key: ProducerKey, message: str) -> None:
         for rid, pp in list(self.pending.items()):
-            if pp.key == key and pp.pull is None:
+            if pp.key == key and not pp.pulls:
                 self._pull_failed(rid, pp, message, release=False)
 
     def _on_abort(self, request_id: str) -> None:
         pp = self.pending.get(request_id)
         if pp is not None:
             pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop
-            if pp.pull is None:
+            if not pp.pulls:
                 self._drop_pending(request_id, pp)
             return
         out = self.engine.abort(request_id)
@@ -132,7 +133,7 @@ class DecodeWorker(WorkerThread):
 
     def _advance_pulls(self) -> None:
         for rid, pp in list(self.pending.items()):
-            if pp.pull is None:
+            if not pp.pulls:
                 self._maybe_start(rid, pp)
             else:
                 self._poll(rid, pp)
@@ -149,26 +150,42 @@ class DecodeWorker(WorkerThread):
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
         try:
-            pp.pull = self.consumer.start_pull(rid, pp.handle, pp.blocks)
+            pp.pulls = [
+                self.consumer.start_pull(rid, part, blocks, replica)
+                for part, blocks, replica in self._stripes(pp.handle, pp.blocks)
+            ]
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
 
+    def _stripes(self, handle: p.KVHandle, blocks: list[int]) -> list[tuple[p.KVHandle, list[int], int]]:
+        """(sub-handle, local blocks, replica) per READ: all from replica 0, or, with
+        ``pull_from = "striped"``, one contiguous share of the blocks from each replica
+        so several producers' links carry the pull."""
+        num = len(handle.replicas) if self.svc.cfg.pull_from == "striped" else 1
+        num = max(1, min(num, len(blocks)))
+        bounds = [len(blocks) * i // num for i in range(num + 1)]
+        return [
+            (msgspec.structs.replace(handle, block_ids=handle.block_ids[a:b]), blocks[a:b], i)
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
+
     def _poll(self, rid: str, pp: PendingPull) -> None:
-        assert pp.pull is not None
         try:
-            if not self.consumer.poll(pp.pull):
-                return
+            done = [self.consumer.poll(pull) for pull in pp.pulls if not pull.done]
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
             return
+        if not all(done):
+            return
         del self.pending[rid]
-        seconds = pp.pull.transfer_seconds or 0.0
+        seconds = max(pull.transfer_seconds or 0.0 for pull in pp.pulls)
+        num_bytes = sum(pull.num_bytes for pull in pp.pulls)
         self.metrics.inc("pdserve:kv_transfers")
-        self.metrics.inc("pdserve:kv_transfer_bytes", pp.pull.num_bytes)
+        self.metrics.inc("pdserve:kv_transfer_bytes", num_bytes)
         self.metrics.observe("pdserve:kv_transfer_seconds", seconds)
         self._release(pp.handle, rid, pp.msg.trace_id)
-        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=pp.pull.num_bytes,
-                  descriptors=pp.pull.num_descriptors, seconds=round(seconds, 4))
+        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=num_bytes,
+                  descriptors=sum(pull.num_descriptors for pull in pp.pulls), seconds=round(seconds, 4))
         if pp.aborted:
             self.engine.pool.free(pp.blocks or [])
             self._finish_aborted(rid, pp)
@@ -217,7 +234,7 @@ class DecodeWorker(WorkerThread):
             unreached = self.consumer.release(handle, rid, trace_id)
         for index in unreached:
             self.metrics.inc("pdserve:kv_notification_failures")
-            release = p.Release(request_id=rid, trace_id=trace_id, engine_id=handle.engine_id, epoch=handle.epoch)
+            release = p.Release(request_id=rid, trace_id=trace_id, engine_id=handle.engine_id, epoch=handle.epoch, rank=index)
             self.post(self.svc.send_side, handle.replicas[index].side_channel, release)
 
     def pending_by_producer(self) -> dict[str, tuple[str, int, list[str]]]:

@@ -28,7 +28,7 @@ class PrefillService(Service):
         self.engine_id = f"prefill-{instance}"
         # A new epoch on every start: handles issued by an earlier life are refused.
         self.epoch = time.time_ns()
-        self.handshake_reply: p.HandshakeReply | None = None
+        self.handshake_replies: list[p.HandshakeReply] = []  # one per PCP rank
         self.side: Any = None
         self.handlers[p.PrefillRequest] = self.on_prefill
         self.handlers[p.Abort] = self.on_abort
@@ -62,17 +62,19 @@ class PrefillService(Service):
     # -- side channel -----------------------------------------------------------------------
 
     def on_handshake(self, identity: bytes, msg: p.Handshake) -> None:
-        reply = self.handshake_reply
-        if reply is None:
+        replies = self.handshake_replies
+        if not replies:
             answer: p.Message = p.SideReply(ok=False, message=f"{self.engine_id} is still starting")
+        elif not 0 <= msg.rank < len(replies):
+            answer = p.SideReply(ok=False, message=f"{self.engine_id} has no rank {msg.rank} (pcp = {len(replies)})")
         elif msg.engine_id != self.engine_id or msg.epoch != self.epoch:
             answer = p.SideReply(ok=False, message=(
                 f"stale KV handle: it names {msg.engine_id} epoch {msg.epoch}, but this producer "
                 f"is {self.engine_id} epoch {self.epoch} (it restarted); resubmit the request"
             ))
         else:
-            answer = reply
-            self.log.info("handshake", consumer=msg.consumer)
+            answer = replies[msg.rank]
+            self.log.info("handshake", consumer=msg.consumer, rank=msg.rank)
         self.send(self.side, identity, answer)
 
     def on_heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
@@ -81,4 +83,4 @@ class PrefillService(Service):
 
     def on_release(self, identity: bytes, msg: p.Release) -> None:
         assert self.worker is not None
-        self.worker.submit(("release", msg))
+        self.worker.submit(("side_release", msg, msg.rank))

@@ -13,6 +13,8 @@ from pdserve.common.worker import WorkerThread
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
+    from pdserve.common.kv_transfer import KVProducer
+    from pdserve.services.prefill.rank_group import RankGroup
     from pdserve.services.prefill.prefill_engine import PrefillEngine, Prefilled
     from pdserve.services.prefill.service import PrefillService
 
@@ -29,43 +31,69 @@ class PrefillWorker(WorkerThread):
     def setup(self) -> None:
         import torch
 
-        from pdserve.common.kv_transfer import KVProducer
         from pdserve.services.prefill.prefill_engine import PrefillEngine
 
         torch.set_num_threads(self.svc.torch_threads)
-        self.engine: PrefillEngine = PrefillEngine(self.svc.cfg.engine_for("prefill"))
-        self.leases = LeaseTable(num_ranks=1, lease_seconds=self.svc.cfg.lease_seconds)
-        self.producer = KVProducer(
-            engine_id=self.svc.engine_id, epoch=self.svc.epoch,
-            agent_name=f"{self.svc.engine_id}-e{self.svc.epoch}-r0", kv_cache=self.engine.runner.kv_cache,
-            layout=self.engine.runner.layout, compat=self.engine.runner.kv_compat(),
-        )
-        self.svc.handshake_reply = self.producer.handshake_reply
-        self.replica = p.Replica(agent_name=self.producer.handshake_reply.agent_name, side_channel=self.svc.side_channel)
-        self.metrics = self.svc.metrics
+        cfg, svc = self.svc.cfg, self.svc
+        engine_cfg = cfg.engine_for("prefill")
+        self.ranks: RankGroup | None = None
+        self.producer: KVProducer | None = None
+        if cfg.pcp > 1:
+            from pdserve.services.prefill.rank_group import RankGroup
+
+            self.ranks = RankGroup(engine_cfg, cfg.pcp, svc.engine_id, svc.epoch)
+            self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
+            replies = self.ranks.handshake_replies
+        else:
+            from pdserve.common.kv_transfer import KVProducer
+
+            self.engine = PrefillEngine(engine_cfg)
+            runner = self.engine.runner
+            self.producer = KVProducer(
+                engine_id=svc.engine_id, epoch=svc.epoch, agent_name=f"{svc.engine_id}-e{svc.epoch}-r0",
+                kv_cache=runner.kv_cache, layout=runner.layout, compat=runner.kv_compat(),  # type: ignore[attr-defined]
+            )
+            replies = [self.producer.handshake_reply]
+        svc.handshake_replies = replies
+        self.replicas = [
+            p.Replica(agent_name=r.agent_name, side_channel=svc.side_channel, pcp_rank=rank)
+            for rank, r in enumerate(replies)
+        ]
+        self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
+        self.metrics = svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
         for rank in range(self.leases.num_ranks):
             self.metrics.declare("pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank)
 
     def teardown(self) -> None:
-        if hasattr(self, "producer"):
+        if hasattr(self, "leases"):
             for freed in self.leases.drop_all():
                 self._free(freed)
+        if self.producer is not None:
             self.producer.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def run_once(self, commands: list[Any]) -> bool:
         for command in commands:
             kind, *args = command
             getattr(self, f"_on_{kind}")(*args)
-        for release in self.producer.poll_releases():
-            self._on_release(release)
+        for rank, release in self._releases():
+            self._on_release(release, rank)
         for freed in self.leases.expire(time.time()):
             self._free(freed)
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
         return self.engine.has_unfinished
+
+    def _releases(self) -> list[tuple[int, p.Release]]:
+        """Releases received by every rank's NIXL agent, each with its rank."""
+        if self.ranks is not None:
+            return self.ranks.poll_releases()
+        assert self.producer is not None
+        return [(0, r) for r in self.producer.poll_releases()]
 
     # -- commands from the loop -----------------------------------------------------------
 
@@ -91,7 +119,10 @@ class PrefillWorker(WorkerThread):
         if self._is_ours(beat.engine_id, beat.epoch):
             self.leases.extend(beat.request_ids, time.time())
 
-    def _on_release(self, release: p.Release, rank: int = 0) -> None:
+    def _on_side_release(self, release: p.Release, rank: int) -> None:
+        self._on_release(release, rank)
+
+    def _on_release(self, release: p.Release, rank: int) -> None:
         if not self._is_ours(release.engine_id, release.epoch):
             log.warning("stale_release", request_id=release.request_id, epoch=release.epoch)
             return
@@ -123,7 +154,7 @@ class PrefillWorker(WorkerThread):
         deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
         handle = p.KVHandle(
             engine_id=self.svc.engine_id, epoch=self.svc.epoch, layout=self.engine.runner.layout,
-            block_ids=done.block_ids, num_tokens=done.num_tokens, replicas=[self.replica],
+            block_ids=done.block_ids, num_tokens=done.num_tokens, replicas=self.replicas,
             lease_deadline=deadline,
         )
         msg = p.PrefillDone(

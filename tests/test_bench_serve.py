@@ -1,0 +1,180 @@
+"""``pdserve bench serve``: the metrics on synthetic timestamps, the client against a fake
+server (failures are counted, never fatal), and one small run against a real deployment.
+
+Timings on a shared machine mean nothing, so no test asserts on speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from pdserve.cli.bench_serve import (
+    RequestRecord,
+    arrival_offsets,
+    compute_metrics,
+    format_table,
+    make_prompts,
+    percentile,
+)
+from pdserve.cli.main import main
+from tests.e2e import deployment
+
+
+def record(i: int, ttft: float, e2e: float, itl: list[float], out: int = 4) -> RequestRecord:
+    return RequestRecord(i, ok=True, prompt_tokens=10, output_tokens=out, ttft_s=ttft, e2e_s=e2e,
+                         itl_s=itl)  # fmt: skip
+
+
+def test_metrics_follow_vllm_definitions() -> None:
+    records = [
+        record(0, 0.1, 0.4, [0.1, 0.1, 0.1]),
+        record(1, 0.3, 0.9, [0.2, 0.2, 0.2]),
+        RequestRecord(2, error="HTTP 503: peer down", prompt_tokens=10),
+    ]
+    m = compute_metrics(records, duration_s=2.0)
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (20, 8)  # failed: not counted
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["total_token_throughput"] == pytest.approx(14.0)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p90_ttft_ms"] == pytest.approx(280.0)  # 100 + 0.9 * (300 - 100)
+    assert m["p99_ttft_ms"] == pytest.approx(298.0)
+    # TPOT per request: (e2e - ttft) / (out - 1) = 100 ms and 200 ms.
+    assert m["mean_tpot_ms"] == pytest.approx(150.0)
+    assert m["p99_tpot_ms"] == pytest.approx(199.0)
+    # ITL pools every gap of every request: three of 100 ms, three of 200 ms.
+    assert m["mean_itl_ms"] == pytest.approx(150.0)
+    assert m["median_itl_ms"] == pytest.approx(150.0)
+    assert m["p90_itl_ms"] == pytest.approx(200.0)
+    assert m["mean_e2el_ms"] == pytest.approx(650.0)
+
+
+def test_metrics_without_values_are_none_not_zero() -> None:
+    one_token = compute_metrics([record(0, 0.1, 0.1, [], out=1)], duration_s=1.0)
+    assert one_token["mean_tpot_ms"] is None and one_token["mean_itl_ms"] is None
+    assert one_token["mean_ttft_ms"] == pytest.approx(100.0)
+    nothing = compute_metrics([RequestRecord(0, error="boom")], duration_s=1.0)
+    assert (nothing["completed"], nothing["failed"], nothing["output_throughput"]) == (0, 1, 0)
+    assert nothing["p99_e2el_ms"] is None
+    assert "-" in format_table([{"label": "x", "metrics": nothing}])
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+
+
+def test_arrivals_are_seeded_poisson_or_all_at_once() -> None:
+    assert arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    a = arrival_offsets(2000, 10.0, 7)
+    assert a == arrival_offsets(2000, 10.0, 7) and a != arrival_offsets(2000, 10.0, 8)
+    assert a[0] == 0.0 and all(x <= y for x, y in itertools.pairwise(a))
+    assert a[-1] / (len(a) - 1) == pytest.approx(0.1, rel=0.1)  # mean gap 1 / rate
+
+
+def test_prompts_are_exact_distinct_and_in_range() -> None:
+    prompts = make_prompts(16, 32, (1000, 30000), seed=0)
+    assert prompts == make_prompts(16, 32, (1000, 30000), seed=0)
+    assert all(len(p) == 32 and all(1000 <= t < 30000 for t in p) for p in prompts)
+    assert len({p[0] for p in prompts}) > 1 and len({tuple(p) for p in prompts}) == 16
+    assert make_prompts(1, 32, (1000, 30000), seed=0, stream="warm-up")[0] not in prompts
+
+
+# -- a fake server: every other request fails, the rest stream four tokens -------------
+
+
+def fake_app() -> web.Application:
+    seen = {"n": 0}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "fake", "object": "model", "created": 0, "owned_by": "t", "max_model_len": 512}
+        ]})  # fmt: skip
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen["n"] += 1
+        if seen["n"] % 2 == 0:  # the warm-up is request 1: it succeeds
+            return web.json_response({"error": {"message": "overloaded"}}, status=429)
+        assert body["ignore_eos"] and body["stream"] and body["stream_options"]["include_usage"]
+        assert all(1000 <= t < 30000 for t in body["prompt"])  # no vocabulary: the fallback
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(0.005)
+            chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
+                 "total_tokens": len(body["prompt"]) + body["max_tokens"]}  # fmt: skip
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+@pytest.fixture
+def fake_url() -> Iterator[str]:
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(fake_app())
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
+               "--output-len", "3", "--max-concurrency", "1", "--json", str(out)])  # fmt: skip
+    assert rc == 1  # failures make the exit status non-zero, after the table and the JSON
+    [run] = json.loads(out.read_text())["runs"]
+    assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 2)
+    failed = [r for r in run["requests"] if not r["ok"]]
+    assert all("429" in r["error"] and "overloaded" in r["error"] for r in failed)
+    done = [r for r in run["requests"] if r["ok"]]
+    assert all(r["output_tokens"] == 3 and r["chunks"] == 3 for r in done)
+    assert run["server"]["token_id_range"] == [1000, 30000]
+    assert "TTFT p99 (ms)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_deployment(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    with deployment(tmp_path / "dep", model_dir) as dep:
+        rc = main(["bench", "serve", "--url", dep.url, "--num-prompts", "4", "--input-len", "32",
+                   "--output-len", "4", "--label", "e2e", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert payload["config"]["input_len"] == 32 and payload["config"]["label"] == "e2e"
+    [run] = payload["runs"]
+    metrics = run["metrics"]
+    assert (metrics["completed"], metrics["failed"]) == (4, 0)
+    assert metrics["total_output_tokens"] == 16 and metrics["cached_prompt_tokens"] == 0
+    assert run["server"]["vocab_size"] > 1000  # read from the router's /openapi.json
+    records = run["requests"]
+    assert all(r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"] for r in records)
+    assert all((r["prompt_tokens"], r["output_tokens"]) == (32, 4) for r in records)
