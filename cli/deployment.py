@@ -25,8 +25,9 @@ from pdserve.common.service_config import DeploymentConfig
 
 
 class Deployment:
-    def __init__(self, cfg: DeploymentConfig, log_dir: Path | None = None) -> None:
+    def __init__(self, cfg: DeploymentConfig, log_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.extra_env = env or {}
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.log_dir / "deployment.json"
@@ -45,7 +46,9 @@ class Deployment:
 
     def start(self) -> None:
         self.config_path.write_bytes(json.dumps(msgspec.to_builtins(self.cfg), indent=1).encode())
+        # The children get their configuration from the file alone, not from PDSERVE_* env.
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")}
+        env.update(self.extra_env)
         for name, args in self.roles():
             log = open(self.log_dir / f"{name}.log", "wb")
             cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]

@@ -28,10 +28,12 @@ def free_port_block(size: int = 100) -> int:
     raise RuntimeError("no free port block")
 
 
-def deployment(tmp: Path, model_dir: Path, engine: dict[str, Any] | None = None, **flags: Any) -> Deployment:
+def deployment(
+    tmp: Path, model_dir: Path, engine: dict[str, Any] | None = None, env: dict[str, str] | None = None, **flags: Any
+) -> Deployment:
     base = free_port_block()
     cfg = load_config(
         None, model=str(model_dir), base_port=base, http_port=base + 99, torch_threads=1,
         engine={"kv_cache_memory_gb": 0.25, **(engine or {})}, **flags,
     )
-    return Deployment(cfg, tmp)
+    return Deployment(cfg, tmp, env)

@@ -167,9 +167,10 @@ def wait_pull(consumer: KVConsumer, pull: Any) -> None:
         time.sleep(0.001)
 
 
-def wait_producer(proc: ProducerProc, ok: Any) -> tuple[list[Release], int]:
+def wait_producer(proc: ProducerProc, ok: Any, consumer: KVConsumer) -> tuple[list[Release], int]:
     deadline = time.monotonic() + WAIT_S
     while True:
+        consumer.progress()  # the sender drives its own notifications out
         releases, bad = proc.state()
         if ok(releases, bad):
             return releases, bad
@@ -211,7 +212,7 @@ def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: 
 
     want = Release(request_id="req-rel", trace_id="t-1", engine_id=ENGINE, epoch=EPOCH)
     for p in producers:  # replica 1 was not read from and is released too
-        releases, _ = wait_producer(p, lambda rs, _: any(r.request_id == "req-rel" for r in rs))
+        releases, _ = wait_producer(p, lambda rs, _: any(r.request_id == "req-rel" for r in rs), consumer)
         time.sleep(0.05)
         releases, _ = p.state()
         assert [r for r in releases if r.request_id == "req-rel"] == [want]
@@ -283,6 +284,7 @@ def test_malformed_notification_counted_not_raised(
     releases, bad = wait_producer(
         target,
         lambda rs, b: b >= bad_before + 3 and any(r.request_id == "req-after-bad" for r in rs),
+        consumer,
     )
     assert bad == bad_before + 3
     assert target.proc.is_alive()

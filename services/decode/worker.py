@@ -81,6 +81,7 @@ class DecodeWorker(WorkerThread):
         for command in commands:
             kind, *args = command
             getattr(self, f"_on_{kind}")(*args)
+        self.consumer.progress()
         self._advance_pulls()
         if self.engine.has_unfinished:
             self._step()

@@ -1,0 +1,130 @@
+"""Prefill context parallelism: real rank processes (gloo), real NIXL, real services.
+
+PCP = 1, 2, 4 must give the monolithic engine's tokens; every rank must end with an
+equal KV replica; every replica rank is released (or expires) on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import LLMEngine
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_runner import ModelRunner
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.services.prefill.rank_group import RankGroup
+from tests.e2e import deployment
+from tests.test_serving import assert_pools_full, metrics, total
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mono(model_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gb=0.25, max_num_batched_tokens=1024))
+
+
+def prompts(mono: LLMEngine) -> list[list[int]]:
+    tok = mono.tokenizer
+    story = " ".join(f"Line {i}: the {i}th lantern was lit at dusk." for i in range(260))
+    return [
+        [tok.encode("Hi")[0]],  # one token: fewer tokens than ranks
+        tok.encode("Paris is"),
+        tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode(story)[:3000],  # several chunks of 1024
+    ]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: int) -> None:
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=12)
+    ref = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, cfg)
+    group = RankGroup(cfg, num_ranks, "prefill-test", 1)
+    try:
+        ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(num_ranks)).tolist()
+        steps = [  # a 1-token prompt, then a 200-token prompt in two chunks (the second over a cached prefix)
+            StepPlan([ScheduledSeq("one", [7], 0, [9], True), ScheduledSeq("long", ids[:130], 0, [2, 3, 4, 5], False)]),
+            StepPlan([ScheduledSeq("long", ids[130:], 130, [2, 3, 4, 5], True)]),
+        ]
+        for plan in steps:
+            torch.testing.assert_close(group.execute(plan), ref.execute(plan), rtol=0, atol=1e-4)
+        blocks = [2, 3, 4, 5, 9]
+        replicas = [group.cache_blocks(r, blocks) for r in range(num_ranks)]
+        for replica in replicas[1:]:
+            assert np.array_equal(replica, replicas[0])
+        np.testing.assert_allclose(replicas[0], ref.kv_cache[blocks].float().numpy().ravel(), atol=1e-4)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("pcp, pull_from", [(2, "first"), (2, "striped"), (4, "striped")])
+def test_pcp_serving_matches_the_monolithic_engine(tmp_path: Path, model_dir: Path, mono: LLMEngine, pcp: int, pull_from: str) -> None:
+    from pdserve.services.router.client import AsyncClient
+
+    cases = prompts(mono)
+    want = [c.token_ids for c in mono.generate(cases, SamplingParams(max_tokens=8))]
+    with deployment(tmp_path, model_dir, pcp=pcp, pull_from=pull_from, engine={"max_num_batched_tokens": 1024}) as dep:
+        async def run() -> list[list[int]]:
+            async with AsyncClient(dep.cfg.front_address) as client:
+                results = await asyncio.gather(*(client.generate(prompt_token_ids=c, max_tokens=8, temperature=0.0) for c in cases))
+            return [r.token_ids for r in results]
+
+        assert asyncio.run(run()) == want
+        snap = metrics(dep.url)
+        for rank in range(pcp):
+            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == len(cases)
+        assert_pools_full(dep.url)
+
+
+@pytest.mark.parametrize("pcp", [2, 4])
+def test_64_concurrent_requests_release_every_replica(tmp_path: Path, model_dir: Path, pcp: int) -> None:
+    from pdserve.services.router.client import AsyncClient
+
+    with deployment(tmp_path, model_dir, pcp=pcp) as dep:
+        async def run() -> list[str]:
+            async with AsyncClient(dep.cfg.front_address, timeout=600) as client:
+                results = await asyncio.gather(*(
+                    client.generate(prompt_token_ids=[(i * 11 + j) % 30000 + 100 for j in range(1 + (i * 29) % 200)], max_tokens=2 + i % 5)
+                    for i in range(64)
+                ))
+            return [r.finish_reason for r in results]
+
+        assert len(asyncio.run(run())) == 64
+        snap = metrics(dep.url)
+        for rank in range(pcp):
+            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == 64
+            assert snap[f"pdserve:kv_expired_requests_total{{service=prefill,instance=0,rank={rank}}}"] == 0
+        assert total(snap, "pdserve:kv_transfers_total") == 64
+        assert_pools_full(dep.url)
+
+
+def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model_dir: Path) -> None:
+    from pdserve.services.router.client import Client
+    from pdserve.services.prefill.rank import DROP_RELEASES_ENV
+
+    with deployment(tmp_path, model_dir, pcp=2, lease_seconds=3.0, env={DROP_RELEASES_ENV: "1"}) as dep:
+        with Client(dep.cfg.front_address) as client:
+            for i in range(3):
+                assert client.generate(prompt_token_ids=list(range(500 + i, 600 + i)), max_tokens=3).token_ids
+        deadline = 30.0
+        import time
+
+        start = time.monotonic()
+        while time.monotonic() - start < deadline:
+            snap = metrics(dep.url)
+            if snap["pdserve:kv_expired_requests_total{service=prefill,instance=0,rank=1}"] == 3:
+                break
+            time.sleep(0.5)
+        assert snap["pdserve:kv_expired_requests_total{service=prefill,instance=0,rank=1}"] == 3
+        assert snap["pdserve:kv_expired_requests_total{service=prefill,instance=0,rank=0}"] == 0
+        assert snap["pdserve:kv_replica_releases_total{service=prefill,instance=0,rank=0}"] == 3
+        assert snap["pdserve:kv_replica_releases_total{service=prefill,instance=0,rank=1}"] == 0
+        assert_pools_full(dep.url)
