@@ -52,7 +52,10 @@ class Deployment:
         for name, args in self.roles():
             log = open(self.log_dir / f"{name}.log", "wb")
             cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
-            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
@@ -99,6 +102,17 @@ class Deployment:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, so a killed ``pdserve
+    up`` (or test run) never leaves services behind (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 def local_config(**flags: Any) -> DeploymentConfig:
