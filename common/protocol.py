@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar, Union
 import msgspec
 
 from pdserve.common.kv_layout import KVLayout
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

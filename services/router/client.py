@@ -49,7 +49,8 @@ from pdserve.common.protocol import (
     Usage,
     encode,
 )
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.sockets import make_socket
 
 log = structlog.get_logger("pdserve.client")
 
@@ -86,13 +87,8 @@ class Result:
 
 
 def _dealer(ctx: zmq.Context[_S], address: str) -> _S:
-    """The client's one socket. (To become common.sockets.make_socket(ctx, zmq.DEALER, ...).)"""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)  # closing must not wait on a router that is gone
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.connect(address)
-    return sock
+    """The client's one socket, from the project's socket factory."""
+    return make_socket(ctx, zmq.DEALER, connect=address, hwm=HWM)
 
 
 def _request(

@@ -21,7 +21,7 @@ import msgspec
 from msgspec import Meta
 
 from pdserve.common.protocol import Usage
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
