@@ -42,7 +42,8 @@ def time_prefill(runner: object, length: int, chunk: int, block_size: int, repea
     for _ in range(repeats):
         started = time.perf_counter()
         for plan in plans(length, chunk, block_size):
-            runner.execute(plan)  # type: ignore[attr-defined]
+            logits = runner.execute(plan)  # type: ignore[attr-defined]
+        float(logits.sum())  # waits for the device
         samples.append(time.perf_counter() - started)
     return statistics.median(samples)
 
@@ -50,6 +51,7 @@ def time_prefill(runner: object, length: int, chunk: int, block_size: int, repea
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--lengths", default="1024,2048,4096")
     ap.add_argument("--pcp", default="1,2,4")
     ap.add_argument("--chunk", type=int, default=2048)
@@ -60,7 +62,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     model_dir = resolve_model(args.model)
     blocks = -(-max(lengths) // 64) + 1
-    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=blocks, max_num_batched_tokens=args.chunk)
+    cfg = EngineConfig(model=str(model_dir), device=args.device, num_kv_blocks=blocks, max_num_batched_tokens=args.chunk)
     rows = []
     for n in [int(x) for x in args.pcp.split(",")]:
         if n == 1:
@@ -77,7 +79,7 @@ def main() -> None:
         finally:
             if isinstance(runner, RankGroup):
                 runner.close()
-    result = {"model": str(model_dir), "cpu_count": os.cpu_count(), "chunk": args.chunk, "torch": torch.__version__, "rows": rows}
+    result = {"model": str(model_dir), "device": args.device, "cpu_count": os.cpu_count(), "chunk": args.chunk, "torch": torch.__version__, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
