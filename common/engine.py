@@ -57,6 +57,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
+        self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self._arrivals = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
@@ -111,9 +112,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan, reqs = self.scheduler.schedule()
-        if not plan.seqs:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r}")
+        self.last_step_tokens = plan.num_tokens
+        if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             return []
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(reqs, plan)
@@ -167,7 +167,11 @@ class LLMEngine:
         tokens = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self.step():
+            outputs = self.step()
+            if self.last_step_tokens == 0:
+                # Here nothing else holds blocks, so an empty step would repeat forever.
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r}")
+            for out in outputs:
                 texts[out.request_id].append(out.text)
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:

@@ -86,7 +86,8 @@ class DecodeWorker(WorkerThread):
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
-        return self.engine.has_unfinished or any(pp.pulls for pp in self.pending.values())
+        computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
+        return computing or any(pp.pulls for pp in self.pending.values())
 
     # -- commands ---------------------------------------------------------------------------
 

@@ -86,7 +86,9 @@ class PrefillWorker(WorkerThread):
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
-        return self.engine.has_unfinished
+        # Busy only while steps compute: requests waiting for pinned blocks to come back
+        # must not spin the loop.
+        return self.engine.has_unfinished and self.engine.last_step_tokens > 0
 
     def _releases(self) -> list[tuple[int, p.Release]]:
         """Releases received by every rank's NIXL agent, each with its rank."""

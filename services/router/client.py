@@ -293,6 +293,8 @@ class AsyncClient:
                 yield event
 
     async def abort(self, request_id: str) -> None:
+        if self._sock.closed:  # the client is closed: nothing of it runs any more
+            return
         await self._sock.send(encode(Abort(request_id=request_id)))
 
     async def _events(
