@@ -48,6 +48,47 @@ def time_prefill(runner: object, length: int, chunk: int, block_size: int, repea
     return statistics.median(samples)
 
 
+def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, float]:
+    """Seconds to pull every block of the cache from replica 0 vs striped over all replicas
+    (a decode-side NIXL agent in this process, READs as the decode service issues them)."""
+    import msgspec
+
+    from pdserve.common import protocol as p
+    from pdserve.common.kv_transfer import KVConsumer
+
+    layout = group.layout
+    cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device)
+    consumer = KVConsumer(agent_name="bench-decode", kv_cache=cache, layout=layout, compat=group.handshake_replies[0].compat)
+    try:
+        for reply in group.handshake_replies:
+            consumer.connect(reply)
+        first = group.handshake_replies[0]
+        blocks = list(range(layout.num_blocks))
+        handle = p.KVHandle(
+            engine_id=first.engine_id, epoch=first.epoch, layout=layout, block_ids=blocks, num_tokens=len(blocks) * layout.block_size,
+            replicas=[p.Replica(agent_name=r.agent_name, side_channel="", pcp_rank=i) for i, r in enumerate(group.handshake_replies)],
+            lease_deadline=0.0,
+        )
+        out = {}
+        for mode, parts in (("first", 1), ("striped", len(group.handshake_replies))):
+            samples = []
+            for _ in range(repeats):
+                bounds = [len(blocks) * i // parts for i in range(parts + 1)]
+                started = time.perf_counter()
+                pulls = [
+                    consumer.start_pull("bench", msgspec.structs.replace(handle, block_ids=blocks[a:b]), blocks[a:b], i)
+                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                ]
+                while not all(consumer.poll(pull) for pull in pulls):
+                    pass
+                samples.append(time.perf_counter() - started)
+            out[mode] = statistics.median(samples)
+        out["bytes"] = float(layout.total_bytes)
+        return out
+    finally:
+        consumer.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -63,7 +104,8 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     blocks = -(-max(lengths) // 64) + 1
     cfg = EngineConfig(model=str(model_dir), device=args.device, num_kv_blocks=blocks, max_num_batched_tokens=args.chunk)
-    rows = []
+    rows: list[dict[str, float]] = []
+    pulls: list[dict[str, float]] = []
     for n in [int(x) for x in args.pcp.split(",")]:
         if n == 1:
             torch.set_num_threads(int(os.environ.get("PDSERVE_RANK_THREADS", "1")))
@@ -76,10 +118,16 @@ def main() -> None:
                 seconds = time_prefill(runner, length, args.chunk, 64, args.repeats)
                 rows.append({"pcp": n, "tokens": length, "seconds": seconds, "tokens_per_s": length / seconds})
                 print(f"pcp {n}  tokens {length:6d}  {seconds * 1000:9.1f} ms  {length / seconds:9.1f} tok/s", flush=True)
+            if isinstance(runner, RankGroup):
+                t = time_pulls(runner, args.device)
+                pulls.append({"pcp": n, **t})
+                gb = t["bytes"] / 1e9
+                print(f"pcp {n}  pull {gb:.3f} GB  first {t['first'] * 1000:.1f} ms ({gb / t['first']:.2f} GB/s)"
+                      f"  striped {t['striped'] * 1000:.1f} ms ({gb / t['striped']:.2f} GB/s)", flush=True)
         finally:
             if isinstance(runner, RankGroup):
                 runner.close()
-    result = {"model": str(model_dir), "device": args.device, "cpu_count": os.cpu_count(), "chunk": args.chunk, "torch": torch.__version__, "rows": rows}
+    result = {"model": str(model_dir), "device": args.device, "cpu_count": os.cpu_count(), "chunk": args.chunk, "torch": torch.__version__, "rows": rows, "pulls": pulls}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -88,13 +88,13 @@ def run_demo(args: argparse.Namespace) -> int:
     dep = _start(args)
     try:
         for prompt in DEMO_PROMPTS:
-            body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens}).encode()
+            body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": 0}).encode()
             req = urllib.request.Request(f"{dep.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as resp:
                 answer = json.loads(resp.read())["choices"][0]["message"]["content"]
             print(f"> {prompt}  [HTTP /v1/chat/completions]\n{answer.strip()}\n")
         with Client(dep.cfg.front_address) as client:
-            result = client.generate(prompt="The three primary colors are", max_tokens=args.max_tokens)
+            result = client.generate(prompt="The three primary colors are", max_tokens=args.max_tokens, temperature=0.0)
         print(f"> The three primary colors are  [ZMQ SDK, raw completion]\n{result.text.strip()}\n")
     finally:
         dep.stop()
