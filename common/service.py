@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -136,6 +135,3 @@ class Service(abc.ABC):
     def on_metrics(self, identity: bytes, msg: p.MetricsQuery) -> None:
         self.reply(identity, p.MetricsReport(samples=self.metrics.samples()))
 
-
-def now() -> float:
-    return time.time()

@@ -19,6 +19,18 @@ import structlog
 log = structlog.get_logger("pdserve.worker")
 
 
+def report_engine(metrics: Any, engine: Any, num_pending: int, preemptions_seen: int) -> int:
+    """Set a service engine's pool and queue gauges and count new preemptions; returns the
+    preemption total now seen (the scheduler counts in total, the metric in increments)."""
+    sched = engine.scheduler
+    metrics.set("pdserve:kv_blocks_free", engine.pool.num_free_blocks)
+    metrics.set("pdserve:num_requests_running", len(sched.running))
+    metrics.set("pdserve:num_requests_waiting", len(sched.waiting) + num_pending)
+    if sched.num_preemptions > preemptions_seen:
+        metrics.inc("pdserve:num_preemptions", sched.num_preemptions - preemptions_seen)
+    return int(sched.num_preemptions)
+
+
 class WorkerThread(threading.Thread):
     """Runs ``setup()`` once, then ``run_once(commands)`` until stopped.
 

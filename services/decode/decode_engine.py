@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.common.engine import LLMEngine
-from pdserve.common.outputs import RequestOutput, TextTracker
+from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
 
 
@@ -28,8 +28,7 @@ class DecodeEngine(LLMEngine):
             req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = num_cached_tokens
         req.output_token_ids.append(first_token)
-        self._requests[request_id] = (req, TextTracker(self.tokenizer, sampling.stop))
-        self.scheduler.add(req)
+        self._track(req)
         return self._emit(req, first_token)
 
     def blocks_for_prompt(self, num_tokens: int) -> int:

@@ -17,7 +17,7 @@ import structlog
 from pdserve.common import protocol as p
 from pdserve.common.errors import PdserveError
 from pdserve.common.outputs import RequestOutput
-from pdserve.common.worker import WorkerThread
+from pdserve.common.worker import WorkerThread, report_engine
 
 if TYPE_CHECKING:
     from pdserve.common.kv_transfer import Pull
@@ -280,10 +280,4 @@ class DecodeWorker(WorkerThread):
         self.post(self.svc.reply, identity, p.Failed(request_id=rid, trace_id=trace_id, reason=reason, message=message))
 
     def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.set("pdserve:kv_blocks_free", self.engine.pool.num_free_blocks)
-        self.metrics.set("pdserve:num_requests_running", len(sched.running))
-        self.metrics.set("pdserve:num_requests_waiting", len(sched.waiting) + len(self.pending))
-        if sched.num_preemptions > self._num_preemptions:
-            self.metrics.inc("pdserve:num_preemptions", sched.num_preemptions - self._num_preemptions)
-            self._num_preemptions = sched.num_preemptions
+        self._num_preemptions = report_engine(self.metrics, self.engine, len(self.pending), self._num_preemptions)

@@ -9,7 +9,7 @@ import structlog
 
 from pdserve.common import protocol as p
 from pdserve.common.errors import PdserveError
-from pdserve.common.worker import WorkerThread
+from pdserve.common.worker import WorkerThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
@@ -175,10 +175,4 @@ class PrefillWorker(WorkerThread):
         self.post(self.svc.reply, identity, p.Failed(request_id=request_id, trace_id=trace_id, reason=reason, message=message))
 
     def _update_gauges(self) -> None:
-        self.metrics.set("pdserve:kv_blocks_free", self.engine.pool.num_free_blocks)
-        self.metrics.set("pdserve:num_requests_running", len(self.engine.scheduler.running))
-        self.metrics.set("pdserve:num_requests_waiting", len(self.engine.scheduler.waiting))
-        preempted = self.engine.scheduler.num_preemptions - self._num_preemptions
-        if preempted:
-            self.metrics.inc("pdserve:num_preemptions", preempted)
-            self._num_preemptions += preempted
+        self._num_preemptions = report_engine(self.metrics, self.engine, 0, self._num_preemptions)
