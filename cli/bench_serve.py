@@ -31,7 +31,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -338,24 +337,11 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
 # -- deployments (--compare) ------------------------------------------------------------
 
 
-def _free_base_port(size: int = 100) -> int:
-    """A base port with the block above it free (the services derive theirs from it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        with contextlib.suppress(OSError), contextlib.ExitStack() as stack:
-            for port in range(base, min(base + size, 65536)):
-                stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            if base + size <= 65536:
-                return base
-    raise RuntimeError("no free block of local ports")
-
-
 def run_deployed(args: argparse.Namespace, label: str, colocated: bool) -> dict[str, Any]:
     from pdserve.cli.deployment import Deployment, local_config
+    from pdserve.common.ports import free_port_block
 
-    base = _free_base_port()
+    base = free_port_block(100)
     cfg = local_config(model=args.model, device=args.device, colocated=colocated,
                        base_port=base, http_port=base + 99)  # fmt: skip
     dep = Deployment(cfg)

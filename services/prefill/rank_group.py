@@ -9,18 +9,17 @@ one per rank, and the lease table frees a request only when all ranks have repor
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-
 from pdserve.common import protocol as p
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.kv_layout import KVLayout
+from pdserve.common.ports import free_port
 from pdserve.common.step_plan import StepPlan
 from pdserve.services.prefill.rank import rank_main
 
@@ -38,7 +37,7 @@ class RankFailed(PdserveError):
 class RankGroup:
     def __init__(self, config: EngineConfig, num_ranks: int, engine_id: str, epoch: int) -> None:
         ctx = mp.get_context("spawn")
-        dist_addr = f"tcp://127.0.0.1:{_free_port()}"
+        dist_addr = f"tcp://127.0.0.1:{free_port()}"
         self.num_ranks = num_ranks
         self.conns: list[Any] = []
         self.procs: list[Any] = []
@@ -118,9 +117,3 @@ class RankGroup:
             raise RankFailed(msg[1])
         else:
             raise RankFailed(f"prefill rank {rank} sent an unexpected {msg[0]!r}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
