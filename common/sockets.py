@@ -3,7 +3,8 @@
 It owns the settings that matter for a server: bounded queues (HWM), no linger on close
 (a dead peer must not block shutdown), a maximum message size (a hostile or broken peer
 cannot make us allocate without bound), ZMTP heartbeats (a silent peer is noticed), and
-reconnect back-off.
+reconnect back-off, and CURVE (``curve=``: encryption plus authentication of the peer;
+see curve.py). Every bound CURVE socket gets its context's ZAP authenticator first.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
+
+from pdserve.common.curve import CurveKeys, ensure_authenticator, watch_handshakes
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # a prompt of 1M tokens as msgpack ints is ~5 MB
 DEFAULT_HWM = 10_000
@@ -27,10 +30,16 @@ def make_socket(
     identity: bytes | None = None,
     hwm: int = DEFAULT_HWM,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    curve: CurveKeys | None = None,
 ) -> zmq.Socket[Any]:
-    """A configured socket, bound or connected. Works for sync and asyncio contexts."""
+    """A configured socket, bound or connected. Works for sync and asyncio contexts
+    (an asyncio context's first CURVE server socket needs a running loop)."""
     if (bind is None) == (connect is None):
         raise ValueError("make_socket needs exactly one of bind= or connect=")
+    if curve is not None and (curve.server_key is None) != (bind is not None):
+        raise ValueError("a bound socket takes server CurveKeys, a connected one client CurveKeys")
+    if curve is not None and bind is not None:
+        ensure_authenticator(ctx, curve)
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -45,6 +54,9 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if curve is not None:
+        curve.apply(sock)
+        watch_handshakes(sock, bind or connect or "", curve)
     if bind is not None:
         sock.bind(bind)
     else:

@@ -1,0 +1,270 @@
+"""CURVE security for every ZeroMQ socket: key files, the keys of each side, and the one
+ZAP authenticator per context that decides who may connect.
+
+A key directory (``pdserve keys --dir DIR``) holds::
+
+    server.key, server.key_secret   every bound socket: router front door, prefill and
+                                    decode ROUTERs, prefill side channels
+    client.key, client.key_secret   the deployment's own connections (router -> services,
+                                    decode -> prefill side channels)
+    <name>.key, <name>.key_secret   an SDK user's pair (``pdserve keys --client NAME``)
+    authorized_keys/*.key           public keys let in; removing one locks its owner out
+
+A server socket encrypts with the server pair and asks the context's authenticator
+about every peer: a peer whose public key is not in ``authorized_keys`` is refused
+(``curve_refused`` in the log, ``pdserve:auth_failures``), and so is a peer without
+CURVE or with a wrong server key (``handshake_failed``, seen by a socket monitor). The
+directory is re-read when it changes, so keys can be added or revoked without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve.common.errors import PdserveError
+
+log = structlog.get_logger("pdserve.curve")
+
+SERVER = "server"
+CLIENT = "client"
+AUTHORIZED = "authorized_keys"
+# Handshake failures that never reach the authenticator: no CURVE at all, a wrong server
+# key (the HELLO cannot be decrypted), a mangled handshake.
+LOG_EVERY_S = 10.0  # a refused peer reconnects every few seconds: one log line per key this often
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One side's CURVE settings (z85 keys). A client names the server's public key; a
+    server names the directory of client keys it lets in."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes | None = None  # client side: the public key of the server it connects to
+    authorized_dir: Path | None = None  # server side: *.key files of the clients let in
+    on_refused: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.server_key is None) == (self.authorized_dir is None):
+            raise ValueError("CurveKeys is either a client (server_key) or a server (authorized_dir)")
+
+    @classmethod
+    def client(cls, keys_dir: str | Path, name: str = CLIENT) -> CurveKeys:
+        """A client's keys from a key directory: its own pair and the server's public key."""
+        directory = Path(keys_dir)
+        public, secret = _load_pair(directory, name)
+        server, _ = _load_pair(directory, SERVER, public_only=True)
+        return cls(public_key=public, secret_key=secret, server_key=server)
+
+    @classmethod
+    def server(cls, keys_dir: str | Path, on_refused: Callable[[], None] | None = None) -> CurveKeys:
+        directory = Path(keys_dir)
+        public, secret = _load_pair(directory, SERVER)
+        authorized = directory / AUTHORIZED
+        if not authorized.is_dir():
+            raise PdserveError(f"CURVE key directory {directory} has no {AUTHORIZED}/; "
+                               f"create one with `pdserve keys --dir {directory}`")  # fmt: skip
+        return cls(public_key=public, secret_key=secret, authorized_dir=authorized, on_refused=on_refused)
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        """Set the socket's CURVE options (before bind or connect)."""
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key)
+        if self.server_key is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_key)
+        else:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+
+
+@dataclass(frozen=True)
+class WireSecurity:
+    """A process's CURVE keys: ``server`` for the sockets it binds, ``client`` for the ones
+    it connects; both None when security is off."""
+
+    server: CurveKeys | None = None
+    client: CurveKeys | None = None
+
+    @classmethod
+    def from_dir(cls, keys_dir: str, on_refused: Callable[[], None] | None = None) -> WireSecurity:
+        if not keys_dir:
+            return cls()
+        return cls(server=CurveKeys.server(keys_dir, on_refused), client=CurveKeys.client(keys_dir))
+
+
+def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:
+    """Create the missing key pairs of a key directory (existing ones are kept) and
+    authorize every client pair. Returns the files written."""
+    directory = Path(keys_dir)
+    authorized = directory / AUTHORIZED
+    authorized.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    written: list[Path] = []
+    for name in (SERVER, CLIENT, *clients):
+        if not name or "/" in name or name == AUTHORIZED or name.startswith("."):
+            raise PdserveError(f"bad key name {name!r}: use letters, digits, '-' or '_'")
+        public = directory / f"{name}.key"
+        if not public.exists():
+            public_path, secret_path = zmq.auth.create_certificates(directory, name)
+            Path(secret_path).chmod(0o600)
+            written += [Path(public_path), Path(secret_path)]
+        if name != SERVER and not (authorized / public.name).exists():
+            shutil.copyfile(public, authorized / public.name)
+            written.append(authorized / public.name)
+    return written
+
+
+def _load_pair(directory: Path, name: str, public_only: bool = False) -> tuple[bytes, bytes]:
+    path = directory / (f"{name}.key" if public_only else f"{name}.key_secret")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise PdserveError(f"cannot load CURVE key {path}: {exc}; create keys with "
+                           f"`pdserve keys --dir {directory}`") from None  # fmt: skip
+    if not public_only and not secret:
+        raise PdserveError(f"{path} holds no secret key")
+    return public, secret or b""
+
+
+# -- the authenticator ------------------------------------------------------------------------
+
+
+class _Authorized:
+    """The credentials provider: the public keys in a directory, re-read when it changes."""
+
+    def __init__(self, directory: Path, on_refused: Callable[[], None] | None) -> None:
+        self.directory = directory
+        self.on_refused = on_refused
+        self.peer = "?"  # the address of the handshake being decided (set before each call)
+        self._mtime = -1.0
+        self._keys: set[bytes] = set()
+        self._logged: dict[bytes, float] = {}  # key -> when it was last logged
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        self._reload()
+        if key in self._keys:
+            return True
+        if self.on_refused is not None:
+            self.on_refused()
+        now = time.monotonic()
+        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:  # it retries: log it once a while
+            if len(self._logged) > 1000:
+                self._logged.clear()
+            self._logged[key] = now
+            log.warning("curve_refused", peer=self.peer, client_key=key.decode(errors="replace"),
+                        authorized_keys=str(self.directory),
+                        hint="the client's public key is not in authorized_keys")  # fmt: skip
+        return False
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.directory.stat().st_mtime
+        except OSError:
+            mtime = -2.0
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            self._keys = set(zmq.auth.load_certificates(self.directory))
+        except OSError as exc:  # nobody gets in rather than everybody
+            log.error("curve_keys_unreadable", authorized_keys=str(self.directory), error=str(exc))
+            self._keys = set()
+
+
+class _PeerAware:
+    """Remembers the peer address of the ZAP request being decided, for the log."""
+
+    provider: _Authorized
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.provider.peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)  # type: ignore[misc]
+
+
+class _AsyncioAuth(_PeerAware, AsyncioAuthenticator):
+    pass
+
+
+class _ThreadAuth(_PeerAware, ThreadAuthenticator):
+    pass
+
+
+_authenticators: weakref.WeakKeyDictionary[zmq.Context[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
+    """One ZAP handler per context, started before its first CURVE server socket binds
+    (without one, libzmq lets any CURVE client in). An asyncio context needs a running loop."""
+    if ctx in _authenticators:
+        return
+    assert keys.authorized_dir is not None
+    auth = _AsyncioAuth(ctx) if isinstance(ctx, zmq.asyncio.Context) else _ThreadAuth(ctx)
+    auth.provider = _Authorized(keys.authorized_dir, keys.on_refused)
+    auth.start()
+    auth.configure_curve_callback("*", auth.provider)
+    _authenticators[ctx] = auth
+
+
+def watch_handshakes(sock: zmq.Socket[Any], address: str, keys: CurveKeys) -> None:
+    """Log failed handshakes, and count them on a server (where the authenticator is not
+    asked: no CURVE, a wrong server key). Asyncio sockets only: a task reads the socket's
+    monitor until the socket or context closes."""
+    if not isinstance(sock, zmq.asyncio.Socket):
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    is_server = keys.server_key is None
+    events = _HANDSHAKE_FAILURES if is_server else _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    monitor = sock.get_monitor_socket(events)
+    task = loop.create_task(_watch(monitor, address, is_server, keys.on_refused))
+    _monitor_tasks.add(task)
+    task.add_done_callback(_monitor_tasks.discard)
+
+
+_monitor_tasks: set[asyncio.Task[None]] = set()
+
+
+def describe_failure(event: int, is_server: bool = False) -> str:
+    """What a failed handshake most likely means, for a person."""
+    if is_server:  # libzmq tells a server little: both cases look alike
+        return "a peer without CURVE keys, or with a wrong server public key"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "the server refused this client's CURVE key (not in its authorized_keys)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return "one side uses CURVE and the other does not (security settings differ)"
+    return "the handshake failed: most likely a wrong server public key"
+
+
+async def _watch(monitor: zmq.asyncio.Socket, address: str, is_server: bool,
+                 on_refused: Callable[[], None] | None) -> None:  # fmt: skip
+    last_log = -LOG_EVERY_S
+    while True:
+        try:
+            event = parse_monitor_message(await monitor.recv_multipart())
+        except (zmq.ZMQError, asyncio.CancelledError):  # the socket or context closed
+            return
+        if on_refused is not None:
+            on_refused()
+        now = time.monotonic()
+        if now - last_log >= LOG_EVERY_S:  # a peer retrying every 100 ms: one line a while
+            last_log = now
+            log.warning("handshake_failed", address=address, side="server" if is_server else "client",
+                        zmq_event=zmq.Event(event["event"]).name,
+                        hint=describe_failure(event["event"], is_server))  # fmt: skip
