@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import bench, generate, serve, up
+from pdserve.cli import bench, generate, keys, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     serve.add_parsers(sub)
     up.add_parsers(sub)
+    keys.add_parser(sub)
     return parser
 
 

@@ -25,6 +25,8 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel ranks per prefill instance")
     p.add_argument("--colocated", action="store_true", default=None, help="no prefill service: decode computes prompts")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--curve-keys-dir", default=None,
+                   help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
 
 
 def add_parsers(sub: Any) -> None:
@@ -46,7 +48,11 @@ def _start(args: argparse.Namespace) -> Any:
         config=args.config, http_port=args.http_port, model=args.model, device=args.device,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         colocated=args.colocated, pcp=args.pcp,
+        security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
     )
+    from pdserve.common.curve import WireSecurity
+
+    WireSecurity.from_dir(cfg.security.curve_keys_dir)  # bad keys: one error now, not one per child
     dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
     started = time.monotonic()
     print(f"starting {', '.join(name for name, _ in dep.roles())} (logs in {dep.log_dir})", file=sys.stderr)
@@ -79,6 +85,13 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sdk_keys(cfg: Any) -> Any:
+    from pdserve.common.curve import CurveKeys
+
+    keys_dir = cfg.security.curve_keys_dir
+    return CurveKeys.client(keys_dir) if keys_dir else None
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import json
     import urllib.request
@@ -93,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
             with urllib.request.urlopen(req, timeout=300) as resp:
                 answer = json.loads(resp.read())["choices"][0]["message"]["content"]
             print(f"> {prompt}  [HTTP /v1/chat/completions]\n{answer.strip()}\n")
-        with Client(dep.cfg.front_address) as client:
+        with Client(dep.cfg.front_address, curve=_sdk_keys(dep.cfg)) as client:
             result = client.generate(prompt="The three primary colors are", max_tokens=args.max_tokens, temperature=0.0)
         print(f"> The three primary colors are  [ZMQ SDK, raw completion]\n{result.text.strip()}\n")
     finally:

@@ -20,13 +20,14 @@ directory is re-read when it changes, so keys can be added or revoked without a 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -38,6 +39,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.errors import PdserveError
 
+if TYPE_CHECKING:
+    from pdserve.common.metrics import Metrics
+
 log = structlog.get_logger("pdserve.curve")
 
 SERVER = "server"
@@ -45,6 +49,7 @@ CLIENT = "client"
 AUTHORIZED = "authorized_keys"
 # Handshake failures that never reach the authenticator: no CURVE at all, a wrong server
 # key (the HELLO cannot be decrypted), a mangled handshake.
+_KEY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOG_EVERY_S = 10.0  # a refused peer reconnects every few seconds: one log line per key this often
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
@@ -106,6 +111,14 @@ class WireSecurity:
             return cls()
         return cls(server=CurveKeys.server(keys_dir, on_refused), client=CurveKeys.client(keys_dir))
 
+    @classmethod
+    def counted(cls, keys_dir: str, metrics: Metrics) -> WireSecurity:
+        """From a key directory (empty: off), refusals counted in ``pdserve:auth_failures``."""
+        if not keys_dir:
+            return cls()
+        metrics.declare("pdserve:auth_failures")
+        return cls.from_dir(keys_dir, lambda: metrics.inc("pdserve:auth_failures"))
+
 
 def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:
     """Create the missing key pairs of a key directory (existing ones are kept) and
@@ -115,9 +128,11 @@ def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Pat
     authorized.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     written: list[Path] = []
+    for name in clients:
+        if not _KEY_NAME.fullmatch(name) or name in (SERVER, AUTHORIZED):
+            raise PdserveError(f"bad client key name {name!r}: use letters, digits, '-' or '_' "
+                               f"(not {SERVER!r} or {AUTHORIZED!r})")  # fmt: skip
     for name in (SERVER, CLIENT, *clients):
-        if not name or "/" in name or name == AUTHORIZED or name.startswith("."):
-            raise PdserveError(f"bad key name {name!r}: use letters, digits, '-' or '_'")
         public = directory / f"{name}.key"
         if not public.exists():
             public_path, secret_path = zmq.auth.create_certificates(directory, name)

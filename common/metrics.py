@@ -26,6 +26,7 @@ COUNTERS = {
     "pdserve:kv_replica_releases": "releases received by a producer rank",
     "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
     "pdserve:bad_messages": "malformed or unexpected wire messages received",
+    "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
 }
 GAUGES = {
     "pdserve:kv_blocks_free": "free KV blocks",

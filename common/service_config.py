@@ -27,6 +27,15 @@ class InstanceAddresses(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     side_channel: str = ""  # prefill only: handshakes, heartbeats and releases from decode
 
 
+class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[security]``: wire security of every ZeroMQ socket (docs/operations.md)."""
+
+    # A directory made by `pdserve keys --dir DIR`: every ZMQ socket then uses CURVE
+    # (encrypted; only clients whose public key is in DIR/authorized_keys get in).
+    # Empty: off. A relative path is taken from the working directory of each process.
+    curve_keys_dir: str = ""
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     device: str = "cpu"
@@ -45,6 +54,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     max_queued_requests: int = 1024  # per service; beyond it requests fail "overloaded"
+    security: SecurityConfig = SecurityConfig()
     engine: EngineConfig = EngineConfig()
     prefill_engine: dict[str, Any] = {}  # overrides of [engine] for prefill only
     decode_engine: dict[str, Any] = {}  # and for decode only

@@ -31,9 +31,14 @@ def make_socket(
     hwm: int = DEFAULT_HWM,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     curve: CurveKeys | None = None,
+    monitor_events: int = 0,
 ) -> zmq.Socket[Any]:
     """A configured socket, bound or connected. Works for sync and asyncio contexts
-    (an asyncio context's first CURVE server socket needs a running loop)."""
+    (an asyncio context's first CURVE server socket needs a running loop).
+
+    ``monitor_events``: the caller reads these events from ``sock.get_monitor_socket()``
+    (attached here, before bind/connect, so that no early handshake event is missed)
+    and logs CURVE handshake failures itself."""
     if (bind is None) == (connect is None):
         raise ValueError("make_socket needs exactly one of bind= or connect=")
     if curve is not None and (curve.server_key is None) != (bind is not None):
@@ -56,6 +61,9 @@ def make_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     if curve is not None:
         curve.apply(sock)
+    if monitor_events:
+        sock.get_monitor_socket(monitor_events)
+    elif curve is not None:
         watch_handshakes(sock, bind or connect or "", curve)
     if bind is not None:
         sock.bind(bind)

@@ -18,6 +18,11 @@ as GenerationFailed). A stream left early, or a request past its ``timeout``, se
 Abort so the router frees its resources. There is no timeout by default: generation
 can legitimately take minutes, but a router that is down then means waiting; pass
 ``timeout=`` (per client or per call) to bound it.
+
+A router with CURVE on (docs/operations.md) needs ``curve=CurveKeys.client(keys_dir,
+name)``. A handshake the router refuses (unknown key, no CURVE, wrong server key) fails
+every pending and later request at once with GenerationFailed, reason
+``unauthenticated``: libzmq does not retry such a handshake, so waiting would be forever.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.common.curve import CurveKeys, describe_failure
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.protocol import (
     Abort,
@@ -59,6 +66,8 @@ HWM = 100_000  # per-token frames of many concurrent streams; queued, not droppe
 POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
 Event: TypeAlias = TokenChunk | Finished | Failed
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a sync or an asyncio socket
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class GenerationFailed(PdserveError):
@@ -86,9 +95,10 @@ class Result:
     usage: Usage
 
 
-def _dealer(ctx: zmq.Context[_S], address: str) -> _S:
+def _dealer(ctx: zmq.Context[_S], address: str, curve: CurveKeys | None) -> _S:
     """The client's one socket, from the project's socket factory."""
-    return make_socket(ctx, zmq.DEALER, connect=address, hwm=HWM)
+    return make_socket(ctx, zmq.DEALER, connect=address, hwm=HWM, curve=curve,
+                       monitor_events=_HANDSHAKE_EVENTS)  # fmt: skip
 
 
 def _request(
@@ -143,6 +153,48 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
+def _put(queue: Any, event: Event) -> None:
+    if isinstance(queue, deque):
+        queue.append(event)
+    else:
+        queue.put_nowait(event)
+
+
+class _Handshakes:
+    """The outcome of the socket's handshakes with the router (its monitor's events). A
+    refused one fails every pending request and, until a later handshake succeeds,
+    every new one."""
+
+    def __init__(self, sock: zmq.Socket[Any], address: str, curve: CurveKeys | None) -> None:
+        self.monitor = sock.get_monitor_socket()  # attached by make_socket, before connecting
+        self.address = address
+        self.has_curve = curve is not None
+        self.refused: str | None = None
+
+    def route(self, frames: list[bytes], queues: dict[str, Any]) -> None:
+        event = parse_monitor_message(frames)["event"]  # from libzmq itself
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.refused = None
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.has_curve:
+            return  # without CURVE: a transient failure (a peer gone mid-handshake); retried
+        self.refused = (f"the router at {self.address} refused the connection: "
+                        f"{describe_failure(event)}; check the CURVE keys (docs/operations.md)"
+                        " and make a new client")  # fmt: skip
+        log.warning("client_handshake_failed", address=self.address, zmq_event=zmq.Event(event).name)
+        for rid, queue in queues.items():
+            _put(queue, Failed(request_id=rid, reason="unauthenticated", message=self.refused))
+
+    def check(self, request_id: str) -> None:
+        if self.refused is not None:
+            raise GenerationFailed("unauthenticated", self.refused, request_id)
+
+    def close(self, sock: zmq.Socket[Any]) -> None:
+        if not sock.closed:
+            sock.disable_monitor()
+        self.monitor.close()
+
+
 class _Inbox:
     """Reply frames -> per-request queues. A frame for no pending request (late tokens of
     an aborted one) is dropped. A Failed with no request id is the router refusing a
@@ -163,20 +215,22 @@ class _Inbox:
         else:
             targets = [queues[event.request_id]] if event.request_id in queues else []
         for queue in targets:
-            if isinstance(queue, deque):
-                queue.append(event)
-            else:
-                queue.put_nowait(event)
+            _put(queue, event)
 
 
 class Client:
     """Blocking client; safe to share between threads (one socket, guarded by a lock)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 ctx: zmq.Context[Any] | None = None) -> None:  # fmt: skip
+                 ctx: zmq.Context[Any] | None = None,
+                 curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.address = address
         self.timeout = timeout
-        self._sock = _dealer(ctx or zmq.Context.instance(), address)
+        self._sock = _dealer(ctx or zmq.Context.instance(), address, curve)
+        self._handshakes = _Handshakes(self._sock, address, curve)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._handshakes.monitor, zmq.POLLIN)
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Event]] = {}
         self._inbox = _Inbox()
@@ -213,6 +267,7 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         deadline = _deadline(timeout)
         queue: deque[Event] = deque()
+        self._handshakes.check(rid)
         self._queues[rid] = queue
         ended = False
         try:
@@ -237,7 +292,10 @@ class Client:
                 if wait <= 0:
                     raise GenerationTimeout(rid, timeout or 0.0)
             with self._lock:
-                if not queue and self._sock.poll(int(wait * 1000) + 1):
+                ready = dict(self._poller.poll(int(wait * 1000) + 1)) if not queue else {}
+                if self._handshakes.monitor in ready:
+                    self._handshakes.route(self._handshakes.monitor.recv_multipart(), self._queues)
+                if self._sock in ready:
                     self._inbox.route(self._sock.recv_multipart(), self._queues)
         return queue.popleft()
 
@@ -246,6 +304,7 @@ class Client:
             self._sock.send(encode(msg))
 
     def close(self) -> None:
+        self._handshakes.close(self._sock)
         self._sock.close()
 
     def __enter__(self) -> Self:
@@ -259,10 +318,12 @@ class AsyncClient:
     """asyncio client: one receive task routes reply frames to per-request queues."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 ctx: zmq.asyncio.Context | None = None) -> None:  # fmt: skip
+                 ctx: zmq.asyncio.Context | None = None,
+                 curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.address = address
         self.timeout = timeout
-        self._sock = _dealer(ctx or zmq.asyncio.Context.instance(), address)
+        self._sock = _dealer(ctx or zmq.asyncio.Context.instance(), address, curve)
+        self._handshakes = _Handshakes(self._sock, address, curve)
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._inbox = _Inbox()
         self._receiver: asyncio.Task[None] | None = None
@@ -304,6 +365,7 @@ class AsyncClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = _deadline(timeout)
         queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._handshakes.check(rid)
         self._queues[rid] = queue
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.create_task(self._receive())
@@ -330,9 +392,15 @@ class AsyncClient:
                 task.add_done_callback(self._background.discard)
 
     async def _receive(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._handshakes.monitor, zmq.POLLIN)
         while True:
-            frames = await self._sock.recv_multipart()
-            self._inbox.route(frames, self._queues)
+            ready = dict(await poller.poll())
+            if self._handshakes.monitor in ready:
+                self._handshakes.route(await self._handshakes.monitor.recv_multipart(), self._queues)
+            if self._sock in ready:
+                self._inbox.route(await self._sock.recv_multipart(), self._queues)
 
     async def close(self) -> None:
         if self._background:
@@ -340,6 +408,7 @@ class AsyncClient:
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
+        self._handshakes.close(self._sock)
         self._sock.close()
 
     async def __aenter__(self) -> Self:

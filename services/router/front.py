@@ -21,7 +21,7 @@ log = structlog.get_logger("pdserve.router.front")
 class FrontDoor:
     def __init__(self, router: Router, address: str) -> None:
         self.router = router
-        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address)
+        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address, curve=router.security.server)
         self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -30,6 +30,7 @@ class FrontDoor:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2:
                 self.router.metrics.inc("pdserve:bad_messages")
+                log.warning("bad_frame_count", frames=len(frames))
                 continue
             identity, payload = frames
             try:
@@ -39,10 +40,15 @@ class FrontDoor:
                 log.warning("bad_message", error=str(exc), size=len(payload))
                 self._send(identity, p.Failed(request_id="", reason="bad_request", message=f"undecodable message: {exc}"))
                 continue
-            if isinstance(msg, p.Abort):
-                await self.router.abort(msg.request_id)
-            else:
-                self._start(identity, msg)
+            try:
+                if isinstance(msg, p.Abort):
+                    await self.router.abort(msg.request_id)
+                else:
+                    self._start(identity, msg)
+            except Exception:  # one odd request must not close the front door
+                log.exception("front_door_failed", request_id=msg.request_id)
+                self._send(identity, p.Failed(request_id=msg.request_id, reason="internal", message=(
+                    f"internal error in request {msg.request_id or '?'}; the router's log has details")))
 
     def _start(self, identity: bytes, gen: p.Generate) -> None:
         try:

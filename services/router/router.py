@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from pdserve.common import protocol as p
 from pdserve.common.block_pool import hash_blocks
+from pdserve.common.curve import WireSecurity
 from pdserve.common.errors import RequestError
 from pdserve.common.metrics import Metrics, render
 from pdserve.common.service_config import DeploymentConfig
@@ -55,6 +56,7 @@ class Router:
         self.vocab_size = vocab_size
         self.block_size = cfg.engine.block_size
         self.metrics = Metrics("router", 0)
+        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
         self.metrics.declare("pdserve:bad_messages")
         self.ctx = zmq.asyncio.Context()
         self.prefills: list[Link] = []
@@ -72,7 +74,8 @@ class Router:
         self._tasks.append(asyncio.create_task(self._ping_loop()))
 
     def _link(self, role: str, index: int, address: str) -> Link:
-        link = Link(role, index, address, make_socket(self.ctx, zmq.DEALER, connect=address))
+        sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client)
+        link = Link(role, index, address, sock)
         union = p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
         self._tasks.append(asyncio.create_task(self._receive(link, p.Decoder(union))))
         return link
