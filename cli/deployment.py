@@ -48,6 +48,9 @@ class Deployment:
         self.config_path.write_bytes(json.dumps(msgspec.to_builtins(self.cfg), indent=1).encode())
         # The children get their configuration from the file alone, not from PDSERVE_* env.
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")}
+        # Under systemd, `pdserve up` itself is the unit's main process, not its children.
+        for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            env.pop(key, None)
         env.update(self.extra_env)
         for name, args in self.roles():
             log = open(self.log_dir / f"{name}.log", "wb")
@@ -77,7 +80,11 @@ class Deployment:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-5:]
                 raise PdserveError(f"{name} exited with code {code}; last log lines: {' | '.join(tail)}")
 
-    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+    def stop(self, timeout: float | None = None) -> dict[str, int | None]:
+        """SIGTERM every process (each drains, see docs/operations.md); kill what is still
+        running after ``timeout`` (default: the drain time and 15 s to spare)."""
+        if timeout is None:
+            timeout = self.cfg.drain_seconds + 15.0
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

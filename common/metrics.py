@@ -26,6 +26,7 @@ COUNTERS = {
     "pdserve:kv_replica_releases": "releases received by a producer rank",
     "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
     "pdserve:bad_messages": "malformed or unexpected wire messages received",
+    "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
 }
 GAUGES = {

@@ -3,6 +3,17 @@
 A service binds one ROUTER socket for the router, decodes each frame with its direction's
 typed decoder, and dispatches by message type. Malformed frames are counted, logged and
 answered, never fatal. Model work happens in the service's WorkerThread.
+
+Lifecycle (systemd ``Type=notify``, see common/sd_notify.py): READY=1 once the worker
+loaded the weights and the sockets are bound; WATCHDOG=1 from the worker's loop while
+the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
+"draining" (and Pongs say not ready, so the router stops picking this instance), work in
+flight gets ``drain_seconds`` to finish, what is left then ends with Failed "draining";
+the process exits 0. A second SIGTERM or SIGINT cuts the drain short.
+
+Admission: at most ``max_queued_requests`` requests in flight (accepted, no terminal
+reply yet); beyond that a request is refused at once with Failed "overloaded", so a
+flood costs a reply each, never memory.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +32,8 @@ import zmq.asyncio
 
 from pdserve.common import protocol as p
 from pdserve.common.metrics import Metrics
+from pdserve.common.sd_notify import Watchdog, notify
+from pdserve.common.service_config import DeploymentConfig
 from pdserve.common.sockets import make_socket
 from pdserve.common.worker import WorkerThread
 
@@ -31,7 +45,10 @@ Handler = Callable[[bytes, Any], Awaitable[None] | None]
 class Service(abc.ABC):
     role = "service"
 
-    def __init__(self, instance: int, address: str, inbound: Any) -> None:
+    request_types: tuple[type, ...] = ()  # the messages that start a request (admission)
+
+    def __init__(self, cfg: DeploymentConfig, instance: int, address: str, inbound: Any) -> None:
+        self.cfg = cfg
         self.instance = instance
         self.address = address
         self.metrics = Metrics(self.role, instance)
@@ -40,8 +57,14 @@ class Service(abc.ABC):
         self.handlers: dict[type, Handler] = {p.Ping: self.on_ping, p.MetricsQuery: self.on_metrics}
         self.worker: WorkerThread | None = None
         self.stopping = asyncio.Event()
+        self.stop_now = asyncio.Event()  # a second signal: end the drain at once
+        self.draining = False
+        self.inflight: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
+        self.watchdog = Watchdog.from_env(needs_loop=True)
         self.front: zmq.asyncio.Socket | None = None
         self.log = log.bind(service=self.role, instance=instance)
+        self.metrics.declare("pdserve:requests_refused", reason="overloaded")
+        self.metrics.declare("pdserve:requests_refused", reason="draining")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -52,26 +75,77 @@ class Service(abc.ABC):
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, self._on_signal)
+        notify(f"STATUS=loading the model ({self.role} {self.instance})")
         self.front = make_socket(self.ctx, zmq.ROUTER, bind=self.address)
         await self.start_sockets()
         self.worker = self.make_worker(loop)
+        self.worker.watchdog = self.watchdog
         self.worker.start()
         tasks = [asyncio.create_task(self._receive(self.front, self._decoder, self.handlers))]
         tasks += self.background_tasks()
+        if self.watchdog is not None:
+            tasks.append(asyncio.create_task(self._loop_ticks(self.watchdog)))
         await asyncio.to_thread(self.worker.ready.wait)
         if self.worker.failed is not None:
             self.log.error("service_failed", error=str(self.worker.failed))
+            notify(f"STATUS=failed: {self.worker.failed}")
             raise SystemExit(f"{self.role} {self.instance}: {self.worker.failed}")
         self.log.info("service_ready", address=self.address)
         self.on_ready()
+        notify("READY=1", f"STATUS={self.role} {self.instance} serving at {self.address}")
         await self.stopping.wait()
+        await self.drain()
         self.log.info("service_stopping")
         self.worker.stop()
         await asyncio.to_thread(self.worker.join, 10)
         for t in tasks:
             t.cancel()
         self.ctx.destroy(linger=0)
+
+    def _on_signal(self) -> None:
+        if self.stopping.is_set():
+            self.stop_now.set()
+        self.stopping.set()
+
+    async def _loop_ticks(self, watchdog: Watchdog) -> None:
+        while True:
+            watchdog.loop_tick()
+            await asyncio.sleep(watchdog.interval / 2)
+
+    async def drain(self) -> None:
+        """Refuse new requests, give those in flight ``drain_seconds``, fail the rest."""
+        self.draining = True
+        seconds = self.cfg.drain_seconds
+        self.log.info("service_draining", num_requests=len(self.inflight), num_busy=self.num_busy(), drain_seconds=seconds)
+        notify("STOPPING=1", f"STATUS=draining {self.num_busy()} requests (at most {seconds:g} s)")
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self.num_busy() and not self.stop_now.is_set():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            try:  # poll: requests end on the worker thread's schedule
+                await asyncio.wait_for(self.stop_now.wait(), min(0.05, remaining))
+            except TimeoutError:
+                pass
+        if not self.inflight or self.worker is None:
+            return
+        self.log.warning("drain_timeout", request_ids=list(self.inflight), drain_seconds=seconds)
+        for rid, (identity, trace) in list(self.inflight.items()):
+            self.reply(identity, p.Failed(request_id=rid, trace_id=trace, reason="draining", message=(
+                f"{self.role} {self.instance} shut down before the request finished: it drains for "
+                f"at most drain_seconds = {seconds:g} s; retry the request"
+            )))
+            self.worker.submit(("abort", rid))
+        # Let the worker act on the aborts (release producers' KV) before it stops.
+        done = threading.Event()
+        self.worker.submit(("barrier", done))
+        await asyncio.to_thread(done.wait, 5.0)
+        await asyncio.sleep(0)  # and the loop send what the worker posted
+
+    def num_busy(self) -> int:
+        """What the drain waits for: requests in flight (prefill adds pinned KV leases)."""
+        return len(self.inflight)
 
     async def start_sockets(self) -> None:
         pass
@@ -85,7 +159,7 @@ class Service(abc.ABC):
     @property
     def is_ready(self) -> bool:
         w = self.worker
-        return w is not None and w.ready.is_set() and w.failed is None
+        return w is not None and w.ready.is_set() and w.failed is None and not self.draining
 
     # -- messages -------------------------------------------------------------------------
 
@@ -104,12 +178,30 @@ class Service(abc.ABC):
                 self.log.warning("bad_message", error=str(exc), size=len(payload))
                 self.send(sock, identity, p.Failed(request_id="", reason="bad_request", message=f"undecodable message: {exc}"))
                 continue
+            if isinstance(msg, self.request_types) and not self._admit(identity, msg):
+                continue
             try:
                 result = handlers[type(msg)](identity, msg)
                 if result is not None:
                     await result
             except Exception:  # one bad message must not take the service down
                 self.log.exception("handler_failed", message_type=type(msg).__name__)
+
+    def _admit(self, identity: bytes, msg: Any) -> bool:
+        if self.draining:
+            reason = "draining"
+            message = f"{self.role} {self.instance} is shutting down (draining); retry the request"
+        elif len(self.inflight) >= self.cfg.max_queued_requests:
+            reason = "overloaded"
+            message = (f"{self.role} {self.instance} holds {len(self.inflight)} requests, its limit "
+                       f"(max_queued_requests); retry later")
+        else:
+            self.inflight[msg.request_id] = (identity, msg.trace_id)
+            return True
+        self.metrics.inc("pdserve:requests_refused", reason=reason)
+        self.log.warning("request_refused", request_id=msg.request_id, trace_id=msg.trace_id, reason=reason)
+        self.reply(identity, p.Failed(request_id=msg.request_id, trace_id=msg.trace_id, reason=reason, message=message))
+        return False
 
     def send(self, sock: zmq.asyncio.Socket | None, identity: bytes, msg: p.Message) -> None:
         if sock is None:
@@ -120,6 +212,8 @@ class Service(abc.ABC):
             self.log.warning("send_failed", peer=identity.hex(), message_type=type(msg).__name__, error=str(exc))
 
     def reply(self, identity: bytes, msg: p.Message) -> None:
+        if isinstance(msg, p.PrefillDone | p.Finished | p.Failed):  # the request's end here
+            self.inflight.pop(msg.request_id, None)
         self.send(self.front, identity, msg)
 
     def on_ping(self, identity: bytes, msg: p.Ping) -> None:

@@ -54,6 +54,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     max_queued_requests: int = 1024  # per service; beyond it requests fail "overloaded"
+    drain_seconds: float = 30.0  # on SIGTERM: how long work in flight may take to finish
     security: SecurityConfig = SecurityConfig()
     engine: EngineConfig = EngineConfig()
     prefill_engine: dict[str, Any] = {}  # overrides of [engine] for prefill only
@@ -74,6 +75,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lease_seconds <= 0 or self.heartbeat_seconds <= 0:
             raise PdserveError("lease_seconds and heartbeat_seconds must be positive")
+        if self.max_queued_requests < 1:
+            raise PdserveError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
+        if self.drain_seconds < 0:
+            raise PdserveError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
     @property
     def front_address(self) -> str:

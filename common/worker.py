@@ -16,6 +16,8 @@ from typing import Any
 
 import structlog
 
+from pdserve.common.sd_notify import Watchdog
+
 log = structlog.get_logger("pdserve.worker")
 
 
@@ -36,6 +38,9 @@ class WorkerThread(threading.Thread):
 
     ``run_once`` gets the commands that arrived since the last call; when the worker
     reports itself idle, the thread waits up to ``idle_wait`` for the next command.
+    Every turn kicks the systemd watchdog (when the service set one): a model step that
+    hangs stops the pings. Commands are ``(kind, *args)`` tuples that subclasses
+    dispatch to ``_on_<kind>``; ``("barrier", event)`` is understood by every worker.
     """
 
     idle_wait = 0.005
@@ -47,6 +52,7 @@ class WorkerThread(threading.Thread):
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self._stop_event = threading.Event()
+        self.watchdog: Watchdog | None = None
 
     def submit(self, command: Any) -> None:
         self.inbox.put(command)
@@ -70,6 +76,10 @@ class WorkerThread(threading.Thread):
     def teardown(self) -> None:
         pass
 
+    def _on_barrier(self, done: threading.Event) -> None:
+        """Set ``done``: every command submitted before it has been handled."""
+        done.set()
+
     def run(self) -> None:
         try:
             self.setup()
@@ -83,6 +93,8 @@ class WorkerThread(threading.Thread):
         busy = False
         try:
             while not self._stop_event.is_set():
+                if self.watchdog is not None:
+                    self.watchdog.kick()
                 commands = self._drain(block=not busy)
                 if self._stop_event.is_set():
                     break

@@ -19,10 +19,10 @@ HANDSHAKE_TIMEOUT = 10.0
 
 class DecodeService(Service):
     role = "decode"
+    request_types = (p.DecodeRequest,)
 
     def __init__(self, cfg: DeploymentConfig, instance: int, torch_threads: int) -> None:
-        super().__init__(instance, cfg.decode_addresses[instance].address, p.RouterToDecode)
-        self.cfg = cfg
+        super().__init__(cfg, instance, cfg.decode_addresses[instance].address, p.RouterToDecode)
         self.torch_threads = torch_threads
         self.handlers[p.DecodeRequest] = self.on_decode
         self.handlers[p.Abort] = self.on_abort

@@ -18,11 +18,11 @@ from pdserve.services.prefill.worker import PrefillWorker
 
 class PrefillService(Service):
     role = "prefill"
+    request_types = (p.PrefillRequest,)
 
     def __init__(self, cfg: DeploymentConfig, instance: int, torch_threads: int) -> None:
         addrs = cfg.prefill_addresses[instance]
-        super().__init__(instance, addrs.address, p.RouterToPrefill)
-        self.cfg = cfg
+        super().__init__(cfg, instance, addrs.address, p.RouterToPrefill)
         self.side_channel = addrs.side_channel
         self.torch_threads = torch_threads
         self.engine_id = f"prefill-{instance}"
@@ -46,6 +46,11 @@ class PrefillService(Service):
         side_decoder: p.Decoder[Any] = p.Decoder(p.ToSideChannel)
         return [asyncio.create_task(self._receive(self.side, side_decoder, self.side_handlers))]
 
+    def num_busy(self) -> int:
+        # Pinned KV counts too: a decode may still be pulling it.
+        leases = getattr(self.worker, "leases", None)
+        return len(self.inflight) + (len(leases) if leases is not None else 0)
+
     def load(self) -> tuple[int, int]:
         return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
 
@@ -57,6 +62,7 @@ class PrefillService(Service):
 
     def on_abort(self, identity: bytes, msg: p.Abort) -> None:
         assert self.worker is not None
+        self.inflight.pop(msg.request_id, None)  # an aborted prefill sends no reply
         self.worker.submit(("abort", msg.request_id))
 
     # -- side channel -----------------------------------------------------------------------

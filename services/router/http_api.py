@@ -46,7 +46,7 @@ LONG_TEXT_BYTES = 16_384  # tokenize longer bodies off the event loop
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
-_FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503}
+_FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503, "draining": 503}
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "overloaded_error",
                 503: "service_unavailable_error"}  # fmt: skip

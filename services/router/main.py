@@ -1,13 +1,24 @@
-"""The router process: ZMQ front door + OpenAI-compatible HTTP API over one Router core."""
+"""The router process: ZMQ front door + OpenAI-compatible HTTP API over one Router core.
+
+Under systemd (``Type=notify``): READY=1 once both sockets are bound, WATCHDOG=1 from the
+asyncio loop. SIGTERM drains: new requests get Failed "draining" (HTTP 503), requests in
+flight get ``drain_seconds`` to finish, the rest end with Failed "draining"; exit 0. A
+second signal cuts the drain short.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from typing import TYPE_CHECKING
 
 import structlog
 
+from pdserve.common.sd_notify import Watchdog, notify
 from pdserve.common.service_config import DeploymentConfig
+
+if TYPE_CHECKING:
+    from pdserve.services.router.router import Router
 
 log = structlog.get_logger("pdserve.router")
 
@@ -22,6 +33,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     from pdserve.services.router.http_api import make_app
     from pdserve.services.router.router import Router
 
+    notify("STATUS=loading the tokenizer (router)")
     model_dir = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     max_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
@@ -29,15 +41,62 @@ async def serve(cfg: DeploymentConfig) -> None:
     await router.start()
     front = FrontDoor(router, cfg.front_address)
     front_task = asyncio.create_task(front.serve())
-    runner = web.AppRunner(make_app(router), handle_signals=False, access_log=None)
+    # The drain has already ended every request when the runner is cleaned up.
+    runner = web.AppRunner(make_app(router), handle_signals=False, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.http_port).start()
     log.info("router_ready", http=f"http://{cfg.host}:{cfg.http_port}", zmq=cfg.front_address)
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            stop_now.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    watchdog = Watchdog.from_env()
+    watchdog_task = asyncio.create_task(_watchdog(watchdog)) if watchdog is not None else None
+    notify("READY=1", f"STATUS=router serving http://{cfg.host}:{cfg.http_port} and {cfg.front_address}")
     await stop.wait()
+    await _drain(router, cfg.drain_seconds, stop_now)
+    if watchdog_task is not None:
+        watchdog_task.cancel()
     front_task.cancel()
     await runner.cleanup()
     await router.close()
+
+
+async def _watchdog(watchdog: Watchdog) -> None:
+    while True:
+        watchdog.kick()
+        await asyncio.sleep(watchdog.interval / 2)
+
+
+async def _drain(router: Router, seconds: float, stop_now: asyncio.Event) -> None:
+    """Refuse new requests; wait up to ``seconds`` for those in flight; fail the rest."""
+    router.draining = True
+    log.info("router_draining", num_requests=len(router.requests), drain_seconds=seconds)
+    notify("STOPPING=1", f"STATUS=draining {len(router.requests)} requests (at most {seconds:g} s)")
+    if await _until_idle(router, seconds, stop_now):
+        return
+    log.warning("drain_timeout", request_ids=list(router.requests), drain_seconds=seconds)
+    message = (f"the router shut down before the request finished: it drains for at most "
+               f"drain_seconds = {seconds:g} s; retry the request")
+    router.fail_all("draining", message)
+    await _until_idle(router, 2.0, asyncio.Event())  # the front ends send those Faileds
+
+
+async def _until_idle(router: Router, seconds: float, stop_now: asyncio.Event) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while router.requests and not stop_now.is_set():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        try:  # poll: requests end in their own tasks
+            await asyncio.wait_for(stop_now.wait(), min(0.05, remaining))
+        except TimeoutError:
+            pass
+    return not router.requests

@@ -64,6 +64,7 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False  # SIGTERM: new requests fail "draining" (main.py drains)
 
     async def start(self) -> None:
         if not self.cfg.colocated:
@@ -93,7 +94,7 @@ class Router:
 
     def is_ready(self) -> bool:
         now = time.monotonic()
-        return bool(self.decodes) and all(link.is_alive(now, PEER_TIMEOUT) for link in self.links)
+        return not self.draining and bool(self.decodes) and all(link.is_alive(now, PEER_TIMEOUT) for link in self.links)
 
     def health_detail(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -117,6 +118,14 @@ class Router:
             if state.link is not None:
                 self._send(state.link, p.Abort(request_id=request_id, trace_id=state.trace_id))
             state.queue.put_nowait(p.Finished(request_id=request_id, trace_id=state.trace_id, finish_reason="abort", usage=p.Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=0)))
+
+    def fail_all(self, reason: str, message: str) -> None:
+        """End every request in flight with Failed (the drain's deadline); the services
+        holding them are told to abort."""
+        for state in list(self.requests.values()):
+            if state.link is not None:
+                self._send(state.link, p.Abort(request_id=state.request_id, trace_id=state.trace_id))
+            state.queue.put_nowait(p.Failed(request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message))
 
     async def metrics_text(self) -> bytes:
         loop = asyncio.get_running_loop()
@@ -158,6 +167,9 @@ class Router:
     async def _run(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> AsyncIterator[Event]:
         rid, trace = state.request_id, state.trace_id
         bound = log.bind(request_id=rid, trace_id=trace)
+        if self.draining:
+            yield self._failed(state, "draining", "the router is shutting down (draining); retry the request")
+            return
         if len(self.requests) >= self.cfg.max_queued_requests:
             yield self._failed(state, "overloaded", f"the router holds {len(self.requests)} requests, its limit; retry later")
             return
