@@ -10,16 +10,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli import bench_engine, bench_serve
+from pdserve.cli import bench_engine, bench_serve, bench_transfer
 
 # Only the parser set-up runs at import time; heavy imports (torch, transformers) stay
 # inside each module's run(), so `pdserve --help` stays fast.
-BENCHMARKS = (bench_engine, bench_serve)
+BENCHMARKS = (bench_engine, bench_serve, bench_transfer)
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks (engine vs Hugging Face, serving over HTTP)", description=__doc__,
+        "bench", help="benchmarks (engine vs Hugging Face, serving over HTTP, KV transfer)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benches = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")

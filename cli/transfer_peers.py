@@ -1,0 +1,344 @@
+"""The two processes of ``pdserve bench transfer``: a producer serving a KV cache with the
+real ``KVProducer``, and a consumer pulling from it with the real ``KVConsumer``, which
+also measures the two ceilings of each row (one raw NIXL READ of the same bytes as a
+single descriptor, and a plain local copy of them).
+
+Only the public API of ``kv_layout`` / ``kv_transfer`` is used: the memory order is free
+to change (block-major, head-major for TP), so the content is written and checked through
+the logical view (blocks found by the position of ``num_blocks`` in ``KVLayout.shape``),
+and the ceilings work on the raw bytes of the cache's storage.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from pdserve.common.kv_layout import KVLayout
+    from pdserve.common.kv_transfer import KVConsumer, Pull
+    from pdserve.common.protocol import HandshakeReply, KVHandle
+
+# Llama-3.2-1B and Llama-3.1-8B: KV heads, head_dim and layers are what set the bytes.
+SHAPES: dict[str, dict[str, int]] = {
+    "1b": {"num_layers": 16, "num_kv_heads": 8, "head_dim": 64},
+    "8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
+}
+BLOCK_SIZE = 64
+DTYPE = "bfloat16"
+ENGINE_ID, EPOCH = "bench-prefill", 1
+COMPAT = {"model": "bench-transfer", "kv_cache_dtype": DTYPE}
+PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
+
+
+def make_layout(shape: str, num_blocks: int) -> KVLayout:
+    from pdserve.common.kv_layout import KVLayout
+
+    return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, **SHAPES[shape])
+
+
+def num_blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def cache_blocks(shape: str, max_tokens: int) -> int:
+    """Blocks of each side's cache: twice the largest pull (fragmented remote ids span
+    twice the blocks; the consumer's second half is the local copy's destination), made
+    distinct from every other dimension so that the block axis can be found in the shape."""
+    num, others = 2 * num_blocks_for(max_tokens), set(make_layout(shape, 1).shape)
+    while num in others:
+        num += 1
+    return num
+
+
+def block_dim(layout: KVLayout) -> int:
+    dims = [i for i, d in enumerate(layout.shape) if d == layout.num_blocks]
+    assert len(dims) == 1, (layout.shape, layout.num_blocks)
+    return dims[0]
+
+
+def fragmented_ids(num_blocks: int, run_blocks: int) -> list[int]:
+    """Remote ids in runs of ``run_blocks`` separated by gaps as long: 1 = every other block."""
+    return [(i // run_blocks) * 2 * run_blocks + i % run_blocks for i in range(num_blocks)]
+
+
+# -- the cache's content: a pattern of (block id, position in the block) ------------------
+
+
+def fill(cache: torch.Tensor, layout: KVLayout) -> None:
+    """Every block b holds (flat index within the block + 37 b) mod 251."""
+    import torch
+
+    blocks = cache.movedim(block_dim(layout), 0)  # [num_blocks, ...rest], maybe strided
+    base = torch.arange(blocks[0].numel(), device=cache.device, dtype=torch.float32) % PATTERN_MOD
+    for b in range(layout.num_blocks):
+        values = (base + 37 * b) % PATTERN_MOD
+        blocks[b].copy_(values.view(blocks[b].shape))
+
+
+def check(cache: torch.Tensor, layout: KVLayout, local_ids: list[int], remote_ids: list[int]) -> None:
+    """Samples of every pulled block equal the producer's pattern for its remote id."""
+    import torch
+
+    blocks = cache.movedim(block_dim(layout), 0)
+    numel = blocks[0].numel()
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.cat([torch.tensor([0, 1, numel // 2, numel - 1]), torch.randint(numel, (28,), generator=gen)])
+    index = torch.unravel_index(flat, tuple(blocks.shape[1:]))
+    index = tuple(i.to(cache.device) for i in index)
+    for lo, r in zip(local_ids, remote_ids, strict=True):
+        got = blocks[lo][index].float().cpu()
+        want = ((flat % PATTERN_MOD) + 37 * r) % PATTERN_MOD
+        if not torch.equal(got, want.float()):
+            raise AssertionError(f"pulled block {r} -> {lo} holds wrong bytes: {got[:6]} vs {want[:6]}")
+
+
+# -- raw NIXL: the single-descriptor ceiling ----------------------------------------------
+
+
+class RawAgent:
+    """A plain NIXL agent (UCX, no progress thread, like ours) over the same cache memory."""
+
+    def __init__(self, name: str, cache: torch.Tensor, num_threads: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=num_threads)
+        self.agent: Any = nixl_agent(name, config)
+        flat = storage_bytes(cache)
+        self.reg = self.agent.register_memory(flat)
+        self.mem_type = "DRAM" if cache.device.type == "cpu" else "VRAM"
+        self.device_id = 0 if cache.device.type == "cpu" else cache.get_device()
+        self.base = flat.data_ptr()
+
+    def descs(self, base: int, num_bytes: int) -> Any:
+        import numpy as np
+
+        rows = np.array([[base, num_bytes, self.device_id]], dtype=np.uint64)
+        return self.agent.get_xfer_descs(rows, self.mem_type)
+
+    def read(self, remote: str, remote_base: int, num_bytes: int) -> Any:
+        """A READ of [remote_base, +num_bytes) into the start of our cache: one descriptor,
+        made once and re-posted for every repeat."""
+        return self.agent.initialize_xfer(
+            "READ", self.descs(self.base, num_bytes), self.descs(remote_base, num_bytes), remote
+        )
+
+    def run(self, xfer: Any) -> float:
+        start = time.perf_counter()
+        state = self.agent.transfer(xfer)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(xfer)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ failed: state {state}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def new_cache(layout: KVLayout, device: str) -> torch.Tensor:
+    """A zeroed cache in the memory order kv_transfer expects, as its logical view."""
+    import torch
+    from pdserve.common import kv_transfer
+
+    torch.set_num_threads(1)  # the local copy is one memcpy stream, as CMA is one reader
+    make = getattr(kv_transfer, "new_cache", None)  # absent while the layout was block-major
+    if make is not None:
+        return make(layout, device)  # type: ignore[no-any-return]
+    return torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device)
+
+
+def storage_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind a (possibly permuted) cache view, as flat bytes."""
+    import torch
+
+    storage = cache.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
+
+
+# -- the producer -------------------------------------------------------------------------
+
+
+def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """Serve the patterned cache; answer ("releases", n) once n releases came, or on time out."""
+    from pdserve.common.kv_transfer import KVProducer
+    from pdserve.common.protocol import encode
+
+    producer = raw = None
+    try:
+        layout = make_layout(spec["shape"], spec["num_blocks"])
+        cache = new_cache(layout, spec["device"])
+        fill(cache, layout)
+        producer = KVProducer(
+            engine_id=ENGINE_ID, epoch=EPOCH, agent_name=f"bench-producer-{os.getpid()}",
+            kv_cache=cache, layout=layout, compat=COMPAT, num_threads=spec["num_threads"],
+        )  # fmt: skip
+        raw = RawAgent(f"bench-producer-raw-{os.getpid()}", cache, spec["num_threads"])
+        conn.send(("ready", (encode(producer.handshake_reply), raw.agent.get_agent_metadata(), raw.base)))
+        releases, want, deadline = 0, None, 0.0
+        while True:
+            releases += len(producer.poll_releases())
+            raw.agent.get_new_notifs()  # drives UCX: the raw reader's wire-up needs our answer
+            if want is not None and (releases >= want or time.monotonic() > deadline):
+                conn.send(("releases", releases))
+                want = None
+            if conn.poll(0.005):
+                command, arg = conn.recv()
+                if command == "stop":
+                    return
+                want, deadline = arg, time.monotonic() + 10.0
+    except (EOFError, BrokenPipeError):  # the launcher is gone
+        pass
+    except BaseException:  # noqa: BLE001 - reported to the launcher, which says who failed
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        for agent in (raw, producer):
+            if agent is not None:
+                agent.close()
+
+
+# -- the consumer -------------------------------------------------------------------------
+
+
+def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """Connect to the producer, then measure every (tokens, pattern) row and send it."""
+    from pdserve.common.kv_transfer import KVConsumer
+    from pdserve.common.protocol import Decoder, HandshakeReply
+
+    consumer = raw = None
+    try:
+        device = spec["device"]
+        layout = make_layout(spec["shape"], spec["num_blocks"])
+        cache = new_cache(layout, device)
+        consumer = KVConsumer(
+            agent_name=f"bench-consumer-{os.getpid()}", kv_cache=cache, layout=layout,
+            compat=COMPAT, num_threads=spec["num_threads"], capture_telemetry=True,
+        )  # fmt: skip
+        raw = RawAgent(f"bench-consumer-raw-{os.getpid()}", cache, spec["num_threads"])
+        command, (reply_bytes, raw_metadata, raw_base) = conn.recv()
+        assert command == "producer", command
+        reply: HandshakeReply = Decoder(HandshakeReply).decode(reply_bytes)
+        started = time.perf_counter()
+        consumer.connect(reply)
+        connect_s = time.perf_counter() - started
+        remote_raw = raw.agent.add_remote_agent(raw_metadata)
+        remote_raw = remote_raw.decode() if isinstance(remote_raw, bytes) else remote_raw
+        peers = _Peers(consumer, raw, cache, layout, reply, remote_raw, raw_base, device)
+        for tokens in spec["tokens"]:
+            for run_blocks in [None, *spec["fragment"]]:
+                row = peers.measure(tokens, run_blocks, spec["repeats"])
+                row["connect_ms"] = connect_s * 1e3
+                conn.send(("row", row))
+        conn.send(("done", peers.num_pulls))
+        conn.recv()  # stay until told: the producer counts our releases first
+    except (EOFError, BrokenPipeError):
+        pass
+    except BaseException:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        for agent in (raw, consumer):
+            if agent is not None:
+                agent.close()
+
+
+class _Peers:
+    """The consumer's side of one shape: our pull, the raw READ and the copy, taking turns."""
+
+    def __init__(
+        self, consumer: KVConsumer, raw: RawAgent, cache: torch.Tensor, layout: KVLayout,
+        reply: HandshakeReply, remote_raw: str, remote_base: int, device: str,
+    ) -> None:  # fmt: skip
+        self.consumer, self.raw, self.cache, self.layout = consumer, raw, cache, layout
+        self.reply, self.remote_raw, self.remote_base, self.device = reply, remote_raw, remote_base, device
+        self.num_pulls = 0
+
+    def handle(self, tokens: int, remote_ids: list[int]) -> KVHandle:
+        from pdserve.common.protocol import KVHandle, Replica
+
+        r = self.reply
+        return KVHandle(
+            engine_id=r.engine_id, epoch=r.epoch, layout=r.layout, block_ids=remote_ids,
+            num_tokens=tokens, replicas=[Replica(agent_name=r.agent_name, side_channel="")],
+            lease_deadline=0.0,
+        )  # fmt: skip
+
+    def pull(self, handle: KVHandle, local_ids: list[int]) -> Pull:
+        """handshake done -> start_pull -> poll until done -> release, as decode does."""
+        self.num_pulls += 1
+        rid = f"bench-{self.num_pulls}"
+        pull = self.consumer.start_pull(rid, handle, local_ids)
+        while not self.consumer.poll(pull):
+            pass
+        self.consumer.release(handle, rid)
+        self.consumer.progress()  # sends the queued release notification
+        return pull
+
+    def copy(self, num_bytes: int) -> float:
+        flat = storage_bytes(self.cache)
+        half = flat.numel() // 2
+        src, dst = flat[:num_bytes], flat[half : half + num_bytes]
+        _sync(self.device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def measure(self, tokens: int, run_blocks: int | None, repeats: int) -> dict[str, Any]:
+        num = num_blocks_for(tokens)
+        local_ids = list(range(num))
+        remote_ids = local_ids if run_blocks is None else fragmented_ids(num, run_blocks)
+        handle = self.handle(tokens, remote_ids)
+        num_bytes = num * self.layout.block_bytes
+        # Warm-up pull into a zeroed cache, checked, then every timed repeat takes turns.
+        self.cache.zero_()
+        first = self.pull(handle, local_ids)
+        _sync(self.device)
+        check(self.cache, self.layout, local_ids, remote_ids)
+        xfer = self.raw.read(self.remote_raw, self.remote_base, num_bytes)
+        self.raw.run(xfer)
+        self.copy(num_bytes)
+        pulls, ceilings, copies = [], [], []
+        for _ in range(repeats):
+            ceilings.append(self.raw.run(xfer))
+            copies.append(self.copy(num_bytes))
+            pulls.append(self.pull(handle, local_ids))
+        xfer.release()
+        pull_s = statistics.median(p.transfer_seconds or 0.0 for p in pulls)
+        ceiling_s, copy_s = statistics.median(ceilings), statistics.median(copies)
+        gbps, ceiling_gbps = num_bytes / pull_s / 1e9, num_bytes / ceiling_s / 1e9
+        return {
+            "pattern": "contiguous" if run_blocks is None else "fragmented",
+            "run_blocks": run_blocks if run_blocks is not None else num,
+            "tokens": tokens, "blocks": num, "bytes": num_bytes,
+            "bytes_pulled": first.num_bytes, "layout_block_bytes": self.layout.block_bytes,
+            "runs": len(_runs(remote_ids)), "descriptors": first.num_descriptors,
+            "nixl_descriptors": first.nixl_descriptors, "repeats": repeats,
+            "gbps": gbps, "ceiling_gbps": ceiling_gbps, "copy_gbps": num_bytes / copy_s / 1e9,
+            "ratio": gbps / ceiling_gbps,
+            "pull_ms": pull_s * 1e3, "post_ms": statistics.median(p.post_seconds for p in pulls) * 1e3,
+            "ceiling_ms": ceiling_s * 1e3, "copy_ms": copy_s * 1e3,
+            "pull_ms_all": [(p.transfer_seconds or 0.0) * 1e3 for p in pulls],
+            "ceiling_ms_all": [s * 1e3 for s in ceilings], "copy_ms_all": [s * 1e3 for s in copies],
+        }  # fmt: skip
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for b in ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

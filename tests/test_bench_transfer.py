@@ -1,0 +1,48 @@
+"""``pdserve bench transfer`` end to end at its smallest: two spawned processes, the real
+KVProducer / KVConsumer, one 1k-token pull per pattern. No speed is checked (a shared CI
+machine says nothing about it); the bytes, descriptors and releases are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pdserve.cli.main import main
+from pdserve.common.kv_layout import KVLayout
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.slow
+
+ROW_KEYS = ("tokens", "bytes", "descriptors", "nixl_descriptors", "gbps", "ceiling_gbps",
+            "copy_gbps", "ratio", "device", "shape", "repeats", "pattern", "runs")  # fmt: skip
+
+
+def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "transfer.json"
+    rc = main(["bench", "transfer", "--tokens", "1024", "--shape", "1b", "--repeats", "1",
+               "--fragment", "1", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "transfer"
+    # Llama-3.2-1B: 16 layers, 8 KV heads, head_dim 64, bf16; 1,024 tokens = 16 blocks of 64
+    layout = KVLayout(num_blocks=16, num_layers=16, num_kv_heads=8, block_size=64, head_dim=64, dtype="bfloat16")
+    assert layout.total_bytes == 32 * 2**20
+    rows = payload["rows"]
+    assert [r["pattern"] for r in rows] == ["contiguous", "fragmented"]
+    for row in rows:
+        assert all(key in row for key in ROW_KEYS), row
+        assert (row["device"], row["shape"], row["tokens"], row["repeats"]) == ("cpu", "1b", 1024, 1)
+        assert row["bytes"] == row["bytes_pulled"] == layout.total_bytes
+        assert row["gbps"] > 0 and row["ceiling_gbps"] > 0 and row["copy_gbps"] > 0
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
+        # NIXL merges exactly what we count as one descriptor
+        assert row["nixl_descriptors"] == row["descriptors"]
+    contiguous, fragmented = rows
+    assert contiguous["runs"] == 1 and fragmented["runs"] == 16  # every other block
+    # descriptors follow runs (times the heads a run is split into by the memory order)
+    assert fragmented["descriptors"] == 16 * contiguous["descriptors"]
+    shape = payload["config"]["per_shape"]["1b"]
+    assert shape["releases"] == shape["pulls"] == 2 * 2  # warm-up + 1 repeat, two rows
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "pull GB/s" in lines[1] and [line.split()[1] for line in lines[3:]] == ["contiguous", "fragmented"]
