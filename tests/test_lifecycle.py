@@ -92,9 +92,9 @@ def start(tmp: Path, role: str, cfg: DeploymentConfig, notifications: Notificati
     if watchdog_usec:
         env["WATCHDOG_USEC"] = str(watchdog_usec)
     args = [role] if role == "router" else [role, "--instance", "0"]
-    log = open(tmp / f"{role}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    with open(tmp / f"{role}.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 
 def config(model_dir: Path, **flags: Any) -> DeploymentConfig:
