@@ -23,6 +23,8 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-instances", type=int, default=None)
     p.add_argument("--decode-instances", type=int, default=None)
     p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel ranks per prefill instance")
+    p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill PCP rank")
+    p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode instance")
     p.add_argument("--colocated", action="store_true", default=None, help="no prefill service: decode computes prompts")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--curve-keys-dir", default=None,
@@ -48,6 +50,7 @@ def _start(args: argparse.Namespace) -> Any:
         config=args.config, http_port=args.http_port, model=args.model, device=args.device,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         colocated=args.colocated, pcp=args.pcp,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
         security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
     )
     from pdserve.common.curve import WireSecurity

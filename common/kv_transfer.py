@@ -2,13 +2,16 @@
 answers a handshake; the consumer (decode rank) pulls blocks and releases them.
 
 Descriptor count, not bandwidth, decides speed (FACTS.md), so:
-- each side registers its whole cache once, and the consumer prepares block-granular
-  descriptor lists once (its own at start, each remote's at connect), so any block id is
-  an index and a pull is one ``make_prepped_xfer`` call, no per-request list building;
-- adjacent blocks coalesce: ``make_prepped_xfer`` merges index pairs whose local AND remote
-  descriptors are both contiguous into one descriptor (NIXL's default descriptor merging;
-  the tests check NIXL's own count in transfer telemetry). Measured against
-  ``initialize_xfer`` with explicit run descriptors from ``KVLayout.block_run`` (64 MiB,
+- each side registers its whole cache once, and the consumer prepares (head, block)-
+  granular descriptor lists once (its own at start, each remote's at connect), so any
+  (head, block) is an index ``head * num_blocks + block`` and a pull is one
+  ``make_prepped_xfer`` call, no per-request list building;
+- adjacent blocks coalesce: the layout is head-major (common/kv_layout.py), so for one
+  head a run of blocks is contiguous on both sides, and ``make_prepped_xfer`` merges index
+  pairs whose local AND remote descriptors are both contiguous into one descriptor
+  (NIXL's default descriptor merging; the tests check NIXL's own count in transfer
+  telemetry): ``runs x heads`` descriptors per pull, for any pair of TP sizes. Measured
+  against ``initialize_xfer`` with explicit run descriptors (64 MiB,
   2-core CPU, CMA): same bytes/s for the same descriptors, but building the request took
   ~70-90 us prepped (flat in the number of runs) vs ~150 us (1 run) to ~1 ms (256 runs),
   because initialize_xfer re-validates and re-prepares both lists on every call.
@@ -35,14 +38,16 @@ import structlog
 import torch
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.kv_layout import KVLayout
+from pdserve.common.kv_layout import LOGICAL_FROM_STORAGE, STORAGE_FROM_LOGICAL, KVLayout
+from pdserve.common.tp import kv_heads_of
 from pdserve.common.protocol import Decoder, HandshakeReply, KVHandle, Release, encode
 
 log = structlog.get_logger("pdserve.kv_transfer")
 
 # Fields that must agree for a block id to mean the same bytes on both sides (num_blocks,
 # the pool size, may differ).
-LAYOUT_KEYS = ("num_layers", "num_kv_heads", "block_size", "head_dim", "dtype")
+# num_kv_heads is per TP rank: checked against the TP mapping instead.
+LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "dtype")
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)
 
@@ -86,7 +91,27 @@ def incompatibilities(
         mine, theirs = getattr(layout, key), getattr(reply.layout, key)
         if mine != theirs:
             diffs.append(f"layout.{key}: local={mine!r} remote={theirs!r}")
+    total = reply.compat.get("num_kv_heads", reply.layout.num_kv_heads if reply.tp_size == 1 else None)
+    if isinstance(total, int) and total > 0 and 0 <= reply.tp_rank < reply.tp_size:
+        expected = kv_heads_of(total, reply.tp_size, reply.tp_rank)[1]
+        if reply.layout.num_kv_heads != expected:
+            diffs.append(f"remote TP rank {reply.tp_rank}/{reply.tp_size} holds {reply.layout.num_kv_heads} "
+                         f"KV heads, but {total} KV heads over TP {reply.tp_size} give {expected}")
+    else:
+        diffs.append(f"remote TP rank {reply.tp_rank}/{reply.tp_size} of a model with {total!r} KV heads "
+                     "cannot be mapped")
     return diffs
+
+
+def new_cache(layout: KVLayout, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed cache in our memory order, returned as its logical view [N, L, 2, H, B, D]."""
+    storage = torch.zeros(layout.storage_shape, dtype=getattr(torch, layout.dtype), device=device)
+    return storage.permute(LOGICAL_FROM_STORAGE)
+
+
+def storage_of(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The memory-order tensor [H, N, L, 2, B, D] behind a logical cache view."""
+    return kv_cache.permute(STORAGE_FROM_LOGICAL)
 
 
 def _memory_of(kv_cache: torch.Tensor) -> tuple[str, int]:
@@ -104,17 +129,34 @@ def _check_cache(kv_cache: torch.Tensor, layout: KVLayout, who: str) -> None:
             f"{who}: KV cache tensor {tuple(kv_cache.shape)} {dtype} does not match its layout "
             f"{layout.shape} {layout.dtype}"
         )
-    if not kv_cache.is_contiguous():
-        raise KVTransferError(f"{who}: KV cache tensor must be contiguous (one registration)")
+    if not storage_of(kv_cache).is_contiguous():
+        raise KVTransferError(f"{who}: KV cache must be a logical view of one head-major storage "
+                              "tensor (kv_transfer.new_cache): one registration, head runs contiguous")
 
 
-def _block_descs(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
-    """[num_blocks, 3] (address, length, device) rows, one per block: block id = index."""
-    descs = np.empty((layout.num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = base + np.arange(layout.num_blocks, dtype=np.uint64) * layout.block_bytes
-    descs[:, 1] = layout.block_bytes
+def _head_block_descs(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
+    """[H * N, 3] (address, length, device) rows, one per (head, block) in memory order:
+    index = head * num_blocks + block."""
+    count = layout.num_kv_heads * layout.num_blocks
+    descs = np.empty((count, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(count, dtype=np.uint64) * layout.head_block_bytes
+    descs[:, 1] = layout.head_block_bytes
     descs[:, 2] = device_id
     return descs
+
+
+def _num_runs(remote_idx: np.ndarray, local_idx: np.ndarray) -> int:
+    """Descriptors after merging: index pairs where both sides step by exactly one continue a run."""
+    if not len(local_idx):
+        return 0
+    cont = (np.diff(remote_idx) == 1) & (np.diff(local_idx) == 1)
+    return int(len(local_idx) - np.count_nonzero(cont))
+
+
+def _indices(block_ids: list[int], num_blocks: int, first_head: int, num_heads: int) -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    heads = np.arange(first_head, first_head + num_heads, dtype=np.int64)[:, None]
+    return (heads * num_blocks + ids[None, :]).ravel()
 
 
 class _CacheAgent:
@@ -129,7 +171,7 @@ class _CacheAgent:
 
         self.agent_name = agent_name
         self.layout = layout
-        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, H_kv, block_size, head_dim]
+        self.kv_cache = kv_cache  # logical [num_blocks, num_layers, 2, H_kv, block_size, head_dim]
         self.mem_type, self.device_id = _memory_of(kv_cache)
         if self.mem_type == "VRAM":
             for key, value in _VRAM_UCX_ENV.items():
@@ -141,7 +183,7 @@ class _CacheAgent:
                                    capture_telemetry=capture_telemetry)
         try:
             self._agent: Any = nixl_agent(agent_name, config)
-            self._reg: Any = self._agent.register_memory(kv_cache)
+            self._reg: Any = self._agent.register_memory(storage_of(kv_cache))
         except Exception as exc:
             raise KVTransferError(f"agent {agent_name!r}: NIXL/UCX start failed: {exc!r}") from exc
 
@@ -161,6 +203,7 @@ class KVProducer(_CacheAgent):
     def __init__(
         self, *, engine_id: str, epoch: int, agent_name: str, kv_cache: torch.Tensor,
         layout: KVLayout, compat: dict[str, Any], num_threads: int = 0,
+        tp_rank: int = 0, tp_size: int = 1, pcp_rank: int = 0, pcp_size: int = 1,
     ) -> None:
         super().__init__(agent_name, kv_cache, layout, num_threads)
         self.engine_id = engine_id
@@ -170,6 +213,7 @@ class KVProducer(_CacheAgent):
             engine_id=engine_id, epoch=epoch, agent_name=agent_name,
             agent_metadata=self._agent.get_agent_metadata(), base_address=kv_cache.data_ptr(),
             layout=layout, compat=dict(compat), mem_type=self.mem_type, device_id=self.device_id,
+            tp_rank=tp_rank, tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size,
         )
 
     @property
@@ -260,7 +304,7 @@ class KVConsumer(_CacheAgent):
         self.compat = dict(compat)
         self._telemetry = capture_telemetry
         # Local list prepared once for every remote: it only names our own memory.
-        descs = _block_descs(kv_cache.data_ptr(), layout, self.device_id)
+        descs = _head_block_descs(kv_cache.data_ptr(), layout, self.device_id)
         self._local_dlist: Any = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descs, self.mem_type
         )
@@ -289,7 +333,7 @@ class KVConsumer(_CacheAgent):
         try:
             if name != reply.agent_name:
                 raise ValueError(f"its metadata names agent {name!r}")
-            descs = _block_descs(reply.base_address, reply.layout, reply.device_id)
+            descs = _head_block_descs(reply.base_address, reply.layout, reply.device_id)
             dlist = self._agent.prep_xfer_dlist(name, descs, reply.mem_type)
         except Exception as exc:
             self._agent.remove_remote_agent(name)
@@ -344,24 +388,36 @@ class KVConsumer(_CacheAgent):
     # -- pulls ----------------------------------------------------------------------------
 
     def start_pull(
-        self, request_id: str, handle: KVHandle, local_block_ids: list[int], replica: int = 0
+        self, request_id: str, handle: KVHandle, local_block_ids: list[int], replica: int = 0,
+        heads: list[tuple[int, int, int]] | None = None,
     ) -> Pull:
-        """Post a READ of handle.block_ids (on replica ``replica``) into local_block_ids."""
+        """Post a READ of handle.block_ids (on replica ``replica``) into local_block_ids.
+
+        ``heads``: (remote first head, local first head, count) slices of the remote
+        rank's KV heads to read (tp.pull_plan); None reads every head into the same one."""
         started = time.perf_counter()
         remote = self._remote_for(handle, replica, request_id)
         peer = peer_name(handle.engine_id, handle.epoch, remote.reply.agent_name)
         self._check_ids(request_id, peer, handle, remote, local_block_ids)
-        runs = coalesce(handle.block_ids, local_block_ids)
-        pull = Pull(request_id=request_id, peer=peer, num_descriptors=len(runs),
-                    num_bytes=len(local_block_ids) * self.layout.block_bytes, started_at=started)
-        if not runs:  # NIXL refuses an empty request; nothing to move is done at once
+        if heads is None:
+            heads = [(0, 0, self.layout.num_kv_heads)]
+        self._check_heads(request_id, peer, remote, heads)
+        num_heads = sum(n for _, _, n in heads)
+        # (head, block) indices; NIXL merges pairs contiguous on both sides into one
+        # descriptor: one per head and run of blocks (fewer when runs meet across heads).
+        local_n, remote_n = self.layout.num_blocks, remote.reply.layout.num_blocks
+        local_idx = np.concatenate([_indices(local_block_ids, local_n, dst, n) for _, dst, n in heads])
+        remote_idx = np.concatenate([_indices(handle.block_ids, remote_n, src, n) for src, _, n in heads])
+        pull = Pull(request_id=request_id, peer=peer, num_descriptors=_num_runs(remote_idx, local_idx),
+                    num_bytes=len(local_block_ids) * num_heads * self.layout.head_block_bytes,
+                    started_at=started)
+        if not len(local_idx):  # NIXL refuses an empty request: done at once
             pull.posted_at = pull.done_at = time.perf_counter()
             return pull
         try:
-            # Per-block indices; NIXL merges both-sides-contiguous pairs into one descriptor.
             pull.xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, np.asarray(local_block_ids, dtype=np.int32),
-                remote.dlist, np.asarray(handle.block_ids, dtype=np.int32),
+                "READ", self._local_dlist, local_idx.astype(np.int32),
+                remote.dlist, remote_idx.astype(np.int32),
             )
             state = self._agent.transfer(pull.xfer)
         except Exception as exc:
@@ -388,6 +444,13 @@ class KVConsumer(_CacheAgent):
             if ids and (min(ids) < 0 or max(ids) >= n):  # C-speed check; list only on error
                 bad = [b for b in ids if not 0 <= b < n][:8]
                 why = f"{side} block ids {bad} outside [0, {n})"
+                raise _pull_error(request_id, peer, f"refused, {why}")
+
+    def _check_heads(self, request_id: str, peer: str, remote: _Remote, heads: list[tuple[int, int, int]]) -> None:
+        for src, dst, n in heads:
+            if n < 0 or src < 0 or dst < 0 or src + n > remote.reply.layout.num_kv_heads or dst + n > self.layout.num_kv_heads:
+                why = (f"head slice (remote {src}, local {dst}, count {n}) outside remote "
+                       f"{remote.reply.layout.num_kv_heads} / local {self.layout.num_kv_heads} KV heads")
                 raise _pull_error(request_id, peer, f"refused, {why}")
 
     def poll(self, pull: Pull) -> bool:
@@ -431,10 +494,10 @@ class KVConsumer(_CacheAgent):
     def release(self, handle: KVHandle, request_id: str, trace_id: str = "") -> list[int]:
         """Notify EVERY replica (read from or not) that the request's blocks may be freed.
         Returns the replica indices not notified: the caller falls back to the side channel."""
-        message = encode(Release(request_id=request_id, trace_id=trace_id,
-                                 engine_id=handle.engine_id, epoch=handle.epoch))
         failed = []
         for index, replica in enumerate(handle.replicas):
+            message = encode(Release(request_id=request_id, trace_id=trace_id,
+                                     engine_id=handle.engine_id, epoch=handle.epoch, rank=index))
             key = (handle.engine_id, handle.epoch, replica.agent_name)
             try:
                 if key not in self._remotes:

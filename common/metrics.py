@@ -15,11 +15,15 @@ from collections import defaultdict
 from pdserve.common.protocol import MetricSample
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# TTFT parts go down to tens of microseconds (an idle handoff, the first chunk's emit)
+PART_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS[:1], 0.0025, *LATENCY_BUCKETS[1:])
+BUCKETS = {"pdserve:ttft_part_seconds": PART_BUCKETS}
 
 COUNTERS = {
     "pdserve:requests": "requests finished, by finish reason",
     "pdserve:kv_transfers": "KV pulls completed",
     "pdserve:kv_transfer_bytes": "bytes of KV pulled",
+    "pdserve:kv_transfer_descriptors": "NIXL descriptors of the KV pulls (one per KV head and run of blocks)",
     "pdserve:kv_transfer_failures": "KV pulls that failed",
     "pdserve:kv_notification_failures": "release notifications that could not be sent",
     "pdserve:kv_expired_requests": "requests whose KV lease expired before release",
@@ -40,6 +44,7 @@ HISTOGRAMS = {
     "pdserve:inter_token_latency_seconds": "time between consecutive tokens",
     "pdserve:e2e_request_latency_seconds": "time from arrival to the last token",
     "pdserve:kv_transfer_seconds": "time of one KV pull",
+    "pdserve:ttft_part_seconds": "time to first token by part of the request's path (common/ttft.py)",
 }
 HELP = {**COUNTERS, **GAUGES, **HISTOGRAMS}
 
@@ -98,7 +103,7 @@ class Metrics:
         with self._lock:
             hist = self.histograms.get(key)
             if hist is None:
-                hist = self.histograms[key] = Histogram()
+                hist = self.histograms[key] = Histogram(BUCKETS.get(name, LATENCY_BUCKETS))
             hist.observe(value)
 
     def value(self, name: str, **labels: str | int) -> float:

@@ -2,6 +2,11 @@
 
 Module and parameter names follow Hugging Face's LlamaForCausalLM so a safetensors
 checkpoint loads by name. Tokens arrive as one flat batch [T] of all scheduled sequences.
+
+Tensor parallel (``parallel.tp_size > 1``): each rank holds its query heads and KV heads
+(common/tp.py) and a slice of the MLP; q/k/v and gate/up are column-parallel, o_proj and
+down_proj row-parallel followed by an all-reduce over the TP group. Embeddings, norms and
+the LM head are replicated. :func:`shard_state_dict` cuts a full checkpoint to one rank.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from torch.nn import functional as F
 
 from pdserve.common.attention import AttentionMetadata, paged_attention
 from pdserve.common.model_config import ModelConfig
+from pdserve.common.parallel import ParallelContext
 from pdserve.common.rope import RotaryEmbedding
+from pdserve.common.tp import kv_heads_of, q_heads_of
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +37,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.par = par
+        self.num_heads = q_heads_of(cfg.num_attention_heads, par.tp_size, par.tp_rank)[1]
+        self.num_kv_heads = kv_heads_of(cfg.num_key_value_heads, par.tp_size, par.tp_rank)[1]
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
@@ -57,26 +65,33 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.par.all_reduce_tp(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
+        self.par = par
         bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        size = cfg.intermediate_size // par.tp_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.par.tp_size == 1:
+            return self.down_proj(h)
+        # row-parallel: partial sums reduced, the bias added once after
+        out = self.par.all_reduce_tp(F.linear(h, self.down_proj.weight))
+        return out if self.down_proj.bias is None else out + self.down_proj.bias
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rotary, par)
+        self.mlp = MLP(cfg, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -92,21 +107,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, par) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaBackbone(cfg)
+        self.model = LlamaBackbone(cfg, parallel or ParallelContext())
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -124,3 +139,28 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, kv_cache[:, i], meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+
+def shard_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """The parameters TP rank ``tp_rank`` holds, cut from a full checkpoint."""
+    if tp_size == 1:
+        return state
+    d = cfg.head_dim
+    q0, nq = q_heads_of(cfg.num_attention_heads, tp_size, tp_rank)
+    k0, nk = kv_heads_of(cfg.num_key_value_heads, tp_size, tp_rank)
+    m = cfg.intermediate_size // tp_size
+    rows = {"q_proj": (q0 * d, nq * d), "k_proj": (k0 * d, nk * d), "v_proj": (k0 * d, nk * d),
+            "gate_proj": (tp_rank * m, m), "up_proj": (tp_rank * m, m)}
+    cols = {"o_proj": (q0 * d, nq * d), "down_proj": (tp_rank * m, m)}
+    out = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if proj in rows:
+            start, size = rows[proj]
+            tensor = tensor.narrow(0, start, size)
+        elif proj in cols and kind == "weight":
+            start, size = cols[proj]
+            tensor = tensor.narrow(1, start, size)
+        out[name] = tensor.contiguous()
+    return out

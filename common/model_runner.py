@@ -16,22 +16,28 @@ from pdserve.common.attention import AttentionMetadata
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.kv_layout import KVLayout
-from pdserve.common.model import LlamaForCausalLM
+from pdserve.common.kv_transfer import new_cache
+from pdserve.common.model import LlamaForCausalLM, shard_state_dict
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.parallel import ParallelContext
 from pdserve.common.rope import inv_frequencies
 from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.tp import check_tp, kv_heads_of
 from pdserve.common.zigzag import rank_pieces
 
 log = structlog.get_logger("pdserve.model_runner")
 
 
-def load_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(
+    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+    parallel: ParallelContext | None = None,
+) -> LlamaForCausalLM:
+    par = parallel or ParallelContext()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, par)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f, device="cpu"))
@@ -46,6 +52,7 @@ def load_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: to
             f"weights in {model_dir} do not match the config: missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}"
         )
+    state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -77,17 +84,21 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
         started = time.perf_counter()
-        self.model = load_model(cfg, model_dir, self.dtype, self.device)
+        reason = check_tp(self.parallel.tp_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        if reason:
+            raise ModelLoadError(f"{model_dir}: {reason}")
+        self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
         self.load_seconds = time.perf_counter() - started
         probe = KVLayout(
-            num_blocks=1, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+            num_blocks=1, num_layers=cfg.num_hidden_layers,
+            num_kv_heads=kv_heads_of(cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank)[1],
             block_size=block_size, head_dim=cfg.head_dim, dtype=dtype,
         )
         if num_blocks is None:
             num_blocks = self._blocks_for_memory(probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization)
         self.layout = msgspec.structs.replace(probe, num_blocks=num_blocks)
-        # [N, L, 2, H_kv, B, D]
-        self.kv_cache = torch.zeros(self.layout.shape, dtype=self.dtype, device=self.device)
+        # logical [N, L, 2, H_kv, B, D] over head-major storage (common/kv_layout.py)
+        self.kv_cache = new_cache(self.layout, self.device)
         log.info(
             "model_loaded", model=str(model_dir), device=device, dtype=dtype,
             load_seconds=round(self.load_seconds, 2), num_kv_blocks=num_blocks,
@@ -98,7 +109,7 @@ class ModelRunner:
         """Re-make the KV cache with ``num_blocks`` blocks (PCP ranks agree on one size)."""
         if num_blocks != self.layout.num_blocks:
             self.layout = msgspec.structs.replace(self.layout, num_blocks=num_blocks)
-            self.kv_cache = torch.zeros(self.layout.shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = new_cache(self.layout, self.device)
 
     def kv_compat(self) -> dict[str, str | int]:
         """What must be equal between a KV producer and its consumer (checked at handshake)."""

@@ -145,6 +145,10 @@ class HandshakeReply(Message, kw_only=True):
     compat: dict[str, Any]  # model, dtype, block size, heads: checked by the consumer
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int = 0
+    tp_rank: int = 0  # where this rank sits in its instance's TP x PCP grid
+    tp_size: int = 1
+    pcp_rank: int = 0
+    pcp_size: int = 1
 
 
 class Heartbeat(Message, kw_only=True):

@@ -49,6 +49,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     decode: list[InstanceAddresses] = []
     colocated: bool = False  # no prefill service: decode computes prompts (the baseline)
     pcp: int = 1  # prefill context-parallel ranks per prefill instance
+    prefill_tp: int = 1  # tensor-parallel ranks per PCP rank: an instance has tp x pcp ranks
+    decode_tp: int | list[int] = 1  # per decode instance: one size for all, or one each
     pull_from: str = "first"  # decode reads replica 0 ("first") or stripes across replicas
     kv_load_failure_policy: str = "fail"
     lease_seconds: float = 30.0
@@ -70,15 +72,24 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             )
         if self.pull_from not in ("first", "striped"):
             raise PdserveError(f"pull_from must be 'first' or 'striped', got {self.pull_from!r}")
-        for name in ("prefill_instances", "decode_instances", "pcp"):
+        for name in ("prefill_instances", "decode_instances", "pcp", "prefill_tp"):
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        sizes = self.decode_tp if isinstance(self.decode_tp, list) else [self.decode_tp]
+        if any(t < 1 for t in sizes):
+            raise PdserveError(f"decode_tp must be at least 1, got {self.decode_tp}")
+        if isinstance(self.decode_tp, list) and len(self.decode_tp) != self.decode_instances:
+            raise PdserveError(f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
+                               "decode instances: give one size, or one per instance")
         if self.lease_seconds <= 0 or self.heartbeat_seconds <= 0:
             raise PdserveError("lease_seconds and heartbeat_seconds must be positive")
         if self.max_queued_requests < 1:
             raise PdserveError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
         if self.drain_seconds < 0:
             raise PdserveError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+
+    def decode_tp_of(self, instance: int) -> int:
+        return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp
 
     @property
     def front_address(self) -> str:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_transfer import KVConsumer, KVTransferError, coalesce
+from pdserve.common.kv_transfer import KVConsumer, KVTransferError, coalesce, new_cache
 from pdserve.common.protocol import (
     Decoder,
     HandshakeReply,
@@ -47,8 +47,11 @@ START_WAIT_S = 30.0  # three children importing torch on two (shared) cores
 
 
 def seeded_cache(layout: KVLayout, seed: int) -> torch.Tensor:
-    # [num_blocks, num_layers, 2, H_kv, block_size, head_dim]; same bytes in every process
-    return torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed))
+    # logical [num_blocks, num_layers, 2, H_kv, block_size, head_dim] over head-major
+    # storage; same bytes in every process
+    cache = new_cache(layout)
+    cache.copy_(torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
 
 
 def _producer_main(conn: Connection, agent_name: str, engine_id: str = ENGINE) -> None:
@@ -143,7 +146,7 @@ def producers(all_producers: list[ProducerProc]) -> list[ProducerProc]:
 
 @pytest.fixture
 def consumer() -> Iterator[KVConsumer]:
-    c = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=torch.zeros(LAYOUT.shape),
+    c = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(LAYOUT),
                    layout=LAYOUT, compat=COMPAT, capture_telemetry=True)
     try:
         yield c
@@ -194,13 +197,35 @@ def test_pull_non_contiguous_blocks_coalesced(
     pull = consumer.start_pull("req-pull", make_handle(remote), local, replica=1)
     wait_pull(consumer, pull)
 
-    assert pull.num_descriptors == len(coalesce(remote, local)) == 7
-    assert pull.nixl_descriptors == 7  # NIXL really merged the runs
+    # one descriptor per (head, run): the layout is head-major
+    assert pull.num_descriptors == len(coalesce(remote, local)) * LAYOUT.num_kv_heads == 14
+    assert pull.nixl_descriptors == 14  # NIXL really merged the runs
     assert pull.num_bytes == len(remote) * LAYOUT.block_bytes
     expected = seeded_cache(LAYOUT, SEED)
     assert torch.equal(consumer.kv_cache[local], expected[remote])
     untouched = [b for b in range(LAYOUT.num_blocks) if b not in local]
     assert not consumer.kv_cache[untouched].any()
+
+
+def test_pull_head_slice_into_a_smaller_tp_layout(producers: list[ProducerProc]) -> None:
+    """A consumer holding one KV head (TP 2 over 2 heads) reads head 1 of a TP-1 producer:
+    one descriptor per run of blocks, and exactly that head's bytes."""
+    half = msgspec.structs.replace(LAYOUT, num_kv_heads=1)
+    consumer = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(half),
+                          layout=half, compat=COMPAT, capture_telemetry=True)
+    try:
+        connect_all(consumer, producers)
+        remote, local = [8, 9, 10, 11, 20], [0, 1, 2, 3, 9]
+        pull = consumer.start_pull("req-slice", make_handle(remote), local, replica=0, heads=[(1, 0, 1)])
+        wait_pull(consumer, pull)
+        assert pull.num_descriptors == pull.nixl_descriptors == 2
+        assert pull.num_bytes == len(remote) * half.block_bytes
+        expected = seeded_cache(LAYOUT, SEED)[remote][:, :, :, 1:2]
+        assert torch.equal(consumer.kv_cache[local], expected)
+        with pytest.raises(KVTransferError, match="head slice"):
+            consumer.start_pull("req-bad", make_handle(remote), local, heads=[(1, 0, 2)])
+    finally:
+        consumer.close()
 
 
 def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: KVConsumer) -> None:
@@ -210,8 +235,8 @@ def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: 
     wait_pull(consumer, pull)
     assert consumer.release(handle, "req-rel", trace_id="t-1") == []
 
-    want = Release(request_id="req-rel", trace_id="t-1", engine_id=ENGINE, epoch=EPOCH)
-    for p in producers:  # replica 1 was not read from and is released too
+    for index, p in enumerate(producers):  # replica 1 was not read from and is released too
+        want = Release(request_id="req-rel", trace_id="t-1", engine_id=ENGINE, epoch=EPOCH, rank=index)
         releases, _ = wait_producer(p, lambda rs, _: any(r.request_id == "req-rel" for r in rs), consumer)
         time.sleep(0.05)
         releases, _ = p.state()

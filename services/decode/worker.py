@@ -2,7 +2,8 @@
 
 A request with a KV handle moves through: waiting for the producer's handshake ->
 waiting for local blocks -> pulling -> decoding. Every producer replica is released
-exactly once per request, whether the pull worked, failed or was aborted.
+exactly once per request, whether the pull worked, failed or was aborted. With decode
+TP > 1 the model and the pulls run in rank processes (services/decode/pullers.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pdserve.common.outputs import RequestOutput
 from pdserve.common.worker import WorkerThread, report_engine
 
 if TYPE_CHECKING:
-    from pdserve.common.kv_transfer import Pull
     from pdserve.services.decode.decode_engine import DecodeEngine
+    from pdserve.services.decode.pullers import LocalPuller, PullResult, RankPuller
     from pdserve.services.decode.service import DecodeService
 
 log = structlog.get_logger("pdserve.decode")
@@ -36,8 +37,9 @@ class PendingPull:
     handle: p.KVHandle
     arrived: float = field(default_factory=time.monotonic)
     blocks: list[int] | None = None
-    pulls: list[Pull] = field(default_factory=list)  # one per replica read from
+    pulling: bool = False  # READs posted, not all ended
     aborted: bool = False
+    marks: dict[str, float] = field(default_factory=lambda: {"decode_received": time.time()})  # common/ttft.py
 
     @property
     def key(self) -> ProducerKey:
@@ -51,43 +53,51 @@ class DecodeWorker(WorkerThread):
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
         self.pending: dict[str, PendingPull] = {}
         self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
+        self.connected_at: dict[ProducerKey, float] = {}  # wall time of each producer's handshake
         self._num_preemptions = 0
 
     def setup(self) -> None:
         import torch
 
-        from pdserve.common.kv_transfer import KVConsumer
         from pdserve.services.decode.decode_engine import DecodeEngine
+        from pdserve.services.decode.pullers import LocalPuller, RankPuller
 
         torch.set_num_threads(self.svc.torch_threads)
-        self.engine: DecodeEngine = DecodeEngine(self.svc.cfg.engine_for("decode"))
-        self.consumer = KVConsumer(
-            agent_name=f"decode-{self.svc.instance}-{time.time_ns()}",
-            kv_cache=self.engine.runner.kv_cache, layout=self.engine.runner.layout,
-            compat=self.engine.runner.kv_compat(),
-        )
+        engine_cfg = self.svc.cfg.engine_for("decode")
+        self.tp = self.svc.cfg.decode_tp_of(self.svc.instance)
+        agent_name = f"decode-{self.svc.instance}-{time.time_ns()}"
+        self.puller: LocalPuller | RankPuller
+        if self.tp > 1:
+            from pdserve.services.decode.rank_group import DecodeRankGroup
+
+            ranks = DecodeRankGroup(engine_cfg, self.tp, agent_name)
+            self.puller = RankPuller(ranks)
+            self.engine: DecodeEngine = DecodeEngine(engine_cfg, runner=ranks)
+        else:
+            self.engine = DecodeEngine(engine_cfg)
+            self.puller = LocalPuller(agent_name, self.engine.runner)
         self.metrics = self.svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
-            "pdserve:kv_transfers", "pdserve:kv_transfer_bytes", "pdserve:kv_transfer_failures",
+            "pdserve:kv_transfers", "pdserve:kv_transfer_bytes", "pdserve:kv_transfer_descriptors",
+            "pdserve:kv_transfer_failures",
             "pdserve:kv_notification_failures", "pdserve:num_preemptions", "pdserve:bad_messages",
         )
 
     def teardown(self) -> None:
-        if hasattr(self, "consumer"):
-            self.consumer.close()
+        if hasattr(self, "puller"):
+            self.puller.close()
 
     def run_once(self, commands: list[Any]) -> bool:
         for command in commands:
             kind, *args = command
             getattr(self, f"_on_{kind}")(*args)
-        self.consumer.progress()
         self._advance_pulls()
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
-        return computing or any(pp.pulls for pp in self.pending.values())
+        return computing or any(pp.pulling for pp in self.pending.values())
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -108,23 +118,23 @@ class DecodeWorker(WorkerThread):
 
     def _on_connected(self, key: ProducerKey, replies: list[p.HandshakeReply]) -> None:
         try:
-            for reply in replies:
-                self.consumer.connect(reply)
+            self.puller.connect(replies)
             self.producers[key] = None
+            self.connected_at[key] = time.time()
         except PdserveError as exc:
             self.producers[key] = str(exc)
             log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
 
     def _on_handshake_failed(self, key: ProducerKey, message: str) -> None:
         for rid, pp in list(self.pending.items()):
-            if pp.key == key and not pp.pulls:
+            if pp.key == key and not pp.pulling:
                 self._pull_failed(rid, pp, message, release=False)
 
     def _on_abort(self, request_id: str) -> None:
         pp = self.pending.get(request_id)
         if pp is not None:
             pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop
-            if not pp.pulls:
+            if not pp.pulling:
                 self._drop_pending(request_id, pp)
             return
         out = self.engine.abort(request_id)
@@ -134,13 +144,17 @@ class DecodeWorker(WorkerThread):
     # -- pulls ------------------------------------------------------------------------------
 
     def _advance_pulls(self) -> None:
+        for result in self.puller.poll():
+            pp = self.pending.get(result.request_id)
+            if pp is not None:
+                self._pulled(result.request_id, pp, result)
         for rid, pp in list(self.pending.items()):
-            if not pp.pulls:
+            if not pp.pulling:
                 self._maybe_start(rid, pp)
-            else:
-                self._poll(rid, pp)
 
     def _maybe_start(self, rid: str, pp: PendingPull) -> None:
+        from pdserve.services.decode.pullers import plan_pulls
+
         state = self.producers.get(pp.key, "pending")
         if state == "pending":
             return
@@ -152,42 +166,30 @@ class DecodeWorker(WorkerThread):
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
         try:
-            pp.pulls = [
-                self.consumer.start_pull(rid, part, blocks, replica)
-                for part, blocks, replica in self._stripes(pp.handle, pp.blocks)
-            ]
-        except PdserveError as exc:
-            self._pull_failed(rid, pp, str(exc), release=True)
-
-    def _stripes(self, handle: p.KVHandle, blocks: list[int]) -> list[tuple[p.KVHandle, list[int], int]]:
-        """(sub-handle, local blocks, replica) per READ: all from replica 0, or, with
-        ``pull_from = "striped"``, one contiguous share of the blocks from each replica
-        so several producers' links carry the pull."""
-        num = len(handle.replicas) if self.svc.cfg.pull_from == "striped" else 1
-        num = max(1, min(num, len(blocks)))
-        bounds = [len(blocks) * i // num for i in range(num + 1)]
-        return [
-            (msgspec.structs.replace(handle, block_ids=handle.block_ids[a:b]), blocks[a:b], i)
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
-        ]
-
-    def _poll(self, rid: str, pp: PendingPull) -> None:
-        try:
-            done = [self.consumer.poll(pull) for pull in pp.pulls if not pull.done]
+            plan = plan_pulls(pp.handle, pp.blocks, self.engine.model_config.num_key_value_heads,
+                              self.tp, self.svc.cfg.pull_from == "striped")
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
             return
-        if not all(done):
+        pp.pulling = True
+        pp.marks["handshake_done"] = max(pp.marks["decode_received"], self.connected_at.get(pp.key, 0.0))
+        pp.marks["pull_started"] = time.time()
+        self.puller.start(rid, pp.handle, plan)
+
+    def _pulled(self, rid: str, pp: PendingPull, result: PullResult) -> None:
+        pp.pulling = False
+        if result.error is not None:
+            self._pull_failed(rid, pp, result.error, release=True)
             return
         del self.pending[rid]
-        seconds = max(pull.transfer_seconds or 0.0 for pull in pp.pulls)
-        num_bytes = sum(pull.num_bytes for pull in pp.pulls)
+        pp.marks["pull_done"] = time.time()
         self.metrics.inc("pdserve:kv_transfers")
-        self.metrics.inc("pdserve:kv_transfer_bytes", num_bytes)
-        self.metrics.observe("pdserve:kv_transfer_seconds", seconds)
+        self.metrics.inc("pdserve:kv_transfer_bytes", result.num_bytes)
+        self.metrics.inc("pdserve:kv_transfer_descriptors", result.num_descriptors)
+        self.metrics.observe("pdserve:kv_transfer_seconds", result.seconds)
         self._release(pp.handle, rid, pp.msg.trace_id)
-        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=num_bytes,
-                  descriptors=sum(pull.num_descriptors for pull in pp.pulls), seconds=round(seconds, 4))
+        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=result.num_bytes,
+                  descriptors=result.num_descriptors, seconds=round(result.seconds, 4))
         if pp.aborted:
             self.engine.pool.free(pp.blocks or [])
             self._finish_aborted(rid, pp)
@@ -200,7 +202,7 @@ class DecodeWorker(WorkerThread):
         out = self.engine.add_prefilled(
             rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
         )
-        self._emit(out)
+        self._emit(out, pp.marks)
 
     def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
         self.pending.pop(rid, None)
@@ -233,7 +235,7 @@ class DecodeWorker(WorkerThread):
         if self.producers.get((handle.engine_id, handle.epoch)) is not None:
             unreached = list(range(len(handle.replicas)))  # never connected: no NIXL path
         else:
-            unreached = self.consumer.release(handle, rid, trace_id)
+            unreached = self.puller.release(handle, rid, trace_id)
         for index in unreached:
             self.metrics.inc("pdserve:kv_notification_failures")
             release = p.Release(request_id=rid, trace_id=trace_id, engine_id=handle.engine_id, epoch=handle.epoch, rank=index)
@@ -263,13 +265,15 @@ class DecodeWorker(WorkerThread):
         for out in outputs:
             self._emit(out)
 
-    def _emit(self, out: RequestOutput) -> None:
+    def _emit(self, out: RequestOutput, marks: dict[str, float] | None = None) -> None:
+        """``marks``: the TTFT marks of a request's first output (common/ttft.py)."""
         peer = self.peers.get(out.request_id)
         if peer is None:
             return
         identity, trace = peer
         if out.new_token_ids or out.text:
-            self.post(self.svc.reply, identity, p.TokenChunk(request_id=out.request_id, trace_id=trace, token_ids=out.new_token_ids, text=out.text))
+            timings = {**marks, "first_chunk": time.time()} if marks else {}
+            self.post(self.svc.reply, identity, p.TokenChunk(request_id=out.request_id, trace_id=trace, token_ids=out.new_token_ids, text=out.text, timings=timings))
         if out.finished:
             del self.peers[out.request_id]
             usage = p.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens)

@@ -26,6 +26,7 @@ class PrefillWorker(WorkerThread):
         super().__init__(svc.loop, name=f"prefill-{svc.instance}")
         self.svc = svc
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
+        self.scheduled_at: dict[str, float] = {}  # request id -> wall time its prefill began
         self._num_preemptions = 0
 
     def setup(self) -> None:
@@ -38,10 +39,10 @@ class PrefillWorker(WorkerThread):
         engine_cfg = cfg.engine_for("prefill")
         self.ranks: RankGroup | None = None
         self.producer: KVProducer | None = None
-        if cfg.pcp > 1:
+        if cfg.pcp * cfg.prefill_tp > 1:
             from pdserve.services.prefill.rank_group import RankGroup
 
-            self.ranks = RankGroup(engine_cfg, cfg.pcp, svc.engine_id, svc.epoch)
+            self.ranks = RankGroup(engine_cfg, cfg.pcp, svc.engine_id, svc.epoch, tp=cfg.prefill_tp)
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:
@@ -56,8 +57,8 @@ class PrefillWorker(WorkerThread):
             replies = [self.producer.handshake_reply]
         svc.handshake_replies = replies
         self.replicas = [
-            p.Replica(agent_name=r.agent_name, side_channel=svc.side_channel, pcp_rank=rank)
-            for rank, r in enumerate(replies)
+            p.Replica(agent_name=r.agent_name, side_channel=svc.side_channel, tp_rank=r.tp_rank, pcp_rank=r.pcp_rank)
+            for r in replies
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
         self.metrics = svc.metrics
@@ -139,6 +140,7 @@ class PrefillWorker(WorkerThread):
     # -- engine ---------------------------------------------------------------------------
 
     def _step(self) -> None:
+        started = time.time()
         try:
             results = self.engine.step()
         except Exception as exc:
@@ -148,8 +150,21 @@ class PrefillWorker(WorkerThread):
                 identity, trace = self.peers.pop(rid)
                 self._fail(identity, rid, trace, "internal", f"prefill step failed: {exc}")
             return
+        self._mark_scheduled(started)
         for done in results:
             self._publish(done)
+
+    def _mark_scheduled(self, started: float) -> None:
+        """A request's prefill began with the first step that left it out of the waiting
+        queue (TTFT parts, common/ttft.py)."""
+        if self.engine.last_step_tokens == 0:
+            return
+        waiting = {req.request_id for req in self.engine.scheduler.waiting}
+        for rid in self.peers:
+            if rid not in waiting:
+                self.scheduled_at.setdefault(rid, started)
+        if len(self.scheduled_at) > len(self.peers):  # aborted or failed requests
+            self.scheduled_at = {rid: t for rid, t in self.scheduled_at.items() if rid in self.peers}
 
     def _publish(self, done: Prefilled) -> None:
         identity, trace = self.peers.pop(done.request_id)
@@ -162,6 +177,8 @@ class PrefillWorker(WorkerThread):
         msg = p.PrefillDone(
             request_id=done.request_id, trace_id=trace, first_token=done.first_token,
             num_cached_tokens=done.num_cached_tokens, handle=handle,
+            timings={"prefill_scheduled": self.scheduled_at.pop(done.request_id, time.time()),
+                     "prefill_done": time.time()},
         )
         self.post(self.svc.reply, identity, msg)
 

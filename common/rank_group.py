@@ -1,0 +1,145 @@
+"""RankProcesses: a coordinator's handle on the TP x PCP rank processes of one instance.
+
+It is the engine's StepRunner: a step plan is broadcast to every rank, rank 0's logits
+come back. Blocks are allocated once, by the coordinator's scheduler, so every rank uses
+the same block ids. Ranks also send events the coordinator did not ask for (a producer's
+received releases, a consumer's finished pulls); they are kept in arrival order and
+handed out by :meth:`take_events`.
+
+Pipe messages are msgpack tuples, never pickle (common/rank.py lists them).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import PdserveError
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.ports import free_port
+from pdserve.common.protocol import HandshakeReply
+from pdserve.common.step_plan import StepPlan
+
+START_TIMEOUT = 600.0
+STEP_TIMEOUT = 600.0
+EVENT_KINDS = frozenset({"released", "pulled", "pull_failed"})
+
+_enc = msgspec.msgpack.Encoder()
+
+
+class RankFailed(PdserveError):
+    """A rank process died or reported an error."""
+
+
+class RankProcesses:
+    def __init__(self, role: str, config: EngineConfig, name: str, *, tp: int = 1, pcp: int = 1,
+                 agent: dict[str, Any] | None = None) -> None:
+        from pdserve.common.rank import rank_main
+
+        ctx = mp.get_context("spawn")
+        dist_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.tp, self.pcp = tp, pcp
+        self.num_ranks = tp * pcp
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self._events: list[tuple[int, list[Any]]] = []
+        setup = msgspec.json.encode({"config": config, "agent": agent or {}})
+        for rank in range(self.num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=rank_main, name=f"pdserve-{name}-rank{rank}", daemon=True,
+                args=(role, rank, tp, pcp, dist_addr, setup, child),
+            )
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.handshake_replies: list[HandshakeReply] = []
+        layouts = []
+        for rank in range(self.num_ranks):
+            msg = self._expect(rank, "ready", START_TIMEOUT)
+            if msg[1]:
+                self.handshake_replies.append(msgspec.msgpack.decode(msg[1], type=HandshakeReply))
+            layouts.append(msgspec.msgpack.decode(msg[2], type=KVLayout))
+        self.layout: KVLayout = layouts[0]
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        payload = _enc.encode(("step", msgspec.msgpack.encode(plan)))
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        logits = torch.empty(0)
+        for rank in range(self.num_ranks):
+            msg = self._expect(rank, "logits" if rank == 0 else "done", STEP_TIMEOUT)
+            if rank == 0:
+                buf = np.frombuffer(msg[2], dtype=np.float32).reshape(msg[1])
+                logits = torch.from_numpy(buf.copy())
+        return logits
+
+    def send(self, rank: int, *command: Any) -> None:
+        self.conns[rank].send_bytes(_enc.encode(command))
+
+    def call(self, rank: int, reply_kind: str, *command: Any, timeout: float = STEP_TIMEOUT) -> list[Any]:
+        self.send(rank, *command)
+        return self._expect(rank, reply_kind, timeout)
+
+    def take_events(self) -> list[tuple[int, list[Any]]]:
+        """(rank, event) pairs received since the last call, without blocking."""
+        for rank, conn in enumerate(self.conns):
+            while conn.poll(0):
+                self._take(rank, self._recv(rank))
+        out, self._events = self._events, []
+        return out
+
+    def cache_blocks(self, rank: int, block_ids: list[int]) -> np.ndarray:
+        """Rank ``rank``'s copy of ``block_ids`` as float32 (tests compare replicas)."""
+        return np.frombuffer(self.call(rank, "blocks", "blocks", block_ids)[1], dtype=np.float32)
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise RankFailed(f"rank {rank} died (exit code {proc.exitcode})")
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(_enc.encode(("stop",)))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    def _recv(self, rank: int) -> list[Any]:
+        try:
+            return msgspec.msgpack.decode(self.conns[rank].recv_bytes())
+        except EOFError as exc:
+            raise RankFailed(f"rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})") from exc
+
+    def _expect(self, rank: int, kind: str, timeout: float) -> list[Any]:
+        """The next message of ``kind`` from ``rank``; events met on the way are kept."""
+        conn, deadline = self.conns[rank], time.monotonic() + timeout
+        while True:
+            if not self.procs[rank].is_alive() and not conn.poll(0):
+                raise RankFailed(f"rank {rank} died (exit code {self.procs[rank].exitcode})")
+            if not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise RankFailed(f"rank {rank} gave no {kind!r} within {timeout:.0f} s")
+                continue
+            msg = self._recv(rank)
+            if msg[0] == kind:
+                return msg
+            self._take(rank, msg)
+
+    def _take(self, rank: int, msg: list[Any]) -> None:
+        if msg[0] in EVENT_KINDS:
+            self._events.append((rank, msg))
+        elif msg[0] == "error":
+            raise RankFailed(msg[1])
+        else:
+            raise RankFailed(f"rank {rank} sent an unexpected {msg[0]!r}")

@@ -1,0 +1,165 @@
+"""How a decode instance moves a request's prompt KV in: the pull plan and the pullers.
+
+:func:`plan_pulls` maps a producer's TP x PCP grid onto this instance's TP ranks: each
+decode rank reads its KV heads from the producer TP rank(s) holding them (common/tp.py),
+from the first PCP replica or, with ``pull_from = "striped"``, one share of the blocks
+from each replica. Whatever was read from, every replica is released exactly once.
+
+A puller runs the plan: :class:`LocalPuller` with the KVConsumer in this process (TP 1),
+:class:`RankPuller` through the decode rank processes (TP > 1), where each rank's agent
+posts its own READs and rank 0 sends the releases (it connects to every producer rank).
+Both report a request once, when every READ of it has ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdserve.common import protocol as p
+from pdserve.common.errors import PdserveError
+from pdserve.common.kv_transfer import KVTransferError
+from pdserve.common.rank import PullSpec, pull_stats, start_pulls
+from pdserve.common.tp import pull_plan
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    error: str | None  # None: every READ of the request finished
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+
+
+def plan_pulls(
+    handle: p.KVHandle, local_blocks: list[int], num_kv_heads: int, consumer_tp: int, striped: bool
+) -> list[list[PullSpec]]:
+    """The READs of each decode rank (index = rank)."""
+    grid = {(r.tp_rank, r.pcp_rank): i for i, r in enumerate(handle.replicas)}
+    producer_tp = 1 + max(r.tp_rank for r in handle.replicas)
+    pcp = 1 + max(r.pcp_rank for r in handle.replicas)
+    if len(grid) != producer_tp * pcp or len(grid) != len(handle.replicas):
+        raise KVTransferError(f"handle of {handle.engine_id!r} names an incomplete or repeated TP x PCP grid: "
+                              f"{[(r.tp_rank, r.pcp_rank) for r in handle.replicas]}")
+    shares = max(1, min(pcp if striped else 1, len(local_blocks)))
+    bounds = [len(local_blocks) * i // shares for i in range(shares + 1)]
+    plan = []
+    for rank in range(consumer_tp):
+        specs = []
+        for sl in pull_plan(num_kv_heads, producer_tp, consumer_tp, rank):
+            for share, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                # decode ranks start their shares on different replicas: more source links busy
+                replica = grid[(sl.producer_tp_rank, (share + rank) % pcp if striped else 0)]
+                specs.append(PullSpec(replica, handle.block_ids[a:b], local_blocks[a:b],
+                                      [(sl.src_head, sl.dst_head, sl.count)]))
+        plan.append(specs)
+    return plan
+
+
+class LocalPuller:
+    """TP 1: the KVConsumer lives in the decode engine's thread."""
+
+    def __init__(self, agent_name: str, runner: Any) -> None:
+        from pdserve.common.kv_transfer import KVConsumer
+
+        self.consumer = KVConsumer(agent_name=agent_name, kv_cache=runner.kv_cache,
+                                   layout=runner.layout, compat=runner.kv_compat())
+        self._pulls: dict[str, list[Any]] = {}
+        self._results: list[PullResult] = []
+
+    def connect(self, replies: list[p.HandshakeReply]) -> None:
+        for reply in replies:
+            self.consumer.connect(reply)
+
+    def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
+        try:
+            self._pulls[rid] = start_pulls(self.consumer, rid, handle, plan[0])
+        except PdserveError as exc:
+            self._results.append(PullResult(rid, str(exc)))
+
+    def poll(self) -> list[PullResult]:
+        self.consumer.progress()
+        out, self._results = self._results, []
+        for rid, pulls in list(self._pulls.items()):
+            try:
+                if not all([self.consumer.poll(pull) for pull in pulls if not pull.done]):
+                    continue
+            except PdserveError as exc:
+                for pull in pulls:
+                    self.consumer.abort(pull)
+                del self._pulls[rid]
+                out.append(PullResult(rid, str(exc)))
+                continue
+            del self._pulls[rid]
+            out.append(PullResult(rid, None, *pull_stats(pulls)))
+        return out
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._pulls
+
+    def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
+        return self.consumer.release(handle, rid, trace_id)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@dataclass
+class _Outstanding:
+    ranks: set[int]
+    error: str | None = None
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    seconds: float = 0.0
+
+
+class RankPuller:
+    """TP > 1: every decode rank process pulls its own heads."""
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks  # DecodeRankGroup
+        self._out: dict[str, _Outstanding] = {}
+
+    def connect(self, replies: list[p.HandshakeReply]) -> None:
+        raw = [p.encode(r) for r in replies]
+        errors = [self.ranks.call(rank, "connected", "connect", raw)[1] for rank in range(self.ranks.num_ranks)]
+        if any(errors):
+            raise KVTransferError(next(e for e in errors if e))
+
+    def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
+        ranks = {rank for rank, specs in enumerate(plan) if specs}
+        self._out[rid] = _Outstanding(ranks)
+        encoded = msgspec.msgpack.encode(handle)
+        for rank in ranks:
+            self.ranks.send(rank, "pull", rid, encoded, msgspec.msgpack.encode(plan[rank]))
+
+    def poll(self) -> list[PullResult]:
+        done = []
+        for rank, event in self.ranks.take_events():
+            rid = event[1]
+            out = self._out.get(rid)
+            if out is None or rank not in out.ranks:
+                continue
+            out.ranks.discard(rank)
+            if event[0] == "pull_failed":
+                out.error = out.error or event[2]
+            else:
+                out.num_bytes += event[2]
+                out.num_descriptors += event[3]
+                out.seconds = max(out.seconds, event[4])
+            if not out.ranks:  # only when no READ of the request is still in flight
+                del self._out[rid]
+                done.append(PullResult(rid, out.error, out.num_bytes, out.num_descriptors, out.seconds))
+        return done
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._out
+
+    def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
+        return list(self.ranks.call(0, "unreached", "release", msgspec.msgpack.encode(handle), rid, trace_id)[1])
+
+    def close(self) -> None:
+        self.ranks.close()
