@@ -45,7 +45,7 @@ class FakeCore:
         self.reset()
 
     def reset(self) -> None:
-        self.mode = "echo"  # echo | slow | overloaded | peer_down | fail_mid | crash | reject
+        self.mode = "echo"  # echo | slow | overloaded | peer_down | draining | fail_mid | crash | reject
         self.ready = True
         self.submitted: list[Generate] = []
         self.closed: list[str] = []  # requests whose iterator was closed before the end
@@ -59,7 +59,7 @@ class FakeCore:
             raise RequestError("the fake core refuses this request")
         self.submitted.append(gen)
         rid, ids, limit = gen.request_id, gen.prompt_token_ids, gen.sampling.max_tokens
-        if self.mode in ("overloaded", "peer_down"):
+        if self.mode in ("overloaded", "peer_down", "draining"):
             yield Failed(request_id=rid, reason=self.mode, message=f"fake {self.mode}")
             return
         if self.mode == "crash":
@@ -385,6 +385,13 @@ def test_peer_down_is_503(port: int, core: FakeCore) -> None:
     status, _, data = request(port, "POST", "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
     assert error_of(status, data, 503)["code"] == "peer_down"
+
+
+def test_draining_is_503_with_retry_after(port: int, core: FakeCore) -> None:
+    core.mode = "draining"  # the router (or the instance) is shutting down
+    status, headers, data = request(port, "POST", "/v1/completions", {"prompt": "hi"})
+    assert error_of(status, data, 503)["code"] == "draining"
+    assert headers["Retry-After"]
 
 
 def test_failure_mid_stream(port: int, core: FakeCore) -> None:

@@ -121,17 +121,25 @@ def stopped(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> int | None:
 class FakeRouter:
     """A DEALER to one service, as the router holds; replies sorted by request id."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, inbound: Any = p.DecodeToRouter) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.decoder: p.Decoder[Any] = p.Decoder(p.DecodeToRouter)
+        self.decoder: p.Decoder[Any] = p.Decoder(inbound)
         self.replies: dict[str, list[Any]] = {}
 
     def decode(self, rid: str, max_tokens: int) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.sock.send(p.encode(p.DecodeRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=PROMPT, sampling=sampling)))
+
+    def prefill(self, rid: str, num_tokens: int) -> None:
+        prompt = (PROMPT * (num_tokens // len(PROMPT) + 1))[:num_tokens]
+        msg = p.PrefillRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4))
+        self.sock.send(p.encode(msg))
+
+    def abort(self, rid: str) -> None:
+        self.sock.send(p.encode(p.Abort(request_id=rid, trace_id=f"t-{rid}")))
 
     def ping(self) -> p.Pong:
         self.pong = None
@@ -154,7 +162,7 @@ class FakeRouter:
         return done()
 
     def terminal(self, rid: str) -> Any:
-        self.until(lambda: any(isinstance(m, p.Finished | p.Failed) for m in self.replies.get(rid, [])))
+        self.until(lambda: any(isinstance(m, p.Finished | p.Failed | p.PrefillDone) for m in self.replies.get(rid, [])))
         return self.replies[rid][-1]
 
     def first_chunk(self, rid: str) -> None:
@@ -222,6 +230,39 @@ def test_decode_drain_deadline_fails_what_is_left(tmp_path: Path, model_dir: Pat
         assert isinstance(failed, p.Failed) and failed.reason == "draining", failed
         assert "drain_seconds = 0" in failed.message
         assert 0 < len(router.tokens("long")) < 400
+        assert stopped(proc) == 0
+    finally:
+        router.close()
+        stopped(proc, 0.1)
+
+
+def test_prefill_admission_and_drain(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+    cfg = config(model_dir, max_queued_requests=1, drain_seconds=120)
+    proc = start(tmp_path, "prefill", cfg, notifications)
+    router = FakeRouter(cfg.prefill_addresses[0].address, p.PrefillToRouter)
+    try:
+        notifications.wait_for("READY=1", proc)
+        # A long prompt is seconds of prefill on CPU: the second arrives while it runs.
+        router.prefill("long", 448)
+        router.prefill("second", 8)
+        refused = router.terminal("second")
+        assert isinstance(refused, p.Failed) and refused.reason == "overloaded", refused
+        router.abort("long")  # an aborted prefill answers nothing, yet frees its slot
+        router.prefill("short", 8)
+        assert isinstance(router.terminal("short"), p.PrefillDone)
+        router.abort("short")  # no decode will pull it: its pinned KV is freed
+
+        router.prefill("last", 448)
+        router.ping()  # answered in order: "last" is in flight now
+        proc.send_signal(signal.SIGTERM)
+        notifications.wait_for("STOPPING=1", proc, timeout=30)
+        router.prefill("late", 8)
+        late = router.terminal("late")
+        assert isinstance(late, p.Failed) and late.reason == "draining", late
+        assert isinstance(router.terminal("last"), p.PrefillDone)  # in flight at SIGTERM: done
+        # The drain also waits for pinned KV (a decode may be pulling it): once that is
+        # released (here: aborted), the service exits 0.
+        router.abort("last")
         assert stopped(proc) == 0
     finally:
         router.close()
