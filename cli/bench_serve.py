@@ -17,6 +17,9 @@ or as a seeded Poisson process, at most --max-concurrency in flight.
 Metrics, as vLLM defines them: throughputs over the whole run's duration; TTFT = time to
 the first chunk with text; TPOT = (e2e - TTFT) / (output tokens - 1), one per request;
 ITL = every gap between chunks with text, all requests pooled; E2E = request latency.
+TTFT by part (queue, prefill, handoff, handshake, blocks, pull, first_chunk, return;
+common/ttft.py): mean and median over the load's requests, from the router's /metrics
+(cli/ttft_parts.py); they add up to the router's TTFT.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
 PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
 progress to stderr; --json writes the config, the metrics and every request.
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cli import ttft_parts
 from pdserve.cli.bench_engine import _positive_int  # stdlib-only at import time
 
 if TYPE_CHECKING:
@@ -304,6 +308,7 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         await send_request(session, url, warm_prompt, args.output_len, warm)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
+        parts_before = await ttft_parts.scrape(session, url)
 
         records = [RequestRecord(i) for i in range(args.num_prompts)]
         gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
@@ -325,7 +330,9 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
             tasks.append(asyncio.create_task(one(record)))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        parts_after = await ttft_parts.scrape(session, url)
     metrics = compute_metrics(records, duration)
+    metrics.update(ttft_parts.part_metrics(parts_before, parts_after))
     for record in records:
         if record.error:
             progress(f"{label}: request {record.index} failed: {record.error}")
@@ -376,6 +383,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     body = [[title, *(fmt.format(v) if (v := run["metrics"][key]) is not None else "-"
                       for run in runs)]
             for key, title, fmt in table_rows()]  # fmt: skip
+    body += ttft_parts.table_rows(runs)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

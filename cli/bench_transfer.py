@@ -240,6 +240,7 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
+
     from pdserve.cli.bench_engine import device_name
 
     try:

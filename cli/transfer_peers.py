@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.common.kv_layout import KVLayout
     from pdserve.common.kv_transfer import KVConsumer, Pull
     from pdserve.common.protocol import HandshakeReply, KVHandle
@@ -151,6 +152,7 @@ def _sync(device: str) -> None:
 def new_cache(layout: KVLayout, device: str) -> torch.Tensor:
     """A zeroed cache in the memory order kv_transfer expects, as its logical view."""
     import torch
+
     from pdserve.common import kv_transfer
 
     torch.set_num_threads(1)  # the local copy is one memcpy stream, as CMA is one reader

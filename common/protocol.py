@@ -48,11 +48,14 @@ class Abort(Message, kw_only=True):
     trace_id: str = ""
 
 
-class TokenChunk(Message, kw_only=True):
+class TokenChunk(Message, kw_only=True, omit_defaults=True):
     request_id: str
     trace_id: str
     token_ids: list[int]
     text: str
+    # decode's wall-clock marks of the request (common/ttft.py), on the first chunk only;
+    # empty ones are not encoded, so peers without the field still read every other chunk
+    timings: dict[str, float] = {}
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -104,12 +107,13 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     lease_deadline: float  # unix time; decode heartbeats extend it
 
 
-class PrefillDone(Message, kw_only=True):
+class PrefillDone(Message, kw_only=True, omit_defaults=True):
     request_id: str
     trace_id: str
     first_token: int
     num_cached_tokens: int
     handle: KVHandle
+    timings: dict[str, float] = {}  # prefill's wall-clock marks (common/ttft.py)
 
 
 # -- router -> decode -----------------------------------------------------------------------

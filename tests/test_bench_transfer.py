@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from pdserve.cli.main import main
 from pdserve.common.kv_layout import KVLayout
 

@@ -25,6 +25,7 @@ from pdserve.common.metrics import Metrics, render
 from pdserve.common.service_config import DeploymentConfig
 from pdserve.common.sockets import make_socket
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.ttft import ttft_parts
 from pdserve.services.router.links import Link, pick
 
 log = structlog.get_logger("pdserve.router")
@@ -42,6 +43,7 @@ class RequestState:
     trace_id: str
     num_prompt_tokens: int
     arrived: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.time()})  # common/ttft.py
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     link: Link | None = None  # the instance holding the request now
     finished: bool = False
@@ -184,6 +186,7 @@ class Router:
                     yield done
                     return
                 first_token, num_cached, handle = done.first_token, done.num_cached_tokens, done.handle
+                state.marks.update(done.timings)
             decode = pick(self.decodes)
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
@@ -198,6 +201,7 @@ class Router:
                 if isinstance(event, p.TokenChunk):
                     if not got_first:
                         self.metrics.observe("pdserve:time_to_first_token_seconds", now - state.arrived)
+                        self._observe_ttft_parts(state, event)
                         got_first = True
                     else:
                         self.metrics.observe("pdserve:inter_token_latency_seconds", now - last)
@@ -232,6 +236,11 @@ class Router:
         if not isinstance(event, p.PrefillDone):  # Failed, or Finished by an abort
             state.finished = True
         return event
+
+    def _observe_ttft_parts(self, state: RequestState, first: p.TokenChunk) -> None:
+        marks = {**state.marks, **first.timings, "router_first_chunk": time.time()}
+        for part, seconds in ttft_parts(marks).items():
+            self.metrics.observe("pdserve:ttft_part_seconds", seconds, part=part)
 
     def _dispatch(self, state: RequestState, link: Link, msg: p.Message) -> None:
         state.link = link

@@ -1,0 +1,101 @@
+"""TTFT by part for ``pdserve bench serve``: the router's ``pdserve:ttft_part_seconds``
+histograms (common/ttft.py), scraped from ``/metrics`` before and after a load, differenced.
+
+The mean of a part is exact (histogram sum / count); its median is interpolated inside
+the histogram's buckets (metrics.PART_BUCKETS: 0.1 ms .. 60 s), as Prometheus'
+histogram_quantile does. Parts are measured by the deployment, from the request's arrival
+at the router to the router's receipt of the first chunk, so they add up to the router's
+TTFT, not to the client's (which adds HTTP and the client's own loop).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from pdserve.common.ttft import PARTS
+
+if TYPE_CHECKING:
+    import aiohttp
+
+FAMILY = "pdserve:ttft_part_seconds"
+
+# part -> (count, sum, {upper bound: cumulative count})
+Snapshot = dict[str, tuple[float, float, dict[float, float]]]
+
+
+def parse(text: str) -> Snapshot:
+    """The ttft part histograms of one /metrics page, summed over instances."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = defaultdict(float)
+    sums: dict[str, float] = defaultdict(float)
+    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for family in text_string_to_metric_families(text):
+        if family.name != FAMILY:
+            continue
+        for sample in family.samples:
+            part = sample.labels.get("part", "")
+            if sample.name.endswith("_bucket"):
+                buckets[part][float(sample.labels["le"])] += sample.value
+            elif sample.name.endswith("_sum"):
+                sums[part] += sample.value
+            elif sample.name.endswith("_count"):
+                counts[part] += sample.value
+    return {part: (counts[part], sums[part], dict(buckets[part])) for part in counts}
+
+
+def quantile(q: float, cumulative: dict[float, float]) -> float | None:
+    """Linear interpolation inside the bucket holding the q-th observation."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] <= 0:
+        return None
+    rank = q * cumulative[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank and count > below:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def part_metrics(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
+    """``mean_ttft_<part>_ms`` and ``median_ttft_<part>_ms`` of the requests in between."""
+    out: dict[str, float | None] = {}
+    for part in PARTS:
+        count, total, buckets = after.get(part, (0.0, 0.0, {}))
+        count0, total0, buckets0 = before.get(part, (0.0, 0.0, {}))
+        n = count - count0
+        delta = {b: c - buckets0.get(b, 0.0) for b, c in buckets.items()}
+        out[f"mean_ttft_{part}_ms"] = (total - total0) / n * 1e3 if n > 0 else None
+        median = quantile(0.5, delta) if n > 0 else None
+        out[f"median_ttft_{part}_ms"] = None if median is None else median * 1e3
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> Snapshot:
+    """The router's part histograms now; empty when /metrics is unavailable."""
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            if resp.status != 200:
+                return {}
+            return parse(await resp.text())
+    except Exception:  # noqa: BLE001 - parts are extra: a run without them is still a run
+        return {}
+
+
+def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    """One "mean / median" row per part that any run measured."""
+    rows = []
+    for part in PARTS:
+        cells = []
+        for run in runs:
+            mean, median = (run["metrics"].get(f"{s}_ttft_{part}_ms") for s in ("mean", "median"))
+            cells.append("-" if mean is None or median is None else f"{mean:.1f} / {median:.1f}")
+        if any(c != "-" for c in cells):
+            rows.append([f"TTFT {part} mean / median (ms)", *cells])
+    return rows
