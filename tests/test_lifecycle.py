@@ -284,6 +284,8 @@ class ScriptedDecode(threading.Thread):
         self.outbox: queue.Queue[p.Message] = queue.Queue()
         self.stop = threading.Event()
         self.bound = threading.Event()
+        self.ready = True  # False: answer pings as a draining instance does
+        self.silent = False  # True: answer nothing, as a hung or killed one
 
     def run(self) -> None:
         ctx = zmq.Context()
@@ -300,8 +302,9 @@ class ScriptedDecode(threading.Thread):
                 continue
             identity, payload = sock.recv_multipart()
             msg = decoder.decode(payload)
-            if isinstance(msg, p.Ping):
-                sock.send_multipart([identity, p.encode(p.Pong(sent_at=msg.sent_at, service="decode", instance=0, ready=True))])
+            if isinstance(msg, p.Ping) and not self.silent:
+                pong = p.Pong(sent_at=msg.sent_at, service="decode", instance=0, ready=self.ready)
+                sock.send_multipart([identity, p.encode(pong)])
             elif isinstance(msg, p.DecodeRequest):
                 self.requests.put(msg)
             elif isinstance(msg, p.Abort):
@@ -414,3 +417,34 @@ def test_router_drain_deadline_fails_and_aborts(tmp_path: Path, scripted: tuple[
     finally:
         client.close()
         stopped(proc, 0.1)
+
+
+def test_router_fails_what_a_draining_instance_held_when_it_goes_silent(
+    tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications
+) -> None:
+    cfg, decode = scripted
+    proc = start(tmp_path, "router", cfg, notifications)
+    client = Client(cfg.front_address, timeout=120)
+    try:
+        notifications.wait_for("READY=1", proc, timeout=60)
+        wait_healthy(f"http://{cfg.host}:{cfg.http_port}", proc)
+        outcome: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                client.generate(prompt_token_ids=PROMPT, max_tokens=1)
+            except GenerationFailed as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=run, daemon=True)
+        waiter.start()
+        decode.requests.get(timeout=30)
+        decode.ready = False  # draining: no new requests, the held one continues...
+        time.sleep(1.5)  # (the router sees a Pong saying so)
+        decode.silent = True  # ...until the instance dies mid-drain
+        waiter.join(60)
+        assert len(outcome) == 1 and outcome[0].reason == "peer_down", outcome  # type: ignore[attr-defined]
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        stopped(proc, 30)

@@ -293,7 +293,10 @@ class Router:
             now = time.monotonic()
             for link in self.links:
                 self._send(link, p.Ping(sent_at=time.time()))
-                if link.ready and not link.is_alive(now, PEER_TIMEOUT):
+                # A draining instance answers "not ready" yet still holds requests: its
+                # silence fails them too.
+                silent = now - link.last_pong >= PEER_TIMEOUT
+                if silent and (link.ready or link.inflight):
                     link.ready = False
                     log.error("peer_down", peer=link.name, address=link.address)
                     for rid in list(link.inflight):
