@@ -338,6 +338,14 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -427,7 +435,8 @@ def test_router_fails_what_a_draining_instance_held_when_it_goes_silent(
     client = Client(cfg.front_address, timeout=120)
     try:
         notifications.wait_for("READY=1", proc, timeout=60)
-        wait_healthy(f"http://{cfg.host}:{cfg.http_port}", proc)
+        url = f"http://{cfg.host}:{cfg.http_port}"
+        wait_healthy(url, proc)
         outcome: list[BaseException] = []
 
         def run() -> None:
@@ -440,7 +449,8 @@ def test_router_fails_what_a_draining_instance_held_when_it_goes_silent(
         waiter.start()
         decode.requests.get(timeout=30)
         decode.ready = False  # draining: no new requests, the held one continues...
-        time.sleep(1.5)  # (the router sees a Pong saying so)
+        while health(url) == 200:  # until the router has seen a Pong saying so
+            time.sleep(0.1)
         decode.silent = True  # ...until the instance dies mid-drain
         waiter.join(60)
         assert len(outcome) == 1 and outcome[0].reason == "peer_down", outcome  # type: ignore[attr-defined]
