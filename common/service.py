@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable
@@ -86,7 +88,16 @@ class Service(abc.ABC):
         tasks += self.background_tasks()
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self._loop_ticks(self.watchdog)))
-        await asyncio.to_thread(self.worker.ready.wait)
+        while not self.worker.ready.is_set():
+            if self.stopping.is_set():  # stopped while loading: nothing to drain
+                self.log.info("service_stopped_while_loading")
+                self.ctx.destroy(linger=0)
+                for child in multiprocessing.active_children():  # rank processes, if started
+                    child.terminate()
+                # The engine thread is inside torch/NIXL set-up and cannot be stopped;
+                # the interpreter's exit would abort on its native threads.
+                os._exit(0)
+            await asyncio.to_thread(self.worker.ready.wait, 0.2)
         if self.worker.failed is not None:
             self.log.error("service_failed", error=str(self.worker.failed))
             notify(f"STATUS=failed: {self.worker.failed}")

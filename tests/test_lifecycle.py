@@ -269,6 +269,16 @@ def test_prefill_admission_and_drain(tmp_path: Path, model_dir: Path, notificati
         stopped(proc, 0.1)
 
 
+def test_sigterm_while_loading_exits_0_at_once(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+    proc = start(tmp_path, "decode", config(model_dir), notifications)
+    try:
+        notifications.wait_for("STATUS=loading the model (decode 0)", proc, timeout=60)
+        proc.send_signal(signal.SIGTERM)  # systemctl stop during a long weight load
+        assert stopped(proc) == 0  # not an abort from the half-built engine thread
+    finally:
+        stopped(proc, 0.1)
+
+
 # -- router: in front of a scripted decode ---------------------------------------------------
 
 
