@@ -25,6 +25,7 @@ COUNTERS = {
     "pdserve:kv_transfer_bytes": "bytes of KV pulled",
     "pdserve:kv_transfer_descriptors": "NIXL descriptors of the KV pulls (one per KV head and run of blocks)",
     "pdserve:kv_transfer_failures": "KV pulls that failed",
+    "pdserve:kv_handshakes": "KV handshakes with a producer epoch: ahead (before any request) or lazy (a request waited)",
     "pdserve:kv_notification_failures": "release notifications that could not be sent",
     "pdserve:kv_expired_requests": "requests whose KV lease expired before release",
     "pdserve:kv_replica_releases": "releases received by a producer rank",

@@ -133,7 +133,7 @@ class DecodeRequest(Message, kw_only=True):
 
 
 class Handshake(Message, kw_only=True):
-    engine_id: str
+    engine_id: str  # engine_id "" and epoch 0: whatever epoch the producer is in (connect ahead)
     epoch: int
     consumer: str  # the decode agent's name, for the producer's logs
     rank: int = 0  # which replica's agent metadata

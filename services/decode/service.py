@@ -1,5 +1,14 @@
 """The decode service: a ROUTER for the router; DEALERs to producers' side channels for
-handshakes, heartbeats and fallback releases."""
+handshakes, heartbeats and fallback releases.
+
+Connect ahead: the first KV handshake with a producer (its NIXL metadata loaded, its
+descriptor lists prepared) must not land on a user's request. Every CONNECT_AHEAD_SECONDS
+decode asks each configured prefill side channel for its current epoch's handshake and
+connects any (engine, epoch) it has not seen: at start, and again after a producer
+restarts. A handle from an (engine, epoch) not connected yet (a producer outside the
+config, or one that restarted since the last probe) still handshakes lazily, the request
+waiting for it; ``pdserve:kv_handshakes{mode}`` counts both kinds.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,8 @@ from pdserve.common.sockets import make_socket
 from pdserve.services.decode.worker import DecodeWorker, ProducerKey
 
 HANDSHAKE_TIMEOUT = 10.0
+CONNECT_AHEAD_SECONDS = 2.0
+CURRENT: ProducerKey = ("", 0)  # a Handshake for whatever epoch the producer is in now
 
 
 class DecodeService(Service):
@@ -37,7 +48,7 @@ class DecodeService(Service):
         return self.decode_worker
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
-        return [asyncio.create_task(self._heartbeats())]
+        return [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._connect_ahead())]
 
     def load(self) -> tuple[int, int]:
         return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
@@ -49,7 +60,8 @@ class DecodeService(Service):
         if handle is not None:
             key = (handle.engine_id, handle.epoch)
             if key not in self._handshakes:
-                self._handshakes[key] = asyncio.create_task(self._handshake(key, handle))
+                addresses = [r.side_channel for r in handle.replicas]
+                self._handshakes[key] = asyncio.create_task(self._handshake(key, addresses))
         self.decode_worker.submit(("decode", identity, msg))
 
     def on_abort(self, identity: bytes, msg: p.Abort) -> None:
@@ -70,17 +82,41 @@ class DecodeService(Service):
         except zmq.ZMQError as exc:
             self.log.warning("side_send_failed", peer=address, error=str(exc))
 
-    async def _handshake(self, key: ProducerKey, handle: p.KVHandle) -> None:
-        """Fetch every replica's agent metadata once per (engine, epoch)."""
+    async def _handshake(self, key: ProducerKey, addresses: list[str], first: p.HandshakeReply | None = None) -> None:
+        """Fetch every replica's agent metadata once per (engine, epoch): rank r's from
+        ``addresses[r]``; ``first``: rank 0's, already fetched (connect ahead)."""
         try:
-            replies = [await self._ask(r.side_channel, key, rank) for rank, r in enumerate(handle.replicas)]
+            replies = [first if rank == 0 and first is not None else await self._ask(address, key, rank)
+                       for rank, address in enumerate(addresses)]
         except Exception as exc:  # timeout, refusal, bad reply: fail the waiting requests
             message = str(exc) or type(exc).__name__
             self.log.warning("handshake_failed", engine_id=key[0], epoch=key[1], error=message)
             self._handshakes.pop(key, None)  # a later request may try again
             self.decode_worker.submit(("handshake_failed", key, message))
             return
+        self.metrics.inc("pdserve:kv_handshakes", mode="lazy" if first is None else "ahead")
+        self.log.info("kv_handshake", engine_id=key[0], epoch=key[1], ahead=first is not None, num_ranks=len(replies))
         self.decode_worker.submit(("connected", key, replies))
+
+    async def _connect_ahead(self) -> None:
+        addresses = [] if self.cfg.colocated else sorted({a.side_channel for a in self.cfg.prefill_addresses if a.side_channel})
+        while addresses:
+            if self.is_ready:
+                await asyncio.gather(*(self._probe(address) for address in addresses))
+            await asyncio.sleep(CONNECT_AHEAD_SECONDS)
+
+    async def _probe(self, address: str) -> None:
+        """Connect ahead to the producer at ``address`` if its current epoch is new to us."""
+        try:
+            first = await self._ask(address, CURRENT, 0)
+        except Exception as exc:  # not up yet, or busy: the next probe asks again
+            self.log.debug("connect_ahead_pending", peer=address, error=str(exc) or type(exc).__name__)
+            return
+        key = (first.engine_id, first.epoch)
+        if key not in self._handshakes:
+            num_ranks = max(1, first.tp_size * first.pcp_size)
+            self._handshakes[key] = task = asyncio.create_task(self._handshake(key, [address] * num_ranks, first))
+            await task
 
     async def _ask(self, address: str, key: ProducerKey, rank: int) -> p.HandshakeReply:
         sock = self.side_socket(address)
@@ -90,9 +126,9 @@ class DecodeService(Service):
             while True:
                 remaining = deadline - self.loop.time()
                 if remaining <= 0 or not await sock.poll(remaining * 1000):
-                    raise TimeoutError(f"producer {key[0]} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s")
+                    raise TimeoutError(f"producer {key[0] or '?'} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s")
                 reply = self._side_decoder.decode(await sock.recv())
-                if isinstance(reply, p.HandshakeReply) and (reply.engine_id, reply.epoch) == key and reply.agent_name.endswith(f"-r{rank}"):
+                if isinstance(reply, p.HandshakeReply) and (key == CURRENT or (reply.engine_id, reply.epoch) == key) and reply.agent_name.endswith(f"-r{rank}"):
                     return reply
                 if isinstance(reply, p.SideReply) and not reply.ok:
                     raise ConnectionRefusedError(reply.message)

@@ -73,14 +73,15 @@ class PrefillService(Service):
             answer: p.Message = p.SideReply(ok=False, message=f"{self.engine_id} is still starting")
         elif not 0 <= msg.rank < len(replies):
             answer = p.SideReply(ok=False, message=f"{self.engine_id} has no rank {msg.rank} (pcp = {len(replies)})")
-        elif msg.engine_id != self.engine_id or msg.epoch != self.epoch:
+        elif (msg.engine_id, msg.epoch) not in ((self.engine_id, self.epoch), ("", 0)):  # ("", 0): connect ahead
             answer = p.SideReply(ok=False, message=(
                 f"stale KV handle: it names {msg.engine_id} epoch {msg.epoch}, but this producer "
                 f"is {self.engine_id} epoch {self.epoch} (it restarted); resubmit the request"
             ))
         else:
             answer = replies[msg.rank]
-            self.log.info("handshake", consumer=msg.consumer, rank=msg.rank)
+            # connect-ahead probes come every few seconds from every decode: not worth info
+            (self.log.debug if msg.epoch == 0 else self.log.info)("handshake", consumer=msg.consumer, rank=msg.rank)
         self.send(self.side, identity, answer)
 
     def on_heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
