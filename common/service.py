@@ -33,10 +33,11 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common import protocol as p
+from pdserve.common.curve import WireSecurity
 from pdserve.common.metrics import Metrics
 from pdserve.common.sd_notify import Watchdog, notify
 from pdserve.common.service_config import DeploymentConfig
-from pdserve.common.sockets import make_socket
+from pdserve.common.sockets import make_socket, send_nowait
 from pdserve.common.worker import WorkerThread
 
 log = structlog.get_logger("pdserve.service")
@@ -54,6 +55,7 @@ class Service(abc.ABC):
         self.instance = instance
         self.address = address
         self.metrics = Metrics(self.role, instance)
+        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
         self.ctx = zmq.asyncio.Context()
         self._decoder: p.Decoder[Any] = p.Decoder(inbound)
         self.handlers: dict[type, Handler] = {p.Ping: self.on_ping, p.MetricsQuery: self.on_metrics}
@@ -79,7 +81,7 @@ class Service(abc.ABC):
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         notify(f"STATUS=loading the model ({self.role} {self.instance})")
-        self.front = make_socket(self.ctx, zmq.ROUTER, bind=self.address)
+        self.front = make_socket(self.ctx, zmq.ROUTER, bind=self.address, curve=self.security.server)
         await self.start_sockets()
         self.worker = self.make_worker(loop)
         self.worker.watchdog = self.watchdog
@@ -199,6 +201,13 @@ class Service(abc.ABC):
                 self.log.exception("handler_failed", message_type=type(msg).__name__)
 
     def _admit(self, identity: bytes, msg: Any) -> bool:
+        if msg.request_id in self.inflight:  # the router never does this; the engine must not see it
+            self.metrics.inc("pdserve:bad_messages")
+            self.log.warning("duplicate_request_id", request_id=msg.request_id, trace_id=msg.trace_id)
+            # send, not reply: the request already running under this id keeps its slot
+            self.send(self.front, identity, p.Failed(request_id=msg.request_id, trace_id=msg.trace_id, reason="bad_request",
+                                                     message=f"request id {msg.request_id!r} is already in use here"))
+            return False
         if self.draining:
             reason = "draining"
             message = f"{self.role} {self.instance} is shutting down (draining); retry the request"
@@ -217,10 +226,11 @@ class Service(abc.ABC):
     def send(self, sock: zmq.asyncio.Socket | None, identity: bytes, msg: p.Message) -> None:
         if sock is None:
             return
-        try:
-            sock.send_multipart([identity, p.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
+
+        def failed(exc: zmq.ZMQError) -> None:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
             self.log.warning("send_failed", peer=identity.hex(), message_type=type(msg).__name__, error=str(exc))
+
+        send_nowait(sock, [identity, p.encode(msg)], failed)
 
     def reply(self, identity: bytes, msg: p.Message) -> None:
         if isinstance(msg, p.PrefillDone | p.Finished | p.Failed):  # the request's end here

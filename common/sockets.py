@@ -9,6 +9,8 @@ see curve.py). Every bound CURVE socket gets its context's ZAP authenticator fir
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -70,3 +72,22 @@ def make_socket(
     else:
         sock.connect(connect)
     return sock
+
+
+def send_nowait(sock: zmq.Socket[Any], frames: list[bytes], on_error: Callable[[zmq.ZMQError], None]) -> None:
+    """Send without blocking; a failure (a ROUTER's peer gone, a full queue) goes to
+    ``on_error``. An asyncio socket reports it in the future it returns, not by raising:
+    unobserved, it would only surface as "Future exception was never retrieved"."""
+    try:
+        sent = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        on_error(exc)
+        return
+    if isinstance(sent, asyncio.Future):
+        sent.add_done_callback(lambda fut: _report(fut, on_error))
+
+
+def _report(fut: asyncio.Future[Any], on_error: Callable[[zmq.ZMQError], None]) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if isinstance(exc, zmq.ZMQError):
+        on_error(exc)

@@ -72,7 +72,7 @@ class DecodeService(Service):
     def side_socket(self, address: str) -> Any:
         sock = self._side.get(address)
         if sock is None:
-            sock = self._side[address] = make_socket(self.ctx, zmq.DEALER, connect=address)
+            sock = self._side[address] = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client)
             self._side_locks[address] = asyncio.Lock()
         return sock
 

@@ -40,7 +40,7 @@ class PrefillService(Service):
         return PrefillWorker(self)
 
     async def start_sockets(self) -> None:
-        self.side = make_socket(self.ctx, zmq.ROUTER, bind=self.side_channel)
+        self.side = make_socket(self.ctx, zmq.ROUTER, bind=self.side_channel, curve=self.security.server)
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         side_decoder: p.Decoder[Any] = p.Decoder(p.ToSideChannel)

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from pdserve.common import protocol as p
 from pdserve.common.errors import PdserveError
-from pdserve.common.sockets import make_socket
+from pdserve.common.sockets import make_socket, send_nowait
 from pdserve.services.router.router import Router
 
 log = structlog.get_logger("pdserve.router.front")
@@ -56,16 +56,26 @@ class FrontDoor:
         except PdserveError as exc:
             self._send(identity, p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)))
             return
-        task = asyncio.create_task(self._relay(identity, events))
+        task = asyncio.create_task(self._relay(identity, gen.request_id, events))
         self.tasks[gen.request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(gen.request_id, None))
 
-    async def _relay(self, identity: bytes, events: Any) -> None:
-        async for event in events:
-            self._send(identity, event)
+    async def _relay(self, identity: bytes, request_id: str, events: Any) -> None:
+        try:
+            async for event in events:
+                self._send(identity, event)
+        except Exception:  # a bug must still end the request for the client, not hang it
+            log.exception("front_door_request_failed", request_id=request_id)
+            self._send(identity, p.Failed(request_id=request_id, reason="internal", message=(
+                f"internal error in request {request_id}; the router's log has details")))
 
     def _send(self, identity: bytes, msg: p.Message) -> None:
-        try:
-            self.sock.send_multipart([identity, p.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # client gone
-            log.warning("client_send_failed", error=str(exc))
+        rid = getattr(msg, "request_id", "")
+
+        def failed(exc: zmq.ZMQError) -> None:
+            task = self.tasks.get(rid)
+            if task is not None and not task.done():  # the client is gone: stop its request
+                log.warning("client_send_failed", request_id=rid, error=str(exc))
+                task.cancel()  # closes the core's iterator, which aborts the request
+
+        send_nowait(self.sock, [identity, p.encode(msg)], failed)

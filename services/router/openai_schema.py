@@ -59,6 +59,13 @@ def decode_request(body: bytes, kind: type[T]) -> T:
     """Strict decoding, raising msgspec's DecodeError / ValidationError (which name the
     field), except that an integral float is taken for an int."""
     try:
+        return _decode_request(body, kind)
+    except RecursionError:  # [[[[...]]]] anywhere, even in a field that is skipped
+        raise msgspec.DecodeError("the JSON is nested too deeply") from None
+
+
+def _decode_request(body: bytes, kind: type[T]) -> T:
+    try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         if "got `float`" not in str(exc):

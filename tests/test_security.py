@@ -1,0 +1,161 @@
+"""CURVE on the wire: `pdserve keys` makes usable keys; a deployment with
+``[security] curve_keys_dir`` serves authenticated SDK clients and refuses the others
+(counted, logged, and reported to the client at once instead of hanging)."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdserve.cli.deployment import Deployment
+from pdserve.cli.main import main
+from pdserve.common.curve import SERVER, CurveKeys, WireSecurity, create_keys
+from pdserve.common.ports import free_port
+from pdserve.common.sockets import make_socket
+from pdserve.services.router.client import AsyncClient, Client, GenerationFailed
+from tests.e2e import deployment
+from tests.test_serving import metrics, total
+
+SAFETY_TIMEOUT = 60.0  # never reached when refusals are reported; bounds a broken test
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("keys")
+    assert main(["keys", "--dir", str(directory), "--client", "alice"]) == 0
+    return directory
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Keys of another deployment: a valid pair nobody here authorized."""
+    directory = tmp_path_factory.mktemp("stranger")
+    create_keys(directory)
+    return directory
+
+
+def test_keys_command_makes_usable_keys(keys: Path) -> None:
+    names = {p.name for p in keys.iterdir()}
+    assert names >= {"server.key", "server.key_secret", "client.key", "client.key_secret",
+                     "alice.key", "alice.key_secret", "authorized_keys"}  # fmt: skip
+    assert {p.name for p in (keys / "authorized_keys").iterdir()} == {"client.key", "alice.key"}
+    assert stat.S_IMODE((keys / "alice.key_secret").stat().st_mode) == 0o600
+    before = (keys / "server.key_secret").read_bytes()
+    assert main(["keys", "--dir", str(keys)]) == 0  # a second run keeps what exists
+    assert (keys / "server.key_secret").read_bytes() == before
+    assert main(["keys", "--dir", str(keys), "--client", "../evil"]) == 2
+    security = WireSecurity.from_dir(str(keys))
+    assert security.server is not None and security.client is not None
+    assert CurveKeys.client(keys, "alice").server_key == security.server.public_key
+
+
+def test_curve_sockets_let_in_only_authorized_keys(keys: Path, stranger: Path) -> None:
+    """In process, through make_socket: who gets an answer, and what is counted."""
+    refused: list[int] = []
+    address = f"tcp://127.0.0.1:{free_port()}"
+    alice = CurveKeys.client(keys, "alice")
+    foreign = CurveKeys.client(stranger)
+    unauthorized = CurveKeys(public_key=foreign.public_key, secret_key=foreign.secret_key,
+                             server_key=alice.server_key)  # fmt: skip
+
+    async def run() -> dict[str, bool]:
+        ctx = zmq.asyncio.Context()
+        server = make_socket(ctx, zmq.ROUTER, bind=address,
+                             curve=CurveKeys.server(keys, on_refused=lambda: refused.append(1)))  # fmt: skip
+
+        async def echo() -> None:
+            while True:
+                identity, payload = await server.recv_multipart()
+                await server.send_multipart([identity, payload])
+
+        task = asyncio.create_task(echo())
+        answered = {}
+        for name, curve in [("alice", alice), ("unauthorized", unauthorized), ("no curve", None),
+                            ("wrong server key", foreign)]:  # fmt: skip
+            sock = make_socket(ctx, zmq.DEALER, connect=address, curve=curve)
+            await sock.send(b"ping")
+            # The answer comes at once or never: wait long only for the one expected.
+            answered[name] = bool(await sock.poll(10_000 if curve is alice else 300))
+            sock.close()
+        task.cancel()
+        ctx.destroy(linger=0)
+        return answered
+
+    answered = asyncio.run(run())
+    assert answered == {"alice": True, "unauthorized": False, "no curve": False, "wrong server key": False}
+    assert len(refused) >= 3  # one per refused peer at least (a wrong key retries: more)
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, keys: Path) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("dep")
+    with deployment(tmp, model_dir, engine={"max_model_len": 256}, security={"curve_keys_dir": str(keys)}) as d:
+        yield d
+
+
+@pytest.mark.slow
+def test_authenticated_sdk_clients_are_served(dep: Deployment, keys: Path) -> None:
+    # Router -> prefill -> decode, the decode -> prefill side channel: all over CURVE.
+    with Client(dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT) as c:
+        result = c.generate(prompt="The capital of France is", max_tokens=4, temperature=0.0)
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+    async def streamed() -> list[int]:
+        async with AsyncClient(dep.cfg.front_address, curve=CurveKeys.client(keys), timeout=SAFETY_TIMEOUT) as ac:
+            return [t async for chunk in ac.stream(prompt="The capital of France is", max_tokens=4) for t in chunk.token_ids]
+
+    assert asyncio.run(streamed()) == result.token_ids
+
+
+@pytest.mark.slow
+def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Path, stranger: Path) -> None:
+    before = total(metrics(dep.url), "pdserve:auth_failures_total", "router")
+    foreign = CurveKeys.client(stranger)
+    unauthorized = CurveKeys(public_key=foreign.public_key, secret_key=foreign.secret_key,
+                             server_key=CurveKeys.client(keys).server_key)  # fmt: skip
+    for curve in (None, unauthorized, foreign):
+        with Client(dep.cfg.front_address, curve=curve, timeout=SAFETY_TIMEOUT) as c:
+            with pytest.raises(GenerationFailed) as failed:
+                c.generate(prompt="hello", max_tokens=2)
+            assert failed.value.reason == "unauthenticated" and dep.cfg.front_address in failed.value.message
+            with pytest.raises(GenerationFailed, match="refused the connection"):  # later ones at once
+                c.generate(prompt="hello", max_tokens=2)
+
+    async def refused_async() -> str:
+        async with AsyncClient(dep.cfg.front_address, timeout=SAFETY_TIMEOUT) as ac:
+            with pytest.raises(GenerationFailed) as failed:
+                await ac.generate(prompt="hello", max_tokens=2)
+            return failed.value.reason
+
+    assert asyncio.run(refused_async()) == "unauthenticated"
+    # The services' own sockets refuse strangers too; the deployment keeps serving.
+    ctx = zmq.Context()
+    targets = [a.address for a in dep.cfg.prefill_addresses + dep.cfg.decode_addresses]
+    targets += [a.side_channel for a in dep.cfg.prefill_addresses]
+    for address in targets:
+        sock = make_socket(ctx, zmq.DEALER, connect=address, curve=unauthorized)
+        sock.send(b"\x00\xffgarbage")
+        assert not sock.poll(500), f"{address} answered a stranger"
+        sock.close()
+    ctx.term()
+    with Client(dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT) as c:
+        assert c.generate(prompt="hello", max_tokens=2).token_ids
+    snap = metrics(dep.url)
+    assert total(snap, "pdserve:auth_failures_total", "router") >= before + 4
+    for service in ("prefill", "decode"):
+        assert total(snap, "pdserve:auth_failures_total", service) >= 1
+    assert "curve_refused" in (dep.log_dir / "router.log").read_text()
+
+
+def test_wrong_keys_dir_is_one_clear_error(tmp_path: Path) -> None:
+    assert main(["keys", "--dir", str(tmp_path / "k")]) == 0
+    (tmp_path / "k" / f"{SERVER}.key_secret").unlink()
+    with pytest.raises(Exception, match="cannot load CURVE key .*server.key_secret"):
+        WireSecurity.from_dir(str(tmp_path / "k"))
+
