@@ -8,13 +8,18 @@ A key directory (``pdserve keys --dir DIR``) holds::
     client.key, client.key_secret   the deployment's own connections (router -> services,
                                     decode -> prefill side channels)
     <name>.key, <name>.key_secret   an SDK user's pair (``pdserve keys --client NAME``)
-    authorized_keys/*.key           public keys let in; removing one locks its owner out
+    authorized_keys/*.key           SDK users let in at the router's front door;
+                                    removing one locks its owner out
 
-A server socket encrypts with the server pair and asks the context's authenticator
-about every peer: a peer whose public key is not in ``authorized_keys`` is refused
-(``curve_refused`` in the log, ``pdserve:auth_failures``), and so is a peer without
-CURVE or with a wrong server key (``handshake_failed``, seen by a socket monitor). The
-directory is re-read when it changes, so keys can be added or revoked without a restart.
+Every bound socket encrypts with the server pair and asks its context's authenticator
+about each peer. Two ZAP domains: the router's front door lets in the deployment's own
+client key and every key in ``authorized_keys``; the internal sockets (the services'
+ROUTERs, the side channels) only the deployment's own client key, so an SDK user cannot
+reach a prefill or decode directly. A refused key is logged (``curve_refused``) and
+counted (``pdserve:auth_failures``), and so is a peer without CURVE or with a wrong
+server key (``handshake_failed``, seen by a socket monitor). ``authorized_keys`` is
+re-read when it changes: keys are added or revoked without a restart (a connection
+already made stays until it drops).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ log = structlog.get_logger("pdserve.curve")
 SERVER = "server"
 CLIENT = "client"
 AUTHORIZED = "authorized_keys"
+FRONT_DOMAIN = "pdserve-front"  # the router's front door: SDK users
+INTERNAL_DOMAIN = "pdserve-internal"  # services' and side-channel sockets: the deployment only
 # Handshake failures that never reach the authenticator: no CURVE at all, a wrong server
 # key (the HELLO cannot be decrypted), a mangled handshake.
 _KEY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -62,12 +69,19 @@ class CurveKeys:
     public_key: bytes
     secret_key: bytes
     server_key: bytes | None = None  # client side: the public key of the server it connects to
-    authorized_dir: Path | None = None  # server side: *.key files of the clients let in
+    # server side: the deployment's own client key (let in everywhere), and for the front
+    # door the directory of the SDK users' keys (let in there only)
+    internal_key: bytes | None = None
+    authorized_dir: Path | None = None
     on_refused: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.server_key is None) == (self.authorized_dir is None):
-            raise ValueError("CurveKeys is either a client (server_key) or a server (authorized_dir)")
+        if (self.server_key is None) == (self.internal_key is None):
+            raise ValueError("CurveKeys is either a client (server_key) or a server (internal_key)")
+
+    @property
+    def domain(self) -> str:
+        return FRONT_DOMAIN if self.authorized_dir is not None else INTERNAL_DOMAIN
 
     @classmethod
     def client(cls, keys_dir: str | Path, name: str = CLIENT) -> CurveKeys:
@@ -78,14 +92,19 @@ class CurveKeys:
         return cls(public_key=public, secret_key=secret, server_key=server)
 
     @classmethod
-    def server(cls, keys_dir: str | Path, on_refused: Callable[[], None] | None = None) -> CurveKeys:
+    def server(cls, keys_dir: str | Path, on_refused: Callable[[], None] | None = None,
+               front: bool = False) -> CurveKeys:  # fmt: skip
+        """A server's keys; ``front``: the router's front door, which also lets in the
+        keys in ``authorized_keys``."""
         directory = Path(keys_dir)
         public, secret = _load_pair(directory, SERVER)
+        internal, _ = _load_pair(directory, CLIENT, public_only=True)
         authorized = directory / AUTHORIZED
-        if not authorized.is_dir():
+        if front and not authorized.is_dir():
             raise PdserveError(f"CURVE key directory {directory} has no {AUTHORIZED}/; "
                                f"create one with `pdserve keys --dir {directory}`")  # fmt: skip
-        return cls(public_key=public, secret_key=secret, authorized_dir=authorized, on_refused=on_refused)
+        return cls(public_key=public, secret_key=secret, internal_key=internal,
+                   authorized_dir=authorized if front else None, on_refused=on_refused)  # fmt: skip
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         """Set the socket's CURVE options (before bind or connect)."""
@@ -95,21 +114,26 @@ class CurveKeys:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_key)
         else:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, self.domain.encode())
 
 
 @dataclass(frozen=True)
 class WireSecurity:
-    """A process's CURVE keys: ``server`` for the sockets it binds, ``client`` for the ones
-    it connects; both None when security is off."""
+    """A process's CURVE keys: ``server`` for the internal sockets it binds, ``front`` for
+    the router's front door, ``client`` for the sockets it connects; all None when
+    security is off."""
 
     server: CurveKeys | None = None
+    front: CurveKeys | None = None
     client: CurveKeys | None = None
 
     @classmethod
     def from_dir(cls, keys_dir: str, on_refused: Callable[[], None] | None = None) -> WireSecurity:
         if not keys_dir:
             return cls()
-        return cls(server=CurveKeys.server(keys_dir, on_refused), client=CurveKeys.client(keys_dir))
+        return cls(server=CurveKeys.server(keys_dir, on_refused),
+                   front=CurveKeys.server(keys_dir, on_refused, front=True),
+                   client=CurveKeys.client(keys_dir))  # fmt: skip
 
     @classmethod
     def counted(cls, keys_dir: str, metrics: Metrics) -> WireSecurity:
@@ -122,7 +146,7 @@ class WireSecurity:
 
 def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:
     """Create the missing key pairs of a key directory (existing ones are kept) and
-    authorize every client pair. Returns the files written."""
+    authorize the SDK clients' pairs at the front door. Returns the files written."""
     directory = Path(keys_dir)
     authorized = directory / AUTHORIZED
     authorized.mkdir(parents=True, exist_ok=True)
@@ -138,7 +162,7 @@ def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Pat
             public_path, secret_path = zmq.auth.create_certificates(directory, name)
             Path(secret_path).chmod(0o600)
             written += [Path(public_path), Path(secret_path)]
-        if name != SERVER and not (authorized / public.name).exists():
+        if name in clients and not (authorized / public.name).exists():
             shutil.copyfile(public, authorized / public.name)
             written.append(authorized / public.name)
     return written
@@ -160,10 +184,12 @@ def _load_pair(directory: Path, name: str, public_only: bool = False) -> tuple[b
 
 
 class _Authorized:
-    """The credentials provider: the public keys in a directory, re-read when it changes."""
+    """The credentials provider: the deployment's own client key everywhere; at the front
+    door also the public keys in a directory, re-read when it changes."""
 
-    def __init__(self, directory: Path, on_refused: Callable[[], None] | None) -> None:
-        self.directory = directory
+    def __init__(self, internal_key: bytes, on_refused: Callable[[], None] | None) -> None:
+        self.internal_key = internal_key  # z85, as the ZAP request's key
+        self.directory: Path | None = None  # set by the front door's keys
         self.on_refused = on_refused
         self.peer = "?"  # the address of the handshake being decided (set before each call)
         self._mtime = -1.0
@@ -171,9 +197,12 @@ class _Authorized:
         self._logged: dict[bytes, float] = {}  # key -> when it was last logged
 
     def callback(self, domain: str, key: bytes) -> bool:
-        self._reload()
-        if key in self._keys:
+        if key == self.internal_key:
             return True
+        if domain == FRONT_DOMAIN and self.directory is not None:
+            self._reload(self.directory)
+            if key in self._keys:
+                return True
         if self.on_refused is not None:
             self.on_refused()
         now = time.monotonic()
@@ -181,23 +210,24 @@ class _Authorized:
             if len(self._logged) > 1000:
                 self._logged.clear()
             self._logged[key] = now
+            hint = ("the client's public key is not in authorized_keys" if domain == FRONT_DOMAIN
+                    else "an internal socket: only the deployment's own client key may connect")  # fmt: skip
             log.warning("curve_refused", peer=self.peer, client_key=key.decode(errors="replace"),
-                        authorized_keys=str(self.directory),
-                        hint="the client's public key is not in authorized_keys")  # fmt: skip
+                        domain=domain, authorized_keys=str(self.directory), hint=hint)  # fmt: skip
         return False
 
-    def _reload(self) -> None:
+    def _reload(self, directory: Path) -> None:
         try:
-            mtime = self.directory.stat().st_mtime
+            mtime = directory.stat().st_mtime
         except OSError:
             mtime = -2.0
         if mtime == self._mtime:
             return
         self._mtime = mtime
         try:
-            self._keys = set(zmq.auth.load_certificates(self.directory))
+            self._keys = set(zmq.auth.load_certificates(directory))
         except OSError as exc:  # nobody gets in rather than everybody
-            log.error("curve_keys_unreadable", authorized_keys=str(self.directory), error=str(exc))
+            log.error("curve_keys_unreadable", authorized_keys=str(directory), error=str(exc))
             self._keys = set()
 
 
@@ -225,14 +255,17 @@ _authenticators: weakref.WeakKeyDictionary[zmq.Context[Any], Any] = weakref.Weak
 def ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
     """One ZAP handler per context, started before its first CURVE server socket binds
     (without one, libzmq lets any CURVE client in). An asyncio context needs a running loop."""
-    if ctx in _authenticators:
-        return
-    assert keys.authorized_dir is not None
-    auth = _AsyncioAuth(ctx) if isinstance(ctx, zmq.asyncio.Context) else _ThreadAuth(ctx)
-    auth.provider = _Authorized(keys.authorized_dir, keys.on_refused)
-    auth.start()
-    auth.configure_curve_callback("*", auth.provider)
-    _authenticators[ctx] = auth
+    auth = _authenticators.get(ctx)
+    if auth is None:
+        assert keys.internal_key is not None
+        auth = _AsyncioAuth(ctx) if isinstance(ctx, zmq.asyncio.Context) else _ThreadAuth(ctx)
+        auth.provider = _Authorized(keys.internal_key, keys.on_refused)
+        auth.start()
+        for domain in ("*", FRONT_DOMAIN, INTERNAL_DOMAIN):  # "*": a socket without a domain
+            auth.configure_curve_callback(domain, auth.provider)
+        _authenticators[ctx] = auth
+    if keys.authorized_dir is not None:
+        auth.provider.directory = keys.authorized_dir
 
 
 def watch_handshakes(sock: zmq.Socket[Any], address: str, keys: CurveKeys) -> None:

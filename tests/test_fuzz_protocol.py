@@ -197,6 +197,24 @@ def test_non_finite_sampling_is_refused() -> None:
             SamplingParams(temperature=temperature).validate()
 
 
+def test_oversized_frames_cost_the_sender_its_connection() -> None:
+    """MAXMSGSIZE (make_socket): a frame over the limit is never allocated; the peer is
+    disconnected, and the socket goes on serving others."""
+    from pdserve.common.ports import free_port
+
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = make_socket(ctx, zmq.ROUTER, bind=address, max_message_bytes=1024)
+    big = make_socket(ctx, zmq.DEALER, connect=address)
+    big.send(b"x" * 4096)
+    small = make_socket(ctx, zmq.DEALER, connect=address)
+    small.send(b"ok")
+    assert server.poll(10_000)
+    assert server.recv_multipart()[1] == b"ok"
+    assert not server.poll(200)  # the big one never arrives
+    ctx.destroy(linger=0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(frames=st.lists(FUZZ_FRAMES | st.sampled_from(FRAMES), min_size=1, max_size=3))
 def test_sdk_reply_routing_never_raises(frames: list[bytes]) -> None:
@@ -302,3 +320,55 @@ def ask(sock: zmq.Socket[Any], msg: p.Message | None, decoder: p.Decoder[Any],
         if isinstance(reply, kinds) and getattr(reply, "request_id", "fuzz-twice") == "fuzz-twice":
             return reply
     return None
+
+
+# -- the HTTP API --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http_server(model_dir: Path) -> Iterator[Any]:
+    """The real aiohttp app over test_http_api's FakeCore: the HTTP layer alone."""
+    from pdserve.common.tokenizer import Tokenizer
+    from tests.test_http_api import FakeCore, Server
+
+    server = Server(FakeCore(Tokenizer.from_dir(model_dir)))
+    yield server
+    server.stop()
+
+
+def test_http_api_under_schemathesis(http_server: Any) -> None:
+    """Requests generated from the served OpenAPI document, valid and invalid ones: never
+    a 5xx, every error in OpenAI's error body."""
+    schemathesis = pytest.importorskip("schemathesis")
+    requests = pytest.importorskip("requests")
+
+    base = f"http://127.0.0.1:{http_server.port}"
+    # The served document: narrowed to the model, so valid requests can succeed.
+    schema = schemathesis.openapi.from_dict(requests.get(f"{base}/openapi.json", timeout=10).json())
+    modes = schemathesis.GenerationMode
+    cases = st.one_of(schema.as_strategy(modes.POSITIVE), schema.as_strategy(modes.NEGATIVE))
+    session = requests.Session()
+
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def check(case: Any) -> None:
+        response = case.call(base_url=base, session=session, timeout=30)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
+        if response.status_code >= 400:
+            assert response.json()["error"]["message"], response.text
+
+    check()
+
+
+
+def test_http_bodies_nested_too_deeply_are_400(http_server: Any) -> None:
+    from tests.test_http_api import request
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    bodies = {
+        "/v1/chat/completions": b'{"messages":[{"role":"user","content":"x"}],"tools":' + deep + b"}",
+        "/v1/completions": b'{"prompt":"x","max_tokens":2.0,"unknown":' + deep + b"}",
+    }
+    for path, body in bodies.items():
+        status, _, data = request(http_server.port, "POST", path, body)
+        assert status == 400 and b"nested too deeply" in data, data[:300]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import zmq.asyncio
 
 from pdserve.cli.deployment import Deployment
 from pdserve.cli.main import main
+from pdserve.common import protocol as p
 from pdserve.common.curve import SERVER, CurveKeys, WireSecurity, create_keys
 from pdserve.common.ports import free_port
 from pdserve.common.sockets import make_socket
@@ -44,52 +46,57 @@ def test_keys_command_makes_usable_keys(keys: Path) -> None:
     names = {p.name for p in keys.iterdir()}
     assert names >= {"server.key", "server.key_secret", "client.key", "client.key_secret",
                      "alice.key", "alice.key_secret", "authorized_keys"}  # fmt: skip
-    assert {p.name for p in (keys / "authorized_keys").iterdir()} == {"client.key", "alice.key"}
+    assert {p.name for p in (keys / "authorized_keys").iterdir()} == {"alice.key"}
     assert stat.S_IMODE((keys / "alice.key_secret").stat().st_mode) == 0o600
     before = (keys / "server.key_secret").read_bytes()
     assert main(["keys", "--dir", str(keys)]) == 0  # a second run keeps what exists
     assert (keys / "server.key_secret").read_bytes() == before
     assert main(["keys", "--dir", str(keys), "--client", "../evil"]) == 2
     security = WireSecurity.from_dir(str(keys))
-    assert security.server is not None and security.client is not None
+    assert security.server is not None and security.front is not None and security.client is not None
     assert CurveKeys.client(keys, "alice").server_key == security.server.public_key
 
 
 def test_curve_sockets_let_in_only_authorized_keys(keys: Path, stranger: Path) -> None:
-    """In process, through make_socket: who gets an answer, and what is counted."""
+    """In process, through make_socket: who gets an answer from the front door and from an
+    internal socket, and what is counted."""
     refused: list[int] = []
-    address = f"tcp://127.0.0.1:{free_port()}"
-    alice = CurveKeys.client(keys, "alice")
-    foreign = CurveKeys.client(stranger)
+    front, internal = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    own, alice, foreign = CurveKeys.client(keys), CurveKeys.client(keys, "alice"), CurveKeys.client(stranger)
     unauthorized = CurveKeys(public_key=foreign.public_key, secret_key=foreign.secret_key,
                              server_key=alice.server_key)  # fmt: skip
+    cases = [  # (address, client keys, answered)
+        (front, own, True), (front, alice, True), (internal, own, True), (internal, alice, False),
+        (front, unauthorized, False), (front, None, False), (front, foreign, False),
+    ]  # fmt: skip
 
-    async def run() -> dict[str, bool]:
+    async def run() -> list[bool]:
         ctx = zmq.asyncio.Context()
-        server = make_socket(ctx, zmq.ROUTER, bind=address,
-                             curve=CurveKeys.server(keys, on_refused=lambda: refused.append(1)))  # fmt: skip
+        servers = [
+            make_socket(ctx, zmq.ROUTER, bind=front, curve=CurveKeys.server(keys, lambda: refused.append(1), front=True)),
+            make_socket(ctx, zmq.ROUTER, bind=internal, curve=CurveKeys.server(keys, lambda: refused.append(1))),
+        ]  # fmt: skip
 
-        async def echo() -> None:
+        async def echo(server: zmq.asyncio.Socket) -> None:
             while True:
                 identity, payload = await server.recv_multipart()
                 await server.send_multipart([identity, payload])
 
-        task = asyncio.create_task(echo())
-        answered = {}
-        for name, curve in [("alice", alice), ("unauthorized", unauthorized), ("no curve", None),
-                            ("wrong server key", foreign)]:  # fmt: skip
+        tasks = [asyncio.create_task(echo(server)) for server in servers]
+        answered = []
+        for address, curve, expected in cases:
             sock = make_socket(ctx, zmq.DEALER, connect=address, curve=curve)
             await sock.send(b"ping")
-            # The answer comes at once or never: wait long only for the one expected.
-            answered[name] = bool(await sock.poll(10_000 if curve is alice else 300))
+            # The answer comes at once or never: wait long only for the ones expected.
+            answered.append(bool(await sock.poll(10_000 if expected else 300)))
             sock.close()
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         ctx.destroy(linger=0)
         return answered
 
-    answered = asyncio.run(run())
-    assert answered == {"alice": True, "unauthorized": False, "no curve": False, "wrong server key": False}
-    assert len(refused) >= 3  # one per refused peer at least (a wrong key retries: more)
+    assert asyncio.run(run()) == [expected for _, _, expected in cases]
+    assert len(refused) >= 4  # one per refused peer at least (a wrong server key retries: more)
 
 
 @pytest.fixture(scope="module")
@@ -134,23 +141,41 @@ def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Pat
             return failed.value.reason
 
     assert asyncio.run(refused_async()) == "unauthenticated"
-    # The services' own sockets refuse strangers too; the deployment keeps serving.
+    # The services' own sockets refuse strangers, and SDK users too (the front door is
+    # theirs, not the services); the deployment keeps serving.
     ctx = zmq.Context()
     targets = [a.address for a in dep.cfg.prefill_addresses + dep.cfg.decode_addresses]
     targets += [a.side_channel for a in dep.cfg.prefill_addresses]
     for address in targets:
-        sock = make_socket(ctx, zmq.DEALER, connect=address, curve=unauthorized)
-        sock.send(b"\x00\xffgarbage")
-        assert not sock.poll(500), f"{address} answered a stranger"
-        sock.close()
+        for curve in (unauthorized, CurveKeys.client(keys, "alice")):
+            sock = make_socket(ctx, zmq.DEALER, connect=address, curve=curve)
+            sock.send(p.encode(p.Ping(sent_at=0.0)))
+            assert not sock.poll(500), f"{address} answered {curve.public_key!r}"
+            sock.close()
     ctx.term()
     with Client(dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT) as c:
         assert c.generate(prompt="hello", max_tokens=2).token_ids
     snap = metrics(dep.url)
     assert total(snap, "pdserve:auth_failures_total", "router") >= before + 4
     for service in ("prefill", "decode"):
-        assert total(snap, "pdserve:auth_failures_total", service) >= 1
+        assert total(snap, "pdserve:auth_failures_total", service) >= 2
     assert "curve_refused" in (dep.log_dir / "router.log").read_text()
+
+
+def test_every_zmq_socket_comes_from_the_factory_with_curve() -> None:
+    """A socket made anywhere else, or without ``curve=``, would be a hole in the wire."""
+    root = Path(__file__).parents[1]
+    for path in sorted(p for d in ("common", "services", "cli") for p in (root / d).rglob("*.py")):
+        if path.name in ("sockets.py", "curve.py"):
+            continue
+        text = path.read_text()
+        assert not re.search(r"\.socket\(zmq\.|ctx\.socket\(", text), f"{path}: use make_socket"
+        for start in (m.end() for m in re.finditer(r"\bmake_socket\(", text)):
+            depth, end = 1, start
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            assert "curve=" in text[start:end], f"{path}: make_socket({text[start:end]} has no curve="
 
 
 def test_wrong_keys_dir_is_one_clear_error(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ log = structlog.get_logger("pdserve.router.front")
 class FrontDoor:
     def __init__(self, router: Router, address: str) -> None:
         self.router = router
-        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address, curve=router.security.server)
+        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address, curve=router.security.front)
         self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
