@@ -32,6 +32,7 @@ class Deployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.log_dir / "deployment.json"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.num_restarts: dict[str, int] = {}
 
     @property
     def url(self) -> str:
@@ -52,13 +53,48 @@ class Deployment:
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(key, None)
         env.update(self.extra_env)
+        self._env = env
         for name, args in self.roles():
-            log = open(self.log_dir / f"{name}.log", "wb")
-            cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
-            self.procs[name] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            self._spawn(name, args, env, "wb")
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], log_mode: str) -> None:
+        log = open(self.log_dir / f"{name}.log", log_mode)
+        cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    def kill(self, name: str) -> int:
+        """SIGKILL process ``name`` (fault injection); returns its pid."""
+        proc = self.procs[name]
+        proc.kill()
+        proc.wait()
+        return proc.pid
+
+    def restart_failed(self, limit: int = 5) -> list[str]:
+        """What systemd's Restart=on-failure does for a unit: start again each process that
+        exited with a failure (a prefill whose rank died exits 1). An exit 0 (stopped) or
+        2 (a configuration error), or a process restarted ``limit`` times, raises as
+        :meth:`check_alive` does. Returns the names restarted."""
+        restarted = []
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            if code in (0, 2) or self.num_restarts.get(name, 0) >= limit:
+                self.check_alive()
+            self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
+            self.restart(name)
+            restarted.append(f"{name} (exit code {code})")
+        return restarted
+
+    def restart(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start process ``name`` again once it has exited, as systemd's Restart= does;
+        ``env`` adds variables for this process only. Its log continues in the same file."""
+        if self.procs[name].poll() is None:
+            raise PdserveError(f"{name} is still running (pid {self.procs[name].pid})")
+        self._spawn(name, dict(self.roles())[name], {**self._env, **(env or {})}, "ab")
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout

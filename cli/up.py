@@ -80,7 +80,8 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         while not stop["now"]:
-            dep.check_alive()
+            for name in dep.restart_failed():  # as systemd's Restart=on-failure would
+                print(f"{name} failed; restarted it (log: {dep.log_dir})", file=sys.stderr)
             time.sleep(0.5)
     finally:
         codes = dep.stop()

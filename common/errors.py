@@ -11,3 +11,8 @@ class ModelLoadError(PdserveError):
 
 class RequestError(PdserveError):
     """A request is invalid (too long, bad sampling parameters, ...)."""
+
+
+class FatalError(PdserveError):
+    """The service cannot go on (one of its rank processes died): it fails the requests it
+    holds and exits non-zero, for its supervisor (systemd) to restart it."""

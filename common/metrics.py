@@ -31,6 +31,8 @@ COUNTERS = {
     "pdserve:kv_replica_releases": "releases received by a producer rank",
     "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
     "pdserve:bad_messages": "malformed or unexpected wire messages received",
+    "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
+    "pdserve:router_lost": "times a service found a router gone and aborted its requests",
     "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
 }

@@ -184,6 +184,9 @@ class SideReply(Message, kw_only=True):
 
 class Ping(Message, kw_only=True):
     sent_at: float
+    # Set by a router: it pings this often, and the service aborts its requests once its
+    # pings stop (peer_timeout_seconds). A one-off ping (a probe, a test) sets nothing.
+    interval: float = 0.0
 
 
 class Pong(Message, kw_only=True):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import FatalError
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.ports import free_port
 from pdserve.common.protocol import HandshakeReply
@@ -33,8 +33,8 @@ EVENT_KINDS = frozenset({"released", "pulled", "pull_failed"})
 _enc = msgspec.msgpack.Encoder()
 
 
-class RankFailed(PdserveError):
-    """A rank process died or reported an error."""
+class RankFailed(FatalError):
+    """A rank process died or reported an error: the instance cannot go on."""
 
 
 class RankProcesses:
@@ -140,6 +140,11 @@ class RankProcesses:
         if msg[0] in EVENT_KINDS:
             self._events.append((rank, msg))
         elif msg[0] == "error":
+            # Often a collective that lost a dead peer: name the dead rank if there is one
+            # (it may take a moment to be reaped).
+            for _ in range(50):
+                self.check_alive()
+                time.sleep(0.01)
             raise RankFailed(msg[1])
         else:
             raise RankFailed(f"rank {rank} sent an unexpected {msg[0]!r}")

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,6 +44,8 @@ from pdserve.common.worker import WorkerThread
 log = structlog.get_logger("pdserve.service")
 
 Handler = Callable[[bytes, Any], Awaitable[None] | None]
+
+FLUSH_SECONDS = 0.5  # after a fatal failure, for the Failed replies to leave before exit
 
 
 class Service(abc.ABC):
@@ -67,6 +70,8 @@ class Service(abc.ABC):
         self.watchdog = Watchdog.from_env(needs_loop=True)
         self.front: zmq.asyncio.Socket | None = None
         self.log = log.bind(service=self.role, instance=instance)
+        self.routers: dict[bytes, float] = {}  # router identity -> when it last pinged
+        self.exit_error: str | None = None  # set when the worker died: exit non-zero
         self.metrics.declare("pdserve:requests_refused", reason="overloaded")
         self.metrics.declare("pdserve:requests_refused", reason="draining")
 
@@ -85,9 +90,11 @@ class Service(abc.ABC):
         await self.start_sockets()
         self.worker = self.make_worker(loop)
         self.worker.watchdog = self.watchdog
+        self.worker.on_fatal = self.on_worker_failed
         self.worker.start()
         tasks = [asyncio.create_task(self._receive(self.front, self._decoder, self.handlers))]
         tasks += self.background_tasks()
+        tasks.append(asyncio.create_task(self._watch_routers()))
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self._loop_ticks(self.watchdog)))
         while not self.worker.ready.is_set():
@@ -115,6 +122,8 @@ class Service(abc.ABC):
         for t in tasks:
             t.cancel()
         self.ctx.destroy(linger=0)
+        if self.exit_error is not None:
+            raise SystemExit(self.exit_error)
 
     def _on_signal(self) -> None:
         if self.stopping.is_set():
@@ -238,6 +247,8 @@ class Service(abc.ABC):
         self.send(self.front, identity, msg)
 
     def on_ping(self, identity: bytes, msg: p.Ping) -> None:
+        if msg.interval > 0:
+            self.routers[identity] = time.monotonic()
         running, waiting = self.load()
         self.reply(identity, p.Pong(
             sent_at=msg.sent_at, service=self.role, instance=self.instance, ready=self.is_ready,
@@ -246,6 +257,44 @@ class Service(abc.ABC):
 
     def load(self) -> tuple[int, int]:
         return 0, 0
+
+    # -- faults ---------------------------------------------------------------------------
+
+    async def _watch_routers(self) -> None:
+        """A router that stopped pinging (it died, or its connection did) will never read
+        its requests' replies: abort them, so their KV is freed now, not stranded."""
+        while True:
+            await asyncio.sleep(self.cfg.ping_seconds)
+            now = time.monotonic()
+            for identity, last in list(self.routers.items()):
+                if now - last >= self.cfg.peer_timeout_seconds:
+                    del self.routers[identity]
+                    self.on_router_lost(identity)
+
+    def on_router_lost(self, identity: bytes) -> None:
+        rids = [rid for rid, (who, _) in self.inflight.items() if who == identity]
+        self.metrics.inc("pdserve:router_lost")
+        self.log.warning("router_lost", router=identity.hex(), num_aborted=len(rids), request_ids=rids[:16],
+                         silent_seconds=self.cfg.peer_timeout_seconds)
+        for rid in rids:
+            del self.inflight[rid]
+            if self.worker is not None:
+                self.worker.submit(("abort", rid))
+
+    def on_worker_failed(self, exc: BaseException) -> None:
+        """The engine thread died (a rank process died, a step raised): fail every request
+        in flight now, answer pings as not ready, and exit non-zero (after a moment for
+        the replies to leave) so that the supervisor restarts the service."""
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.exit_error = f"{self.role} {self.instance} failed: {why}"
+        self.log.error("service_failed", error=why, num_failed=len(self.inflight))
+        notify(f"STATUS=failed: {why}")
+        message = f"{self.role} {self.instance} failed ({why}); it restarts; retry the request"
+        for rid, (identity, trace) in list(self.inflight.items()):
+            self.reply(identity, p.Failed(request_id=rid, trace_id=trace, reason="peer_down", message=message))
+        self.inflight.clear()
+        self.stop_now.set()  # nothing to drain: the engine is gone
+        asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.stopping.set)
 
     def on_metrics(self, identity: bytes, msg: p.MetricsQuery) -> None:
         self.reply(identity, p.MetricsReport(samples=self.metrics.samples()))

@@ -53,8 +53,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     decode_tp: int | list[int] = 1  # per decode instance: one size for all, or one each
     pull_from: str = "first"  # decode reads replica 0 ("first") or stripes across replicas
     kv_load_failure_policy: str = "fail"
-    lease_seconds: float = 30.0
-    heartbeat_seconds: float = 5.0
+    lease_seconds: float = 30.0  # KV of a prefilled request stays pinned this long at most...
+    heartbeat_seconds: float = 5.0  # ...unless decode, still wanting it, heartbeats this often
+    # Liveness (docs/operations.md, "Faults"): the router pings every service each
+    # ping_seconds; a peer silent for peer_timeout_seconds is down (at the router: its
+    # requests fail; at a service: the lost router's requests are aborted). A connection
+    # that drops marks the peer down at once.
+    ping_seconds: float = 1.0
+    peer_timeout_seconds: float = 5.0
     max_queued_requests: int = 1024  # per service; beyond it requests fail "overloaded"
     drain_seconds: float = 30.0  # on SIGTERM: how long work in flight may take to finish
     security: SecurityConfig = SecurityConfig()
@@ -81,8 +87,19 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if isinstance(self.decode_tp, list) and len(self.decode_tp) != self.decode_instances:
             raise PdserveError(f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
                                "decode instances: give one size, or one per instance")
-        if self.lease_seconds <= 0 or self.heartbeat_seconds <= 0:
-            raise PdserveError("lease_seconds and heartbeat_seconds must be positive")
+        for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise PdserveError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise PdserveError(
+                f"heartbeat_seconds ({self.heartbeat_seconds:g}) must be less than lease_seconds "
+                f"({self.lease_seconds:g}): leases of requests decode still waits for would expire"
+            )
+        if self.peer_timeout_seconds < 2 * self.ping_seconds:
+            raise PdserveError(
+                f"peer_timeout_seconds ({self.peer_timeout_seconds:g}) must be at least twice "
+                f"ping_seconds ({self.ping_seconds:g}): one late ping must not mark a peer down"
+            )
         if self.max_queued_requests < 1:
             raise PdserveError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
         if self.drain_seconds < 0:

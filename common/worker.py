@@ -53,6 +53,8 @@ class WorkerThread(threading.Thread):
         self.failed: BaseException | None = None
         self._stop_event = threading.Event()
         self.watchdog: Watchdog | None = None
+        # Called on the service's loop when run_once raised: the engine cannot go on.
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     def submit(self, command: Any) -> None:
         self.inbox.put(command)
@@ -99,6 +101,11 @@ class WorkerThread(threading.Thread):
                 if self._stop_event.is_set():
                     break
                 busy = self.run_once(commands)
+        except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
+            self.failed = exc
+            log.error("worker_failed", worker=self.name, error=str(exc), traceback=traceback.format_exc())
+            if self.on_fatal is not None:
+                self.post(self.on_fatal, exc)
         finally:
             self.teardown()
 

@@ -14,6 +14,7 @@ from pdserve.common.engine import LLMEngine
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.sampling_params import SamplingParams
 from tests.e2e import deployment, free_port_block
+from tests.fault_tools import service_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,9 @@ def test_unreachable_producer_follows_the_policy(tmp_path: Path, model_dir: Path
     )
     with deployment(tmp_path, model_dir, colocated=True, kv_load_failure_policy=policy) as dep:
         replies = ask_decode(dep.cfg.decode_addresses[0].address, msg)
+        failures = service_metrics(dep.cfg.decode_addresses[0].address, "decode")["pdserve:kv_transfer_failures"]
     terminal = replies[-1]
+    assert failures == 1  # counted whatever the policy (tests/test_faults.py: dead and lying producers)
     if policy == "fail":
         assert isinstance(terminal, p.Failed) and terminal.reason == "kv_transfer"
         assert "prefill-gone" in terminal.message

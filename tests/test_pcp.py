@@ -110,7 +110,7 @@ def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model
     from pdserve.services.router.client import Client
     from pdserve.services.prefill.rank import DROP_RELEASES_ENV
 
-    with deployment(tmp_path, model_dir, pcp=2, lease_seconds=3.0, env={DROP_RELEASES_ENV: "1"}) as dep:
+    with deployment(tmp_path, model_dir, pcp=2, lease_seconds=3.0, heartbeat_seconds=1.0, env={DROP_RELEASES_ENV: "1"}) as dep:
         with Client(dep.cfg.front_address) as client:
             for i in range(3):
                 assert client.generate(prompt_token_ids=list(range(500 + i, 600 + i)), max_tokens=3).token_ids

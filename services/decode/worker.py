@@ -8,6 +8,7 @@ TP > 1 the model and the pulls run in rank processes (services/decode/pullers.py
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ import msgspec
 import structlog
 
 from pdserve.common import protocol as p
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.worker import WorkerThread, report_engine
 
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdserve.decode")
 
 ProducerKey = tuple[str, int]  # (engine_id, epoch)
+
+# Fault injection for tests only: while the file this names exists, no pull starts (the
+# requests wait, their leases kept by heartbeats), so a test can kill a peer in between.
+HOLD_PULLS_ENV = "PDSERVE_TEST_HOLD_PULLS_FILE"
 
 
 @dataclass
@@ -161,6 +166,9 @@ class DecodeWorker(WorkerThread):
         if state is not None:
             self._pull_failed(rid, pp, state, release=True)
             return
+        hold = os.environ.get(HOLD_PULLS_ENV)
+        if hold and os.path.exists(hold):
+            return
         need = self.engine.blocks_for_prompt(pp.handle.num_tokens)
         if need > self.engine.pool.num_free_blocks:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
@@ -255,6 +263,8 @@ class DecodeWorker(WorkerThread):
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except FatalError:
+            raise  # a rank died: the service fails what it holds and exits
         except Exception as exc:
             log.exception("decode_step_failed")
             for rid in list(self.peers):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from pdserve.common import protocol as p
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.worker import WorkerThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
@@ -143,6 +143,8 @@ class PrefillWorker(WorkerThread):
         started = time.time()
         try:
             results = self.engine.step()
+        except FatalError:
+            raise  # a rank died: the service fails what it holds and exits
         except Exception as exc:
             log.exception("prefill_step_failed")
             for rid in list(self.peers):

@@ -18,8 +18,10 @@ class Link:
     index: int
     address: str
     sock: Any
-    ready: bool = False
+    ready: bool = False  # as its last Pong said; False from the moment it is found down
     last_pong: float = 0.0
+    up: bool = False  # alive at the last ping round (each change is logged once)
+    lost: bool = False  # found down (silent or disconnected), not heard from since
     outstanding_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
     prefixes: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
@@ -48,7 +50,7 @@ class Link:
             self.prefixes.popitem(last=False)
 
 
-def pick(links: list[Link], hashes: list[BlockHash] | None = None, timeout: float = 3.0) -> Link | None:
+def pick(links: list[Link], hashes: list[BlockHash] | None = None, timeout: float = 5.0) -> Link | None:
     """The live link with the longest cached prefix, then the fewest outstanding tokens."""
     now = time.monotonic()
     alive = [link for link in links if link.is_alive(now, timeout)]

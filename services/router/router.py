@@ -2,6 +2,12 @@
 
 Every accepted request gets exactly one terminal event (Finished or Failed). A consumer
 that stops early (client gone) aborts the request on whichever service holds it.
+
+An instance is down when its connection drops (at once) or when it has answered no ping
+for ``peer_timeout_seconds``: its requests in flight fail with ``peer_down`` naming it,
+and nothing is routed to it until it answers a ping as ready again. An instance that
+answers "not ready" (starting, draining) only stops getting new requests: it still
+answers the ones it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common import protocol as p
 from pdserve.common.block_pool import hash_blocks
@@ -60,6 +67,8 @@ class Router:
         self.metrics = Metrics("router", 0)
         self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
         self.metrics.declare("pdserve:bad_messages")
+        self.ping_seconds = cfg.ping_seconds
+        self.peer_timeout = cfg.peer_timeout_seconds
         self.ctx = zmq.asyncio.Context()
         self.prefills: list[Link] = []
         self.decodes: list[Link] = []
@@ -80,7 +89,10 @@ class Router:
         sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client)
         link = Link(role, index, address, sock)
         union = p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks.append(asyncio.create_task(self._receive(link, p.Decoder(union))))
+        self._tasks.append(asyncio.create_task(self._watch_connection(link, monitor)))
+        self.metrics.declare("pdserve:peer_down", peer=link.name)
         return link
 
     async def close(self) -> None:
@@ -96,11 +108,11 @@ class Router:
 
     def is_ready(self) -> bool:
         now = time.monotonic()
-        return not self.draining and bool(self.decodes) and all(link.is_alive(now, PEER_TIMEOUT) for link in self.links)
+        return not self.draining and bool(self.decodes) and all(link.is_alive(now, self.peer_timeout) for link in self.links)
 
     def health_detail(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {link.name: {"address": link.address, "ready": link.is_alive(now, PEER_TIMEOUT), "inflight": len(link.inflight)} for link in self.links}
+        return {link.name: {"address": link.address, "ready": link.is_alive(now, self.peer_timeout), "inflight": len(link.inflight)} for link in self.links}
 
     def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
         """Validates now (RequestError), then runs the request as the iterator is consumed."""
@@ -130,6 +142,7 @@ class Router:
             state.queue.put_nowait(p.Failed(request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message))
 
     async def metrics_text(self) -> bytes:
+        self.metrics.set("pdserve:num_requests_running", len(self.requests))  # held here now
         loop = asyncio.get_running_loop()
         waits = []
         for link in self.links:
@@ -187,7 +200,7 @@ class Router:
                     return
                 first_token, num_cached, handle = done.first_token, done.num_cached_tokens, done.handle
                 state.marks.update(done.timings)
-            decode = pick(self.decodes)
+            decode = pick(self.decodes, timeout=self.peer_timeout)
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
                 return
@@ -218,6 +231,8 @@ class Router:
                 yield event
                 return
         finally:
+            if not state.finished:  # the consumer left (client gone): counted as an abort
+                self.metrics.inc("pdserve:requests", finish_reason="abort")
             if not state.finished and state.link is not None:
                 self._send(state.link, p.Abort(request_id=rid, trace_id=trace))
                 bound.info("request_aborted", at=state.link.name)
@@ -226,14 +241,20 @@ class Router:
 
     async def _prefill(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> p.PrefillDone | p.Failed | p.Finished:
         hashes = hash_blocks(ids, self.block_size)
-        link = pick(self.prefills, hashes)
+        link = pick(self.prefills, hashes, self.peer_timeout)
         if link is None:
             return self._failed(state, "peer_down", "no prefill instance is up; retry later")
         self._dispatch(state, link, p.PrefillRequest(request_id=state.request_id, trace_id=state.trace_id, prompt_token_ids=ids, sampling=sampling))
         link.remember(hashes)
         event = await state.queue.get()
         self._undispatch(state)
+        if isinstance(event, p.PrefillDone) and not state.queue.empty():
+            # Aborted (or failed over) while the answer was on its way: the prefill frees
+            # the KV on the Abort, so the handle must never reach a decode instance.
+            self._send(link, p.Abort(request_id=state.request_id, trace_id=state.trace_id))
+            event = state.queue.get_nowait()
         if not isinstance(event, p.PrefillDone):  # Failed, or Finished by an abort
+            self.metrics.inc("pdserve:requests", finish_reason=getattr(event, "finish_reason", "failed"))
             state.finished = True
         return event
 
@@ -278,7 +299,7 @@ class Router:
                 log.warning("bad_message", peer=link.name, error=str(exc))
                 continue
             if isinstance(msg, p.Pong):
-                link.ready, link.last_pong = msg.ready, time.monotonic()
+                link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
             elif isinstance(msg, p.MetricsReport):
                 fut = self._scrapes.pop(link.name, None)
                 if fut is not None and not fut.done():
@@ -287,20 +308,48 @@ class Router:
                 state = self.requests.get(msg.request_id)
                 if state is not None:
                     state.queue.put_nowait(msg)
+                elif isinstance(msg, p.PrefillDone | p.TokenChunk):
+                    # The request already ended here (aborted, or failed while this instance
+                    # looked down): without an Abort the instance would pin its KV until the
+                    # lease ran out, or generate for nobody.
+                    self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
 
     async def _ping_loop(self) -> None:
         while True:
             now = time.monotonic()
             for link in self.links:
-                self._send(link, p.Ping(sent_at=time.time()))
-                # A draining instance answers "not ready" yet still holds requests: its
-                # silence fails them too.
-                silent = now - link.last_pong >= PEER_TIMEOUT
-                if silent and (link.ready or link.inflight):
-                    link.ready = False
-                    log.error("peer_down", peer=link.name, address=link.address)
-                    for rid in list(link.inflight):
-                        state = self.requests.get(rid)
-                        if state is not None:
-                            state.queue.put_nowait(p.Failed(request_id=rid, trace_id=state.trace_id, reason="peer_down", message=f"{link.name} at {link.address} stopped answering"))
-            await asyncio.sleep(PING_SECONDS)
+                self._send(link, p.Ping(sent_at=time.time(), interval=self.ping_seconds))
+                # Silent: down, whether it said ready or not (a draining instance that
+                # dies still fails what it held).
+                if not link.lost and link.last_pong and now - link.last_pong >= self.peer_timeout:
+                    self._peer_down(link, f"answered no ping for {self.peer_timeout:g} s")
+                alive = link.is_alive(now, self.peer_timeout)
+                if link.up and not alive:  # said "not ready": it still answers what it holds
+                    log.warning("peer_not_ready", peer=link.name, address=link.address, inflight=len(link.inflight))
+                elif alive and not link.up:
+                    log.info("peer_up", peer=link.name, address=link.address)
+                link.up = alive
+            await asyncio.sleep(self.ping_seconds)
+
+    async def _watch_connection(self, link: Link, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped connection (the process died, or ZMQ's heartbeat gave up on it) marks
+        the instance down at once, not after the ping timeout."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and not link.lost:
+                self._peer_down(link, "dropped its connection")
+
+    def _peer_down(self, link: Link, why: str) -> None:
+        """Stop routing to ``link`` until it answers a ping as ready again, and fail what it
+        holds: the clients learn now. If the instance is still alive, it gets an Abort for
+        any of them it answers about later, and aborts them itself once this router's
+        pings stop reaching it."""
+        link.ready = link.up = False
+        link.lost = True
+        self.metrics.inc("pdserve:peer_down", peer=link.name)
+        log.error("peer_down", peer=link.name, address=link.address, why=why, num_failed=len(link.inflight))
+        message = f"{link.name} at {link.address} {why}; retry the request"
+        for rid in list(link.inflight):
+            state = self.requests.get(rid)
+            if state is not None:
+                state.queue.put_nowait(p.Failed(request_id=rid, trace_id=state.trace_id, reason="peer_down", message=message))
