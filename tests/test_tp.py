@@ -142,11 +142,11 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
             key = f"{{service=decode,instance={instance},rank=0}}"
             transfers = snap.get(f"pdserve:kv_transfers_total{key}", 0)
             assert transfers > 0, f"decode instance {instance} (TP {tp}) served nothing"
-            # descriptors ~ runs x heads, never blocks x layers x heads: every prompt here
-            # is one run of at most 2 blocks, each decode rank reads its heads (<= 4 in
-            # all) from at most pcp replicas
+            # one descriptor per (KV head, run of blocks): at most 4 heads x 2 blocks here,
+            # never per block x layer x head (16); tests/test_kv_transfer.py checks NIXL's
+            # own count equals runs x heads exactly
             per_pull = snap[f"pdserve:kv_transfer_descriptors_total{key}"] / transfers
-            assert per_pull <= 4 * pcp
+            assert 0 < per_pull <= 4 * 2
         for rank in range(prefill_tp * pcp):  # every producer rank released every request
             assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == 9
         assert_pools_full(d.url)
