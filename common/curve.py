@@ -25,6 +25,7 @@ already made stays until it drops).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import time
@@ -86,7 +87,7 @@ class CurveKeys:
     @classmethod
     def client(cls, keys_dir: str | Path, name: str = CLIENT) -> CurveKeys:
         """A client's keys from a key directory: its own pair and the server's public key."""
-        directory = Path(keys_dir)
+        directory = Path(keys_dir).expanduser()
         public, secret = _load_pair(directory, name)
         server, _ = _load_pair(directory, SERVER, public_only=True)
         return cls(public_key=public, secret_key=secret, server_key=server)
@@ -96,7 +97,7 @@ class CurveKeys:
                front: bool = False) -> CurveKeys:  # fmt: skip
         """A server's keys; ``front``: the router's front door, which also lets in the
         keys in ``authorized_keys``."""
-        directory = Path(keys_dir)
+        directory = Path(keys_dir).expanduser()
         public, secret = _load_pair(directory, SERVER)
         internal, _ = _load_pair(directory, CLIENT, public_only=True)
         authorized = directory / AUTHORIZED
@@ -147,7 +148,7 @@ class WireSecurity:
 def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:
     """Create the missing key pairs of a key directory (existing ones are kept) and
     authorize the SDK clients' pairs at the front door. Returns the files written."""
-    directory = Path(keys_dir)
+    directory = Path(keys_dir).expanduser()
     authorized = directory / AUTHORIZED
     authorized.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
@@ -170,6 +171,9 @@ def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Pat
 
 def _load_pair(directory: Path, name: str, public_only: bool = False) -> tuple[bytes, bytes]:
     path = directory / (f"{name}.key" if public_only else f"{name}.key_secret")
+    if not path.is_file():
+        raise PdserveError(f"CURVE key {path} does not exist; create keys with "
+                           f"`pdserve keys --dir {directory}`")  # fmt: skip
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -192,11 +196,18 @@ class _Authorized:
         self.directory: Path | None = None  # set by the front door's keys
         self.on_refused = on_refused
         self.peer = "?"  # the address of the handshake being decided (set before each call)
-        self._mtime = -1.0
+        self._state: Any = ()  # what the directory looked like when last read
         self._keys: set[bytes] = set()
         self._logged: dict[bytes, float] = {}  # key -> when it was last logged
 
     def callback(self, domain: str, key: bytes) -> bool:
+        try:
+            return self._decide(domain, key)
+        except Exception:  # the ZAP handler must never die: nobody could connect any more
+            log.exception("curve_check_failed", peer=self.peer, domain=domain)
+            return False
+
+    def _decide(self, domain: str, key: bytes) -> bool:
         if key == self.internal_key:
             return True
         if domain == FRONT_DOMAIN and self.directory is not None:
@@ -217,16 +228,16 @@ class _Authorized:
         return False
 
     def _reload(self, directory: Path) -> None:
-        try:
-            mtime = directory.stat().st_mtime
+        try:  # the names too: a coarse mtime misses an add and a remove within its tick
+            state: Any = (directory.stat().st_mtime_ns, frozenset(os.listdir(directory)))
         except OSError:
-            mtime = -2.0
-        if mtime == self._mtime:
+            state = None
+        if state == self._state:
             return
-        self._mtime = mtime
+        self._state = state
         try:
             self._keys = set(zmq.auth.load_certificates(directory))
-        except OSError as exc:  # nobody gets in rather than everybody
+        except (OSError, ValueError) as exc:  # nobody gets in rather than everybody
             log.error("curve_keys_unreadable", authorized_keys=str(directory), error=str(exc))
             self._keys = set()
 

@@ -46,6 +46,7 @@ HANDLE = p.KVHandle(
     replicas=[p.Replica(agent_name="fuzz-engine-e1-r0", side_channel="tcp://127.0.0.1:9")],
     lease_deadline=1.0,
 )  # fmt: skip
+# fmt: off
 SAMPLES: dict[str, list[p.Message]] = {
     "ClientToRouter": [
         p.Generate(request_id="fuzz-g", prompt="The sky is", sampling=SAMPLING),
@@ -56,7 +57,7 @@ SAMPLES: dict[str, list[p.Message]] = {
     "RouterToClient": [
         p.TokenChunk(request_id="r", trace_id="t", token_ids=[5, 6], text="ab"),
         p.Finished(request_id="r", trace_id="t", finish_reason="stop",
-                   usage=p.Usage(prompt_tokens=3, completion_tokens=2)),  # fmt: skip
+                   usage=p.Usage(prompt_tokens=3, completion_tokens=2)),
         p.Failed(request_id="r", reason="bad_request", message="no"),
     ],
     "RouterToPrefill": [
@@ -71,10 +72,10 @@ SAMPLES: dict[str, list[p.Message]] = {
     "RouterToDecode": [
         p.DecodeRequest(request_id="fuzz-d", trace_id="t", prompt_token_ids=[1, 2, 3], sampling=SAMPLING),
         p.DecodeRequest(request_id="fuzz-h", trace_id="t", prompt_token_ids=[1, 2, 3], sampling=SAMPLING,
-                        first_token=5, handle=HANDLE),  # fmt: skip
+                        first_token=5, handle=HANDLE),
     ],
     "DecodeToRouter": [p.Finished(request_id="r", trace_id="t", finish_reason="length",
-                                  usage=p.Usage(prompt_tokens=1, completion_tokens=1))],  # fmt: skip
+                                  usage=p.Usage(prompt_tokens=1, completion_tokens=1))],
     "ToSideChannel": [
         p.Handshake(engine_id="fuzz-engine", epoch=1, consumer="fuzz"),
         p.Heartbeat(engine_id="fuzz-engine", epoch=1, request_ids=["a", "b"]),
@@ -82,10 +83,11 @@ SAMPLES: dict[str, list[p.Message]] = {
     ],
     "FromSideChannel": [
         p.HandshakeReply(engine_id="e", epoch=1, agent_name="a", agent_metadata=b"\x00\x01", base_address=4096,
-                         layout=LAYOUT, compat={"model": "m", "block_size": 64}, mem_type="DRAM"),  # fmt: skip
+                         layout=LAYOUT, compat={"model": "m", "block_size": 64}, mem_type="DRAM"),
         p.SideReply(ok=False, message="stale"),
     ],
 }
+# fmt: on
 FRAMES = [p.encode(m) for msgs in SAMPLES.values() for m in msgs]
 OTHER_FRAMES = [msgspec.msgpack.encode(StepPlan(seqs=[ScheduledSeq("r", [1, 2], 0, [0], True)])),
                 msgspec.msgpack.encode(HANDLE)]  # fmt: skip

@@ -99,6 +99,38 @@ def test_curve_sockets_let_in_only_authorized_keys(keys: Path, stranger: Path) -
     assert len(refused) >= 4  # one per refused peer at least (a wrong server key retries: more)
 
 
+def test_authorized_keys_are_reread_without_a_restart(tmp_path: Path) -> None:
+    create_keys(tmp_path, ("bob",))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    bob = CurveKeys.client(tmp_path, "bob")
+    granted = tmp_path / "authorized_keys" / "bob.key"
+
+    async def run() -> list[bool]:
+        ctx = zmq.asyncio.Context()
+        server = make_socket(ctx, zmq.ROUTER, bind=address, curve=CurveKeys.server(tmp_path, front=True))
+
+        async def echo() -> None:
+            while True:
+                await server.send_multipart(await server.recv_multipart())
+
+        task = asyncio.create_task(echo())
+        answered = []
+        for expected in (True, False, True):  # granted, revoked, granted again
+            if expected:
+                granted.write_bytes((tmp_path / "bob.key").read_bytes())
+            else:
+                granted.unlink()
+            sock = make_socket(ctx, zmq.DEALER, connect=address, curve=bob)
+            await sock.send(b"ping")
+            answered.append(bool(await sock.poll(10_000 if expected else 300)))
+            sock.close()
+        task.cancel()
+        ctx.destroy(linger=0)
+        return answered
+
+    assert asyncio.run(run()) == [True, False, True]
+
+
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, keys: Path) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("dep")
@@ -165,7 +197,7 @@ def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Pat
 def test_every_zmq_socket_comes_from_the_factory_with_curve() -> None:
     """A socket made anywhere else, or without ``curve=``, would be a hole in the wire."""
     root = Path(__file__).parents[1]
-    for path in sorted(p for d in ("common", "services", "cli") for p in (root / d).rglob("*.py")):
+    for path in sorted(f for d in ("common", "services", "cli") for f in (root / d).rglob("*.py")):
         if path.name in ("sockets.py", "curve.py"):
             continue
         text = path.read_text()
@@ -181,6 +213,6 @@ def test_every_zmq_socket_comes_from_the_factory_with_curve() -> None:
 def test_wrong_keys_dir_is_one_clear_error(tmp_path: Path) -> None:
     assert main(["keys", "--dir", str(tmp_path / "k")]) == 0
     (tmp_path / "k" / f"{SERVER}.key_secret").unlink()
-    with pytest.raises(Exception, match="cannot load CURVE key .*server.key_secret"):
+    with pytest.raises(Exception, match="CURVE key .*server.key_secret does not exist"):
         WireSecurity.from_dir(str(tmp_path / "k"))
 

@@ -166,7 +166,8 @@ class _Handshakes:
     every new one."""
 
     def __init__(self, sock: zmq.Socket[Any], address: str, curve: CurveKeys | None) -> None:
-        self.monitor = sock.get_monitor_socket()  # attached by make_socket, before connecting
+        # attached by make_socket, before connecting; a sync or an asyncio socket, as ``sock``
+        self.monitor: Any = sock.get_monitor_socket()
         self.address = address
         self.has_curve = curve is not None
         self.refused: str | None = None
