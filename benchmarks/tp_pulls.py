@@ -16,7 +16,6 @@ bytes as a single descriptor as the ceiling (same producer, same run).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -31,8 +30,8 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.common.kv_layout import KVLayout  # noqa: E402
-from pdserve.common.tp import kv_heads_of  # noqa: E402
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.tp import kv_heads_of
 
 SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 64}
 ENGINE, EPOCH = "bench-tp", 1
@@ -51,7 +50,6 @@ def value(global_head: int, block: int) -> float:
 
 def producer_main(tp: int, rank: int, num_blocks: int, conn: Connection) -> None:
     import torch
-
     from pdserve.common.kv_transfer import KVProducer, new_cache
     from pdserve.common.protocol import encode
 
@@ -102,7 +100,6 @@ def ceiling(consumer: Any, handle: Any, num_bytes: int) -> float:
 
 def run(tokens_list: list[int], tps: list[int], repeats: int) -> list[dict[str, Any]]:
     import torch
-
     from pdserve.common.kv_transfer import KVConsumer, new_cache
     from pdserve.common.protocol import HandshakeReply, KVHandle, Replica
 
