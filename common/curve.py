@@ -59,7 +59,7 @@ INTERNAL_DOMAIN = "pdserve-internal"  # services' and side-channel sockets: the 
 # key (the HELLO cannot be decrypted), a mangled handshake.
 _KEY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOG_EVERY_S = 10.0  # a refused peer reconnects every few seconds: one log line per key this often
-_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -279,20 +279,28 @@ def ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
         auth.provider.directory = keys.authorized_dir
 
 
+def handshake_events(keys: CurveKeys) -> int:
+    """The monitor events that mean a failed handshake on this side (a server's refusals
+    by key are the authenticator's to count: not among them)."""
+    if keys.server_key is None:
+        return HANDSHAKE_FAILURES
+    return HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
 def watch_handshakes(sock: zmq.Socket[Any], address: str, keys: CurveKeys) -> None:
     """Log failed handshakes, and count them on a server (where the authenticator is not
     asked: no CURVE, a wrong server key). Asyncio sockets only: a task reads the socket's
-    monitor until the socket or context closes."""
+    monitor until the socket or context closes. A socket has one monitor: one made with
+    ``make_socket(monitor_events=...)`` is its caller's, who passes the events to
+    :class:`HandshakeLog`."""
     if not isinstance(sock, zmq.asyncio.Socket):
         return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
-    is_server = keys.server_key is None
-    events = _HANDSHAKE_FAILURES if is_server else _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    monitor = sock.get_monitor_socket(events)
-    task = loop.create_task(_watch(monitor, address, is_server, keys.on_refused))
+    monitor = sock.get_monitor_socket(handshake_events(keys))
+    task = loop.create_task(_watch(monitor, HandshakeLog(address, keys)))
     _monitor_tasks.add(task)
     task.add_done_callback(_monitor_tasks.discard)
 
@@ -311,19 +319,34 @@ def describe_failure(event: int, is_server: bool = False) -> str:
     return "the handshake failed: most likely a wrong server public key"
 
 
-async def _watch(monitor: zmq.asyncio.Socket, address: str, is_server: bool,
-                 on_refused: Callable[[], None] | None) -> None:  # fmt: skip
-    last_log = -LOG_EVERY_S
+class HandshakeLog:
+    """Counts (on a server) and logs (at most once every LOG_EVERY_S: refused peers
+    retry) the failed handshakes of one socket, from its monitor's events."""
+
+    def __init__(self, address: str, keys: CurveKeys) -> None:
+        self.address = address
+        self.keys = keys
+        self.events = handshake_events(keys)
+        self._last_log = -LOG_EVERY_S
+
+    def __call__(self, event: int) -> None:
+        """Take one monitor event; those that are not failed handshakes are ignored."""
+        if not event & self.events:
+            return
+        is_server = self.keys.server_key is None
+        if is_server and self.keys.on_refused is not None:
+            self.keys.on_refused()
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            log.warning("handshake_failed", address=self.address, side="server" if is_server else "client",
+                        zmq_event=zmq.Event(event).name, hint=describe_failure(event, is_server))  # fmt: skip
+
+
+async def _watch(monitor: zmq.asyncio.Socket, report: HandshakeLog) -> None:
     while True:
         try:
             event = parse_monitor_message(await monitor.recv_multipart())
         except (zmq.ZMQError, asyncio.CancelledError):  # the socket or context closed
             return
-        if on_refused is not None:
-            on_refused()
-        now = time.monotonic()
-        if now - last_log >= LOG_EVERY_S:  # a peer retrying every 100 ms: one line a while
-            last_log = now
-            log.warning("handshake_failed", address=address, side="server" if is_server else "client",
-                        zmq_event=zmq.Event(event["event"]).name,
-                        hint=describe_failure(event["event"], is_server))  # fmt: skip
+        report(event["event"])

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.common.curve import CurveKeys, ensure_authenticator, watch_handshakes
+from pdserve.common.curve import CurveKeys, ensure_authenticator, handshake_events, watch_handshakes
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # a prompt of 1M tokens as msgpack ints is ~5 MB
 DEFAULT_HWM = 10_000
@@ -39,8 +39,9 @@ def make_socket(
     (an asyncio context's first CURVE server socket needs a running loop).
 
     ``monitor_events``: the caller reads these events from ``sock.get_monitor_socket()``
-    (attached here, before bind/connect, so that no early handshake event is missed)
-    and logs CURVE handshake failures itself."""
+    (attached here, before bind/connect, so that no early handshake event is missed; a
+    socket has one monitor). With ``curve``, failed handshakes come too: the caller hands
+    every event to a ``curve.HandshakeLog``, which logs and counts those."""
     if (bind is None) == (connect is None):
         raise ValueError("make_socket needs exactly one of bind= or connect=")
     if curve is not None and (curve.server_key is None) != (bind is not None):
@@ -64,7 +65,7 @@ def make_socket(
     if curve is not None:
         curve.apply(sock)
     if monitor_events:
-        sock.get_monitor_socket(monitor_events)
+        sock.get_monitor_socket(monitor_events | (handshake_events(curve) if curve is not None else 0))
     elif curve is not None:
         watch_handshakes(sock, bind or connect or "", curve)
     if bind is not None:

@@ -17,7 +17,7 @@ import zmq.asyncio
 from pdserve.cli.deployment import Deployment
 from pdserve.cli.main import main
 from pdserve.common import protocol as p
-from pdserve.common.curve import SERVER, CurveKeys, WireSecurity, create_keys
+from pdserve.common.curve import SERVER, CurveKeys, HandshakeLog, WireSecurity, create_keys
 from pdserve.common.ports import free_port
 from pdserve.common.sockets import make_socket
 from pdserve.services.router.client import AsyncClient, Client, GenerationFailed
@@ -97,6 +97,17 @@ def test_curve_sockets_let_in_only_authorized_keys(keys: Path, stranger: Path) -
 
     assert asyncio.run(run()) == [expected for _, _, expected in cases]
     assert len(refused) >= 4  # one per refused peer at least (a wrong server key retries: more)
+
+
+def test_handshake_log_counts_a_servers_refusals_and_ignores_other_events(keys: Path) -> None:
+    refused: list[int] = []
+    server = HandshakeLog("tcp://x:1", CurveKeys.server(keys, lambda: refused.append(1)))
+    client = HandshakeLog("tcp://x:1", CurveKeys.client(keys))
+    for event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+        server(event)
+        client(event)  # logged, not counted: the refusal is the server's to count
+    assert refused == [1]
+    assert client.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH and not server.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 def test_authorized_keys_are_reread_without_a_restart(tmp_path: Path) -> None:
@@ -202,6 +213,9 @@ def test_every_zmq_socket_comes_from_the_factory_with_curve() -> None:
             continue
         text = path.read_text()
         assert not re.search(r"\.socket\(zmq\.|ctx\.socket\(", text), f"{path}: use make_socket"
+        # One monitor per socket: asked for through make_socket(monitor_events=), which
+        # adds the CURVE handshake events (a second request would get the first's).
+        assert not re.search(r"get_monitor_socket\([^)]", text), f"{path}: make_socket(monitor_events=)"
         for start in (m.end() for m in re.finditer(r"\bmake_socket\(", text)):
             depth, end = 1, start
             while depth:

@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common import protocol as p
 from pdserve.common.block_pool import hash_blocks
-from pdserve.common.curve import WireSecurity
+from pdserve.common.curve import HandshakeLog, WireSecurity
 from pdserve.common.errors import RequestError
 from pdserve.common.metrics import Metrics, render
 from pdserve.common.service_config import DeploymentConfig
@@ -86,10 +86,11 @@ class Router:
         self._tasks.append(asyncio.create_task(self._ping_loop()))
 
     def _link(self, role: str, index: int, address: str) -> Link:
-        sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client)
+        sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client,
+                           monitor_events=zmq.EVENT_DISCONNECTED)  # fmt: skip
         link = Link(role, index, address, sock)
         union = p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket()  # attached by make_socket
         self._tasks.append(asyncio.create_task(self._receive(link, p.Decoder(union))))
         self._tasks.append(asyncio.create_task(self._watch_connection(link, monitor)))
         self.metrics.declare("pdserve:peer_down", peer=link.name)
@@ -334,10 +335,13 @@ class Router:
     async def _watch_connection(self, link: Link, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection (the process died, or ZMQ's heartbeat gave up on it) marks
         the instance down at once, not after the ping timeout."""
+        handshakes = None if self.security.client is None else HandshakeLog(link.address, self.security.client)
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED and not link.lost:
                 self._peer_down(link, "dropped its connection")
+            elif handshakes is not None:  # CURVE: a refused handshake is logged
+                handshakes(event["event"])
 
     def _peer_down(self, link: Link, why: str) -> None:
         """Stop routing to ``link`` until it answers a ping as ready again, and fail what it
