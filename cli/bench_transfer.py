@@ -13,8 +13,11 @@ cache, checked against the producer's content, then --repeats timed pulls. Each 
 also times, on the same bytes:
 
 * ceiling: one NIXL READ of the whole byte range as a single descriptor (a plain agent,
-  same UCX settings, transfer made once and re-posted);
+  same UCX settings, timed as a pull is: prepared lists, make_prepped_xfer, poll);
 * copy: a local torch copy (device-to-device on cuda; one memcpy stream on cpu).
+
+Repeats alternate which of pull and ceiling goes first. The first pull of each row is an
+untimed warm-up (``first_pull_ms``; the very first one also pays the UCX connection).
 
 GB/s = bytes moved / seconds (1e9 bytes; a copy's bytes counted once, not read +
 written), the median of the repeats; ratio = pull GB/s / ceiling GB/s. Pull time is
