@@ -117,9 +117,14 @@ class RankProcesses:
 
     def _recv(self, rank: int) -> list[Any]:
         try:
-            return msgspec.msgpack.decode(self.conns[rank].recv_bytes())
+            msg = msgspec.msgpack.decode(self.conns[rank].recv_bytes())
         except EOFError as exc:
             raise RankFailed(f"rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})") from exc
+        except (msgspec.DecodeError, RecursionError) as exc:  # the pipe is out of step: fatal
+            raise RankFailed(f"rank {rank} sent an undecodable pipe message: {exc}") from exc
+        if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
+            raise RankFailed(f"rank {rank} sent a pipe message that is not (kind, ...): {str(msg)[:100]}")
+        return msg
 
     def _expect(self, rank: int, kind: str, timeout: float) -> list[Any]:
         """The next message of ``kind`` from ``rank``; events met on the way are kept."""

@@ -374,3 +374,21 @@ def test_http_bodies_nested_too_deeply_are_400(http_server: Any) -> None:
     for path, body in bodies.items():
         status, _, data = request(http_server.port, "POST", path, body)
         assert status == 400 and b"nested too deeply" in data, data[:300]
+
+
+def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
+    """The rank pipes are local and trusted; still, a message out of step fails the
+    instance loudly (RankFailed, fatal: the service exits to be restarted), naming the rank."""
+    from multiprocessing import Pipe
+
+    from pdserve.common.rank_group import RankFailed, RankProcesses
+
+    group = object.__new__(RankProcesses)  # only its pipe: no rank processes
+    ours, theirs = Pipe()
+    group.conns, group.procs = [ours], [None]
+    for raw in (b"\xc1", b"\x91" * 100_000 + b"\xc0", msgspec.msgpack.encode(5), msgspec.msgpack.encode([])):
+        theirs.send_bytes(raw)
+        with pytest.raises(RankFailed, match="rank 0"):
+            group._recv(0)
+    theirs.send_bytes(msgspec.msgpack.encode(("done",)))
+    assert group._recv(0) == ["done"]
