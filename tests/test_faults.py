@@ -172,13 +172,20 @@ def carry() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def hold(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hold_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("hold") / "hold-pulls"
 
 
+@pytest.fixture
+def hold(hold_path: Path) -> Iterator[Path]:
+    """While this file exists, decode starts no pull (HOLD_PULLS_ENV); never left behind."""
+    yield hold_path
+    hold_path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("faults"), model_dir, env={HOLD_PULLS_ENV: str(hold)}, **FAST) as d:
+def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold_path: Path) -> Iterator[Deployment]:
+    with deployment(tmp_path_factory.mktemp("faults"), model_dir, env={HOLD_PULLS_ENV: str(hold_path)}, **FAST) as d:
         yield d
 
 
