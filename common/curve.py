@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -299,13 +300,19 @@ def watch_handshakes(sock: zmq.Socket[Any], address: str, keys: CurveKeys) -> No
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
-    monitor = sock.get_monitor_socket(handshake_events(keys))
+    monitor = sock.get_monitor_socket(handshake_events(keys), addr=monitor_address())
     task = loop.create_task(_watch(monitor, HandshakeLog(address, keys)))
     _monitor_tasks.add(task)
     task.add_done_callback(_monitor_tasks.discard)
 
 
 _monitor_tasks: set[asyncio.Task[None]] = set()
+
+
+def monitor_address() -> str:
+    """A fresh inproc endpoint for a socket's monitor (pyzmq's default names it after the
+    socket's file descriptor, which a socket made after a closed one may reuse)."""
+    return f"inproc://pdserve-monitor-{uuid.uuid4().hex}"
 
 
 def describe_failure(event: int, is_server: bool = False) -> str:

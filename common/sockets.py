@@ -15,7 +15,13 @@ from typing import Any
 
 import zmq
 
-from pdserve.common.curve import CurveKeys, ensure_authenticator, handshake_events, watch_handshakes
+from pdserve.common.curve import (
+    CurveKeys,
+    ensure_authenticator,
+    handshake_events,
+    monitor_address,
+    watch_handshakes,
+)
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # a prompt of 1M tokens as msgpack ints is ~5 MB
 DEFAULT_HWM = 10_000
@@ -65,7 +71,8 @@ def make_socket(
     if curve is not None:
         curve.apply(sock)
     if monitor_events:
-        sock.get_monitor_socket(monitor_events | (handshake_events(curve) if curve is not None else 0))
+        events = monitor_events | (handshake_events(curve) if curve is not None else 0)
+        sock.get_monitor_socket(events, addr=monitor_address())
     elif curve is not None:
         watch_handshakes(sock, bind or connect or "", curve)
     if bind is not None:
