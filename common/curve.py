@@ -41,7 +41,6 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.errors import PdserveError
@@ -257,20 +256,18 @@ class _AsyncioAuth(_PeerAware, AsyncioAuthenticator):
     pass
 
 
-class _ThreadAuth(_PeerAware, ThreadAuthenticator):
-    pass
-
-
 _authenticators: weakref.WeakKeyDictionary[zmq.Context[Any], Any] = weakref.WeakKeyDictionary()
 
 
 def ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
     """One ZAP handler per context, started before its first CURVE server socket binds
-    (without one, libzmq lets any CURVE client in). An asyncio context needs a running loop."""
+    (without one, libzmq lets any CURVE client in), on the running asyncio loop."""
     auth = _authenticators.get(ctx)
     if auth is None:
         assert keys.internal_key is not None
-        auth = _AsyncioAuth(ctx) if isinstance(ctx, zmq.asyncio.Context) else _ThreadAuth(ctx)
+        if not isinstance(ctx, zmq.asyncio.Context):  # every pdserve server runs on asyncio
+            raise ValueError("a CURVE server socket needs an asyncio context (its authenticator runs on the loop)")
+        auth = _AsyncioAuth(ctx)
         auth.provider = _Authorized(keys.internal_key, keys.on_refused)
         auth.start()
         for domain in ("*", FRONT_DOMAIN, INTERNAL_DOMAIN):  # "*": a socket without a domain
