@@ -72,7 +72,8 @@ def part_metrics(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
         n = count - count0
         delta = {b: c - buckets0.get(b, 0.0) for b, c in buckets.items()}
         out[f"mean_ttft_{part}_ms"] = (total - total0) / n * 1e3 if n > 0 else None
-        median = quantile(0.5, delta) if n > 0 else None
+        # a part that was 0 every time (handshake, connected ahead) has no spread to guess
+        median = None if n <= 0 else 0.0 if total == total0 else quantile(0.5, delta)
         out[f"median_ttft_{part}_ms"] = None if median is None else median * 1e3
     return out
 

@@ -45,6 +45,8 @@ def test_part_metrics_difference_two_scrapes() -> None:
     assert 2.5 <= out["median_ttft_pull_ms"] <= 5.0  # inside the (2.5 ms, 5 ms] bucket
     assert out["mean_ttft_queue_ms"] == pytest.approx(0.2)
     assert out["mean_ttft_handshake_ms"] is None and out["median_ttft_handshake_ms"] is None
+    zero = part_metrics({}, parse(_page({"handshake": [0.0, 0.0]})))
+    assert zero["mean_ttft_handshake_ms"] == zero["median_ttft_handshake_ms"] == 0.0
     rows = table_rows([{"metrics": out}, {"metrics": {}}])
     assert [r[0].split()[1] for r in rows] == ["queue", "pull"]
     assert rows[1][2] == "-"
