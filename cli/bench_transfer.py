@@ -16,7 +16,11 @@ also times, on the same bytes:
   same UCX settings, timed as a pull is: prepared lists, make_prepped_xfer, poll);
 * copy: a local torch copy (device-to-device on cuda; one memcpy stream on cpu).
 
-Repeats alternate which of pull and ceiling goes first. The first pull of each row is an
+A pull completes only once the producer's agent has made progress after the previous
+pull's release notification (NIXL/UCX: the notification waits on the same endpoint), so a
+producer busy between progress calls delays every pull but the first by up to that long:
+--producer-poll-ms sets how often the producer progresses (a prefill worker does so
+between engine steps). Repeats alternate which of pull and ceiling goes first. The first pull of each row is an
 untimed warm-up (``first_pull_ms``; the very first one also pays the UCX connection).
 
 GB/s = bytes moved / seconds (1e9 bytes; a copy's bytes counted once, not read +
@@ -71,6 +75,9 @@ def add_parser(sub: Any) -> None:
                    help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="timed repeats per row (the median is reported)")
+    p.add_argument("--producer-poll-ms", type=float, default=5.0,
+                   help="the producer progresses its NIXL agents every this many ms (0: spins), as "
+                        "a prefill worker does between engine steps; a pull after a release waits for it")
     p.add_argument("--num-threads", type=int, default=0,
                    help="NIXL UCX backend threads (nixl_agent_config num_threads; 0: default)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
@@ -154,7 +161,7 @@ def run_shape(device: str, shape: str, tokens: list[int], args: argparse.Namespa
 
     spec = {
         "device": device, "shape": shape, "tokens": tokens, "fragment": args.fragment,
-        "repeats": args.repeats, "num_threads": args.num_threads,
+        "repeats": args.repeats, "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
         "num_blocks": cache_blocks(shape, max(tokens)),
     }  # fmt: skip
     ctx = mp.get_context("spawn")
@@ -253,7 +260,8 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
     return {
         "device": args.device, "device_name": device_name(args.device), "shapes": args.shape,
         "tokens": args.tokens, "fragment": args.fragment, "repeats": args.repeats,
-        "num_threads": args.num_threads, "block_size": 64, "dtype": "bfloat16",
+        "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
+        "block_size": 64, "dtype": "bfloat16",
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "torch_version": torch.__version__, "nixl_version": nixl_version,
         "cpu_count": os.cpu_count(), "loadavg_1m_start": load_start,

@@ -198,7 +198,7 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
             if want is not None and (releases >= want or time.monotonic() > deadline):
                 conn.send(("releases", releases))
                 want = None
-            if conn.poll(0.005):
+            if conn.poll(spec["producer_poll_ms"] / 1e3):  # our agents progress between waits
                 command, arg = conn.recv()
                 if command == "stop":
                     return
