@@ -150,3 +150,27 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
         for rank in range(prefill_tp * pcp):  # every producer rank released every request
             assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == 9
         assert_pools_full(d.url)
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Path) -> None:
+    """TP 4 over 2 KV heads: each KV head lives on two ranks; greedy tokens as at TP 1."""
+    pytest.importorskip("transformers")
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine import LLMEngine
+    from pdserve.common.random_model import save_random_llama
+    from pdserve.common.sampling import SamplingParams
+    from pdserve.services.decode.rank_group import DecodeRankGroup
+
+    model = save_random_llama(tmp_path / "m", num_heads=8, num_kv_heads=2, hidden_size=128,
+                              intermediate_size=256, num_layers=2, tokenizer_from=model_dir)
+    cfg = EngineConfig(model=str(model), kv_cache_memory_gb=0.02)
+    mono = LLMEngine(cfg)
+    prompts = [mono.tokenizer.encode(p) for p in PROMPTS]
+    want = [o.token_ids for o in mono.generate(prompts, SamplingParams(max_tokens=10))]
+    ranks = DecodeRankGroup(cfg, 4, "test-replicated")
+    try:
+        assert ranks.layout.num_kv_heads == 1
+        engine = LLMEngine(cfg, runner=ranks)
+        assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=10))] == want
+    finally:
+        ranks.close()
