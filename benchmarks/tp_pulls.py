@@ -69,7 +69,7 @@ def producer_main(tp: int, rank: int, num_blocks: int, conn: Connection) -> None
 
 
 def pull_once(consumers: list[Any], handle: Any, local: list[int], dtp: int) -> tuple[float, int]:
-    from pdserve.common.rank import start_pulls
+    from pdserve.common.kv_pulls import start_pulls
     from pdserve.services.decode.pullers import plan_pulls
 
     plan = plan_pulls(handle, local, SHAPE["num_kv_heads"], dtp, striped=False)

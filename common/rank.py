@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-
 from pdserve.common import protocol as p
+from pdserve.common.kv_pulls import PullSpec
 from pdserve.common.step_plan import StepPlan
 
 # Fault injection for tests only: a prefill rank that silently drops every release.
@@ -31,15 +31,6 @@ DROP_RELEASES_ENV = "PDSERVE_TEST_DROP_RELEASES_RANK"
 _enc = msgspec.msgpack.Encoder()
 _plan = msgspec.msgpack.Decoder(StepPlan)
 _handle = msgspec.msgpack.Decoder(p.KVHandle)
-
-
-class PullSpec(msgspec.Struct, array_like=True, frozen=True):
-    """One READ a decode rank posts: blocks of one producer replica, some of its heads."""
-
-    replica: int  # index into the handle's replicas
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-    heads: list[tuple[int, int, int]]  # (remote first head, local first head, count)
 
 
 _specs = msgspec.msgpack.Decoder(list[PullSpec])
@@ -55,7 +46,6 @@ def rank_main(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: by
 def _serve(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
-
     from pdserve.common.config import EngineConfig
     from pdserve.common.model_config import ModelConfig
     from pdserve.common.model_files import resolve_model
@@ -141,17 +131,13 @@ class _Producer(_Role):
 
 class _Consumer(_Role):
     def __init__(self, spec: dict[str, Any], rank: int, par: Any, runner: Any) -> None:
-        from pdserve.common.kv_transfer import KVConsumer
+        from pdserve.common.kv_pulls import LocalPuller
 
-        self.consumer = KVConsumer(
-            agent_name=f"{spec['name']}-r{rank}", kv_cache=runner.kv_cache,
-            layout=runner.layout, compat=runner.kv_compat(),
-        )
-        self.pulls: dict[str, list[Any]] = {}  # request id -> its Pulls on this rank
+        self.puller = LocalPuller(f"{spec['name']}-r{rank}", runner)
 
     @property
     def busy(self) -> bool:  # type: ignore[override]
-        return bool(self.pulls)
+        return self.puller.busy
 
     def handle(self, cmd: list[Any]) -> tuple[Any, ...] | None:
         from pdserve.common.errors import PdserveError
@@ -159,61 +145,21 @@ class _Consumer(_Role):
         kind = cmd[0]
         if kind == "connect":
             try:
-                for raw in cmd[1]:
-                    self.consumer.connect(msgspec.msgpack.decode(raw, type=p.HandshakeReply))
+                self.puller.connect([msgspec.msgpack.decode(raw, type=p.HandshakeReply) for raw in cmd[1]])
             except PdserveError as exc:
                 return ("connected", str(exc))
             return ("connected", "")
         if kind == "pull":
-            rid, handle, specs = cmd[1], _handle.decode(cmd[2]), _specs.decode(cmd[3])
-            try:
-                self.pulls[rid] = start_pulls(self.consumer, rid, handle, specs)
-            except PdserveError as exc:
-                return ("pull_failed", rid, str(exc))
+            self.puller.start(cmd[1], _handle.decode(cmd[2]), [_specs.decode(cmd[3])])
             return None
         if kind == "release":
-            return ("unreached", self.consumer.release(_handle.decode(cmd[1]), cmd[2], cmd[3]))
+            return ("unreached", self.puller.release(_handle.decode(cmd[1]), cmd[2], cmd[3]))
         return super().handle(cmd)
 
     def poll(self) -> list[tuple[Any, ...]]:
-        from pdserve.common.errors import PdserveError
-
-        self.consumer.progress()
-        events: list[tuple[Any, ...]] = []
-        for rid, pulls in list(self.pulls.items()):
-            try:
-                if not all([self.consumer.poll(pull) for pull in pulls if not pull.done]):
-                    continue
-            except PdserveError as exc:
-                for pull in pulls:
-                    self.consumer.abort(pull)
-                del self.pulls[rid]
-                events.append(("pull_failed", rid, str(exc)))
-                continue
-            del self.pulls[rid]
-            events.append(("pulled", rid, *pull_stats(pulls)))
-        return events
+        return [("pull_failed", r.request_id, r.error) if r.error is not None else
+                ("pulled", r.request_id, r.num_bytes, r.num_descriptors, r.seconds)
+                for r in self.puller.poll()]
 
     def close(self) -> None:
-        self.consumer.close()
-
-
-def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpec]) -> list[Any]:
-    """Post one READ per spec; on a failure the ones already posted are aborted."""
-    pulls: list[Any] = []
-    try:
-        for spec in specs:
-            sub = msgspec.structs.replace(handle, block_ids=spec.remote_block_ids)
-            pulls.append(consumer.start_pull(rid, sub, spec.local_block_ids, spec.replica,
-                                             heads=[tuple(h) for h in spec.heads]))
-    except Exception:
-        for pull in pulls:
-            consumer.abort(pull)
-        raise
-    return pulls
-
-
-def pull_stats(pulls: list[Any]) -> tuple[int, int, float]:
-    """(bytes, descriptors, seconds) of a request's finished pulls on one rank."""
-    seconds = max((pull.transfer_seconds or 0.0 for pull in pulls), default=0.0)
-    return sum(pull.num_bytes for pull in pulls), sum(pull.num_descriptors for pull in pulls), seconds
+        self.puller.close()

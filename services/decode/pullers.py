@@ -5,7 +5,7 @@ decode rank reads its KV heads from the producer TP rank(s) holding them (common
 from the first PCP replica or, with ``pull_from = "striped"``, one share of the blocks
 from each replica. Whatever was read from, every replica is released exactly once.
 
-A puller runs the plan: :class:`LocalPuller` with the KVConsumer in this process (TP 1),
+A puller runs the plan: ``common.kv_pulls.LocalPuller`` with the KVConsumer in this process (TP 1),
 :class:`RankPuller` through the decode rank processes (TP > 1), where each rank's agent
 posts its own READs and rank 0 sends the releases (it connects to every producer rank).
 Both report a request once, when every READ of it has ended.
@@ -19,19 +19,9 @@ from typing import Any
 import msgspec
 
 from pdserve.common import protocol as p
-from pdserve.common.errors import PdserveError
+from pdserve.common.kv_pulls import PullResult, PullSpec
 from pdserve.common.kv_transfer import KVTransferError
-from pdserve.common.rank import PullSpec, pull_stats, start_pulls
 from pdserve.common.tp import pull_plan
-
-
-@dataclass
-class PullResult:
-    request_id: str
-    error: str | None  # None: every READ of the request finished
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    seconds: float = 0.0
 
 
 def plan_pulls(
@@ -57,54 +47,6 @@ def plan_pulls(
                                       [(sl.src_head, sl.dst_head, sl.count)]))
         plan.append(specs)
     return plan
-
-
-class LocalPuller:
-    """TP 1: the KVConsumer lives in the decode engine's thread."""
-
-    def __init__(self, agent_name: str, runner: Any) -> None:
-        from pdserve.common.kv_transfer import KVConsumer
-
-        self.consumer = KVConsumer(agent_name=agent_name, kv_cache=runner.kv_cache,
-                                   layout=runner.layout, compat=runner.kv_compat())
-        self._pulls: dict[str, list[Any]] = {}
-        self._results: list[PullResult] = []
-
-    def connect(self, replies: list[p.HandshakeReply]) -> None:
-        for reply in replies:
-            self.consumer.connect(reply)
-
-    def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
-        try:
-            self._pulls[rid] = start_pulls(self.consumer, rid, handle, plan[0])
-        except PdserveError as exc:
-            self._results.append(PullResult(rid, str(exc)))
-
-    def poll(self) -> list[PullResult]:
-        self.consumer.progress()
-        out, self._results = self._results, []
-        for rid, pulls in list(self._pulls.items()):
-            try:
-                if not all([self.consumer.poll(pull) for pull in pulls if not pull.done]):
-                    continue
-            except PdserveError as exc:
-                for pull in pulls:
-                    self.consumer.abort(pull)
-                del self._pulls[rid]
-                out.append(PullResult(rid, str(exc)))
-                continue
-            del self._pulls[rid]
-            out.append(PullResult(rid, None, *pull_stats(pulls)))
-        return out
-
-    def in_flight(self, rid: str) -> bool:
-        return rid in self._pulls
-
-    def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
-        return self.consumer.release(handle, rid, trace_id)
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 @dataclass

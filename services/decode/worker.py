@@ -23,7 +23,8 @@ from pdserve.common.worker import WorkerThread, report_engine
 
 if TYPE_CHECKING:
     from pdserve.services.decode.decode_engine import DecodeEngine
-    from pdserve.services.decode.pullers import LocalPuller, PullResult, RankPuller
+    from pdserve.common.kv_pulls import LocalPuller, PullResult
+    from pdserve.services.decode.pullers import RankPuller
     from pdserve.services.decode.service import DecodeService
 
 log = structlog.get_logger("pdserve.decode")
@@ -65,7 +66,8 @@ class DecodeWorker(WorkerThread):
         import torch
 
         from pdserve.services.decode.decode_engine import DecodeEngine
-        from pdserve.services.decode.pullers import LocalPuller, RankPuller
+        from pdserve.common.kv_pulls import LocalPuller
+        from pdserve.services.decode.pullers import RankPuller
 
         torch.set_num_threads(self.svc.torch_threads)
         engine_cfg = self.svc.cfg.engine_for("decode")
