@@ -66,6 +66,8 @@ def add_parser(sub: Any) -> None:
                    help="timed runs per number (the median is reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face reference")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode steps launch kernel by kernel (the before of common/cuda_graphs.py)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the config and rows here")
     p.set_defaults(run=run)
@@ -132,6 +134,8 @@ class Timing:
     prefill_s: float
     decode_s: float
     decode_tokens: int  # tokens produced during the timed decode steps
+    decode_steps: int = 0  # engine steps of the timed decode (engine side only)
+    model_s: float = 0.0  # of decode_s, inside ModelRunner.execute (synced): the forward
 
 
 # -- the engine side --------------------------------------------------------------------
@@ -164,24 +168,42 @@ class EngineBench:
         self.sync()
         return time.perf_counter() - start, steps
 
-    def decode(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[float, int]:
-        """Seconds of the steps after every sequence has its first token, and their tokens."""
+    def decode(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[float, int, int, float]:
+        """Seconds of the steps after every sequence has its first token, their tokens,
+        the steps, and the seconds spent in the model's forward (synced after each)."""
         waiting_first = set(self._add(prompts, max_tokens=gen_len))
         while waiting_first:
             for out in self.engine.step():
                 waiting_first.discard(out.request_id)
-        self.sync()
-        start = time.perf_counter()
-        tokens = 0
-        while self.engine.has_unfinished:
-            tokens += sum(len(out.new_token_ids) for out in self.engine.step())
-        self.sync()
-        return time.perf_counter() - start, tokens
+        runner = self.engine.runner
+        execute = runner.execute
+        model_s = 0.0
+
+        def timed_execute(plan):  # noqa: ANN001, ANN202
+            nonlocal model_s
+            start = time.perf_counter()
+            logits = execute(plan)
+            self.sync()  # sampling syncs right after anyway: this moves the wait, adds none
+            model_s += time.perf_counter() - start
+            return logits
+
+        runner.execute = timed_execute  # type: ignore[method-assign]
+        try:
+            self.sync()
+            start = time.perf_counter()
+            tokens = steps = 0
+            while self.engine.has_unfinished:
+                tokens += sum(len(out.new_token_ids) for out in self.engine.step())
+                steps += 1
+            self.sync()
+        finally:
+            del runner.execute  # the bound method again
+        return time.perf_counter() - start, tokens, steps, model_s
 
     def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[Timing, int]:
         prefill_s, steps = self.prefill(prompts)
-        decode_s, tokens = self.decode(prompts, gen_len)
-        return Timing(prefill_s, decode_s, tokens), steps
+        decode_s, tokens, decode_steps, model_s = self.decode(prompts, gen_len)
+        return Timing(prefill_s, decode_s, tokens, decode_steps, model_s), steps
 
 
 # -- the Hugging Face side --------------------------------------------------------------
@@ -270,6 +292,15 @@ class Row:
     hf_decode_s: float | None = None
     prefill_ratio: float | None = None  # engine / HF: above 1, the engine is faster
     decode_ratio: float | None = None
+    # Against the machine's ceilings (cli/bench_floors.py): ms per decode step, of it
+    # the model's forward, the memory floor of that step, and step / floor.
+    engine_step_ms: float | None = None
+    model_step_ms: float | None = None
+    decode_floor_ms: float | None = None
+    engine_step_over_floor: float | None = None
+    model_step_over_floor: float | None = None
+    prefill_floor_s: float | None = None  # matmul FLOPs / measured matmul rate
+    prefill_over_floor: float | None = None  # engine prefill seconds / that
 
 
 def median_timing(runs: list[Timing]) -> Timing:
@@ -277,7 +308,24 @@ def median_timing(runs: list[Timing]) -> Timing:
         statistics.median(t.prefill_s for t in runs),
         statistics.median(t.decode_s for t in runs),
         runs[0].decode_tokens,
+        runs[0].decode_steps,
+        statistics.median(t.model_s for t in runs),
     )
+
+
+def add_floors(row: Row, engine: Timing, ceilings: Any, prompt_len: int, gen_len: int) -> None:
+    from pdserve.cli.bench_floors import decode_floor_s, prefill_floor_s
+
+    if engine.decode_steps:
+        # timed steps decode tokens 2..gen_len: contexts prompt_len + 1 .. prompt_len + gen_len - 1
+        floor = decode_floor_s(ceilings, row.batch, prompt_len + gen_len / 2)
+        row.engine_step_ms = engine.decode_s / engine.decode_steps * 1e3
+        row.model_step_ms = engine.model_s / engine.decode_steps * 1e3
+        row.decode_floor_ms = floor * 1e3
+        row.engine_step_over_floor = row.engine_step_ms / row.decode_floor_ms
+        row.model_step_over_floor = row.model_step_ms / row.decode_floor_ms
+    row.prefill_floor_s = prefill_floor_s(ceilings, row.batch, prompt_len)
+    row.prefill_over_floor = engine.prefill_s / row.prefill_floor_s
 
 
 def make_row(batch: int, prompt_len: int, engine: Timing, steps: int, hf: Timing | None) -> Row:
@@ -310,10 +358,23 @@ COLUMNS = (
 )
 
 
-def format_table(rows: list[Row]) -> str:
-    header = [title for _, title, _ in COLUMNS]
+FLOOR_COLUMNS = (
+    ("batch", "batch", "{:d}"),
+    ("engine_step_ms", "decode step ms", "{:.2f}"),
+    ("model_step_ms", "of it forward ms", "{:.2f}"),
+    ("decode_floor_ms", "memory floor ms", "{:.2f}"),
+    ("engine_step_over_floor", "step/floor", "{:.2f}x"),
+    ("model_step_over_floor", "forward/floor", "{:.2f}x"),
+    ("engine_prefill_s", "prefill s", "{:.4f}"),
+    ("prefill_floor_s", "matmul floor s", "{:.4f}"),
+    ("prefill_over_floor", "prefill/floor", "{:.2f}x"),
+)
+
+
+def format_table(rows: list[Row], columns: tuple[tuple[str, str, str], ...] = COLUMNS) -> str:
+    header = [title for _, title, _ in columns]
     body = [
-        [fmt.format(v) if (v := getattr(row, key)) is not None else "-" for key, _, fmt in COLUMNS]
+        [fmt.format(v) if (v := getattr(row, key)) is not None else "-" for key, _, fmt in columns]
         for row in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
@@ -400,12 +461,14 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         # The whole batch's prompts fit in one step, so prefill is a single forward.
         max_num_batched_tokens=max_batch * args.prompt_len,
         enable_prefix_caching=False,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     return LLMEngine(config)
 
 
 def bench_batch(
-    batch: int, args: argparse.Namespace, vocab: int, engine: EngineBench, hf: HFBench | None
+    batch: int, args: argparse.Namespace, vocab: int, engine: EngineBench, hf: HFBench | None,
+    ceilings: Any,
 ) -> Row:
     warm_up, *timed = (
         random_prompts(vocab, batch, args.prompt_len, args.seed, i) for i in range(args.repeats + 1)
@@ -427,7 +490,10 @@ def bench_batch(
         if hf is not None:
             hf_runs.append(hf.run(prompts, args.gen_len))
     hf_timing = median_timing(hf_runs) if hf_runs else None
-    return make_row(batch, args.prompt_len, median_timing(engine_runs), steps, hf_timing)
+    engine_timing = median_timing(engine_runs)
+    row = make_row(batch, args.prompt_len, engine_timing, steps, hf_timing)
+    add_floors(row, engine_timing, ceilings, args.prompt_len, args.gen_len)
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -441,10 +507,15 @@ def run(args: argparse.Namespace) -> int:
     hf_bench = None
     if not args.no_hf:
         hf_bench = HFBench(engine.model_dir, engine.runner.dtype, args.device, sync)
+    from pdserve.cli import bench_floors
+
+    ceilings = bench_floors.measure(engine)
     vocab = engine.model_config.vocab_size
-    rows = [bench_batch(b, args, vocab, engine_bench, hf_bench) for b in args.batch_sizes]
+    rows = [bench_batch(b, args, vocab, engine_bench, hf_bench, ceilings) for b in args.batch_sizes]
 
     config = bench_config(args, engine, load_at_start)
+    config["ceilings"] = asdict(ceilings)
+    config["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
     print(
         f"model {config['model_dir']}  device {config['device']} ({config['device_name']})  "
         f"dtype {config['dtype']}  prompt_len {args.prompt_len}  gen_len {args.gen_len}  "
@@ -453,6 +524,10 @@ def run(args: argparse.Namespace) -> int:
         f"load {load_at_start:.1f}->{config['loadavg_1m_end']:.1f}"
     )
     print(format_table(rows))
+    print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read + write), matmul "
+          f"{ceilings.matmul_tflops:.1f} TFLOP/s; weights {ceilings.weight_bytes / 2**20:.0f} MiB, "
+          f"KV {ceilings.kv_bytes_per_token / 1024:.0f} KiB a token")
+    print(format_table(rows, FLOOR_COLUMNS))
     if args.json is not None:
         write_json(args.json, config, rows)
         progress(f"wrote {args.json}")

@@ -66,8 +66,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests/s, Poisson arrivals (seeded); inf: all at once")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None,
-                   help="at most this many requests in flight (default: no limit)")
+    p.add_argument("--max-concurrency", type=_loads, default=None,
+                   help="at most this many requests in flight (default: no limit); a list, "
+                        "e.g. 1,8,32, runs one load per value against each deployment")
+    p.add_argument("--hf-reference", action="store_true",
+                   help="--compare: also time Hugging Face generate() on the same model and "
+                        "prompts, batches of each --max-concurrency (cli/bench_serve_hf.py)")
     p.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens")
     p.add_argument("--output-len", type=_positive_int, default=64, help="generated tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
@@ -76,6 +80,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write config, metrics and per-request records here")
     p.set_defaults(run=run)
+
+
+def _loads(text: str) -> list[int]:
+    try:
+        values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected positive integers, e.g. 8 or 1,8,32; got {text!r}") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("no value given")
+    return values
+
+
+def _for_load(args: argparse.Namespace, index: int, load: int | None) -> argparse.Namespace:
+    """The arguments of one load: its concurrency, and its own prompts (seed + index), so
+    that a later load on the same deployment gets no prefix-cache hits from an earlier."""
+    return argparse.Namespace(**{**vars(args), "max_concurrency": load, "seed": args.seed + index})
 
 
 def _rate(text: str) -> float:
@@ -344,7 +364,8 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
 # -- deployments (--compare) ------------------------------------------------------------
 
 
-def run_deployed(args: argparse.Namespace, label: str, colocated: bool) -> dict[str, Any]:
+def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
+                 loads: list[int | None]) -> list[dict[str, Any]]:  # fmt: skip
     from pdserve.cli.deployment import Deployment, local_config
     from pdserve.common.ports import free_port_block
 
@@ -353,14 +374,19 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool) -> dict[
                        base_port=base, http_port=base + 99)  # fmt: skip
     dep = Deployment(cfg)
     progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
+    results = []
     with dep:
-        result = asyncio.run(run_load(dep.url, args, label))
-    result["deployment"] = {
-        "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
-        "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
-        "log_dir": str(dep.log_dir),
-    }  # fmt: skip
-    return result
+        for index, load in enumerate(loads):
+            name = label if len(loads) == 1 else f"{label} c={load or 'inf'}"
+            results.append(asyncio.run(run_load(dep.url, _for_load(args, index, load), name)))
+            results[-1].update(load=load, mode=label)
+    for result in results:
+        result["deployment"] = {
+            "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
+            "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
+            "log_dir": str(dep.log_dir),
+        }  # fmt: skip
+    return results
 
 
 # -- output -----------------------------------------------------------------------------
@@ -399,7 +425,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+        "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference, "input_len": args.input_len,
         "output_len": args.output_len, "seed": args.seed, "timeout_s": args.timeout,
         "cpu_count": os.cpu_count(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
@@ -420,19 +446,29 @@ def run(args: argparse.Namespace) -> int:
     if args.url and (args.model or args.device):
         raise PdserveError("--model and --device choose what --compare deploys; with --url "
                            "the deployment is already running")  # fmt: skip
+    if args.hf_reference and not args.compare:
+        raise PdserveError("--hf-reference needs --compare: it loads the model --compare deploys")
     config = bench_config(args)
+    loads: list[int | None] = list(args.max_concurrency or [None])
     try:
         if args.compare:
-            runs = [run_deployed(args, "disaggregated", colocated=False),
-                    run_deployed(args, "colocated", colocated=True)]  # fmt: skip
+            runs = (run_deployed(args, "disaggregated", colocated=False, loads=loads)
+                    + run_deployed(args, "colocated", colocated=True, loads=loads))  # fmt: skip
+            if args.hf_reference:
+                from pdserve.cli.bench_serve_hf import hf_runs
+
+                runs += hf_runs(args, loads, tuple(runs[0]["server"]["token_id_range"]), progress)
         else:
-            runs = [asyncio.run(run_load(args.url, args, args.label or "serve"))]
+            label = args.label or "serve"
+            runs = [asyncio.run(run_load(args.url, _for_load(args, i, load),
+                                         label if len(loads) == 1 else f"{label} c={load}"))
+                    for i, load in enumerate(loads)]  # fmt: skip
     except RuntimeError as exc:  # a server that is unreachable or refuses the warm-up
         raise PdserveError(str(exc)) from exc
     server = runs[0]["server"]
     print(f"model {server['model']}  prompts {args.num_prompts}  input {args.input_len}  "
           f"output {args.output_len}  rate {config['request_rate']}  "
-          f"concurrency {args.max_concurrency or 'unlimited'}  seed {args.seed}")
+          f"concurrency {','.join(map(str, args.max_concurrency or [])) or 'unlimited'}  seed {args.seed}")
     print(format_table(runs))
     if args.json is not None:
         write_json(args.json, config, runs)

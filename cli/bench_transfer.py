@@ -27,6 +27,11 @@ GB/s = bytes moved / seconds (1e9 bytes; a copy's bytes counted once, not read +
 written), the median of the repeats; ratio = pull GB/s / ceiling GB/s. Pull time is
 ``Pull.transfer_seconds``: from building the request until poll saw it done.
 
+Orders (--order, common/kv_layout.py): ``head``-major storage costs one descriptor per
+(KV head, run of blocks) and lets a reader take any head slice; ``block``-major costs one
+per run when the reader takes every head (equal TP on both sides), which is what a
+deployment with equal prefill and decode TP uses.
+
 Patterns: ``contiguous`` pulls remote blocks 0..n-1 (one run); ``fragmented`` pulls
 remote runs of --fragment blocks with equal gaps (1 = every other block) into contiguous
 local blocks, so there are as many runs as ceil(n / K): descriptors follow runs.
@@ -73,6 +78,8 @@ def add_parser(sub: Any) -> None:
                    help="comma-separated prompt lengths, e.g. 1024,8192 (default: per device, shape)")
     p.add_argument("--fragment", type=_fragments, default=[1],
                    help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows")
+    p.add_argument("--order", type=_orders, default=["head", "block"],
+                   help="KV storage orders to measure (common/kv_layout.py): head, block or head,block")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="timed repeats per row (the median is reported)")
     p.add_argument("--producer-poll-ms", type=float, default=5.0,
@@ -97,6 +104,15 @@ def _int_list(text: str) -> list[int]:
 
 def _fragments(text: str) -> list[int]:
     return [] if text.strip().lower() == "none" else _int_list(text)
+
+
+def _orders(text: str) -> list[str]:
+    from pdserve.common.kv_layout import ORDERS
+
+    orders = [s.strip().lower() for s in text.split(",") if s.strip()]
+    if not orders or any(o not in ORDERS for o in orders):
+        raise argparse.ArgumentTypeError(f"orders are {', '.join(ORDERS)}; got {text!r}")
+    return orders
 
 
 def _shapes(text: str) -> list[str]:
@@ -154,13 +170,13 @@ class _Peer:
             self.proc.join(5)
 
 
-def run_shape(device: str, shape: str, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Spawn producer and consumer for one shape; return its rows and what they said."""
+def run_shape(device: str, shape: str, order: str, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn producer and consumer for one shape and order; return its rows and what they said."""
     from pdserve.cli.transfer_peers import cache_blocks, consumer_main, producer_main
     from pdserve.common.errors import PdserveError
 
     spec = {
-        "device": device, "shape": shape, "tokens": tokens, "fragment": args.fragment,
+        "device": device, "shape": shape, "order": order, "tokens": tokens, "fragment": args.fragment,
         "repeats": args.repeats, "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
         "num_blocks": cache_blocks(shape, max(tokens)),
     }  # fmt: skip
@@ -176,9 +192,9 @@ def run_shape(device: str, shape: str, tokens: list[int], args: argparse.Namespa
             if kind == "done":
                 num_pulls = value
                 break
-            value.update(device=device, shape=shape)
+            value.update(device=device, shape=shape, order=order)
             rows.append(value)
-            progress(f"{shape} {value['pattern']} {value['tokens']} tokens: {value['gbps']:.2f} GB/s "
+            progress(f"{shape} {order}-major {value['pattern']} {value['tokens']} tokens: {value['gbps']:.2f} GB/s "
                      f"(ceiling {value['ceiling_gbps']:.2f}, {value['descriptors']} descriptors)")  # fmt: skip
         producer.conn.send(("releases", num_pulls))
         _, releases = producer.expect(("releases",), 30.0, "its count of releases")
@@ -221,7 +237,7 @@ def _available_bytes() -> int | None:
 # -- output -------------------------------------------------------------------------------
 
 COLUMNS = (
-    ("shape", "shape", "{}"), ("pattern", "pattern", "{}"), ("tokens", "tokens", "{:,}"),
+    ("shape", "shape", "{}"), ("order", "order", "{}"), ("pattern", "pattern", "{}"), ("tokens", "tokens", "{:,}"),
     ("bytes", "MiB", "{:,.0f}"), ("descriptors", "desc", "{:,}"), ("nixl_descriptors", "NIXL desc", "{:,}"),
     ("gbps", "pull GB/s", "{:.2f}"), ("ceiling_gbps", "1-desc READ GB/s", "{:.2f}"),
     ("copy_gbps", "copy GB/s", "{:.2f}"), ("ratio", "pull/ceiling", "{:.0%}"),
@@ -240,8 +256,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        left = [c.ljust(w) for c, w in zip(cells[:2], widths[:2])]
-        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[2:], widths[2:])])
+        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3])]
+        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[3:], widths[3:])])
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 
@@ -258,7 +274,7 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
     except PackageNotFoundError:
         nixl_version = None
     return {
-        "device": args.device, "device_name": device_name(args.device), "shapes": args.shape,
+        "device": args.device, "device_name": device_name(args.device), "shapes": args.shape, "orders": args.order,
         "tokens": args.tokens, "fragment": args.fragment, "repeats": args.repeats,
         "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
         "block_size": 64, "dtype": "bfloat16",
@@ -283,11 +299,12 @@ def run(args: argparse.Namespace) -> int:
     load_start = os.getloadavg()[0]
     rows, shapes = [], {}
     for shape, tokens in plans:
-        progress(f"{shape} on {args.device}: tokens {tokens}, fragment {args.fragment or 'none'}, "
-                 f"{args.repeats} repeats")  # fmt: skip
-        result = run_shape(args.device, shape, tokens, args)
-        rows += result.pop("rows")
-        shapes[shape] = result
+        for order in args.order:
+            progress(f"{shape} {order}-major on {args.device}: tokens {tokens}, fragment "
+                     f"{args.fragment or 'none'}, {args.repeats} repeats")  # fmt: skip
+            result = run_shape(args.device, shape, order, tokens, args)
+            rows += result.pop("rows")
+            shapes[f"{shape}/{order}"] = result
     print(f"device {args.device}  repeats {args.repeats}  NIXL UCX threads {args.num_threads or 'default'}")
     print(format_table(rows))
     if args.json is not None:

@@ -37,10 +37,10 @@ COMPAT = {"model": "bench-transfer", "kv_cache_dtype": DTYPE}
 PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
 
 
-def make_layout(shape: str, num_blocks: int) -> KVLayout:
+def make_layout(shape: str, num_blocks: int, order: str = "head") -> KVLayout:
     from pdserve.common.kv_layout import KVLayout
 
-    return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, **SHAPES[shape])
+    return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, order=order, **SHAPES[shape])
 
 
 def num_blocks_for(tokens: int) -> int:
@@ -181,7 +181,7 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     producer = raw = None
     try:
-        layout = make_layout(spec["shape"], spec["num_blocks"])
+        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"])
         cache = new_cache(layout, spec["device"])
         fill(cache, layout)
         _sync(spec["device"])  # filled before any reader's copy engine can see it
@@ -224,7 +224,7 @@ def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     consumer = raw = None
     try:
         device = spec["device"]
-        layout = make_layout(spec["shape"], spec["num_blocks"])
+        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"])
         cache = new_cache(layout, device)
         consumer = KVConsumer(
             agent_name=f"bench-consumer-{os.getpid()}", kv_cache=cache, layout=layout,

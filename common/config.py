@@ -22,6 +22,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Storage order of the KV cache (common/kv_layout.py): "head" suits readers of a head
+    # slice (decode TP != prefill TP), "block" readers of every head; "auto" lets the
+    # deployment choose from its TP sizes (a lone engine takes "head").
+    kv_order: str = "auto"
+    # CUDA: decode steps of up to this many sequences replay captured graphs
+    # (common/cuda_graphs.py); larger ones, and every step on CPU, run eagerly.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -30,9 +38,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise PdserveError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise PdserveError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_order not in ("auto", "head", "block"):
+            raise PdserveError(f"kv_order must be auto, head or block, got {self.kv_order!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise PdserveError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
 

@@ -1,11 +1,20 @@
 """KVLayout (pure): the shape of one rank's paged cache and the bytes of any part of it.
 
-Memory order (the storage tensor): ``[num_kv_heads, num_blocks, num_layers, 2, block_size,
-head_dim]``. Heads are outermost, then blocks, and one block of one head holds every
-layer's K and V. So for one KV head a run of adjacent blocks is one contiguous byte range
--- one NIXL descriptor per (head, run) -- whatever head slice a reader of another tensor-
-parallel size wants: a decode rank reads its heads of a request with ``runs x heads``
-descriptors, never ``blocks x layers x heads``.
+The unit of a transfer is one KV head of one block: every layer's K and V of it
+(``head_block_bytes``). The storage tensor is an array of these units in one of two orders:
+
+* ``order="head"``: ``[num_kv_heads, num_blocks, num_layers, 2, block_size, head_dim]``.
+  For one KV head a run of adjacent blocks is one contiguous byte range, so a reader that
+  wants a slice of the heads (a decode rank of another tensor-parallel size) reads a
+  request with ``runs x heads`` NIXL descriptors, never ``blocks x layers x heads``.
+* ``order="block"``: ``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]``.
+  A run of adjacent blocks with all their heads is one byte range: a reader that wants
+  every head (equal TP on both sides) reads a request with ``runs`` descriptors. On the
+  H200 a 1B-shaped 8k-token pull went from 8 descriptors to 1 (benchmarks/README.md).
+
+A deployment picks ``block`` when every decode instance has the prefill TP size, ``head``
+otherwise (``DeploymentConfig.engine_for``). The two sides may even differ: descriptors
+are computed per side from each layout, and only pairs contiguous on both sides merge.
 
 The model and the kernels see the logical view ``[num_blocks, num_layers, 2, num_kv_heads,
 block_size, head_dim]`` (``shape``), a permutation of the storage; kernels take strides.
@@ -14,11 +23,17 @@ Descriptors for transfers and the kernels' indexing both derive from this class.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
-# permute() orders between the storage [H, N, L, 2, B, D] and the logical view [N, L, 2, H, B, D]
+# permute() orders between the storage and the logical view [N, L, 2, H, B, D], per order:
+# head-major storage [H, N, L, 2, B, D], block-major storage [N, H, L, 2, B, D].
 LOGICAL_FROM_STORAGE = (1, 2, 3, 0, 4, 5)
 STORAGE_FROM_LOGICAL = (3, 0, 1, 2, 4, 5)
+BLOCK_LOGICAL_FROM_STORAGE = (0, 2, 3, 1, 4, 5)
+BLOCK_STORAGE_FROM_LOGICAL = (0, 3, 1, 2, 4, 5)
+ORDERS = ("head", "block")
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -30,6 +45,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     head_dim: int
     dtype: str  # one of DTYPE_SIZES
+    order: Literal["head", "block"] = "head"  # storage order of the (head, block) units
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -38,9 +54,26 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def storage_shape(self) -> tuple[int, int, int, int, int, int]:
-        """Memory order: [H_kv, N, L, 2, B, D]; ``storage.permute(LOGICAL_FROM_STORAGE)``
-        is the logical view."""
-        return (self.num_kv_heads, self.num_blocks, self.num_layers, 2, self.block_size, self.head_dim)
+        """Memory order: [H_kv, N, L, 2, B, D] (head) or [N, H_kv, L, 2, B, D] (block);
+        ``storage.permute(self.logical_from_storage)`` is the logical view."""
+        inner = (self.num_layers, 2, self.block_size, self.head_dim)
+        if self.order == "block":
+            return (self.num_blocks, self.num_kv_heads, *inner)
+        return (self.num_kv_heads, self.num_blocks, *inner)
+
+    @property
+    def logical_from_storage(self) -> tuple[int, ...]:
+        return BLOCK_LOGICAL_FROM_STORAGE if self.order == "block" else LOGICAL_FROM_STORAGE
+
+    @property
+    def storage_from_logical(self) -> tuple[int, ...]:
+        return BLOCK_STORAGE_FROM_LOGICAL if self.order == "block" else STORAGE_FROM_LOGICAL
+
+    def unit_index(self, head: int, block: int) -> int:
+        """Position of the (head, block) unit in storage, in units of head_block_bytes."""
+        if self.order == "block":
+            return block * self.num_kv_heads + head
+        return head * self.num_blocks + block
 
     @property
     def itemsize(self) -> int:
@@ -69,8 +102,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_bytes // self.block_size
 
     def head_run(self, head: int, first_block: int, num_blocks: int) -> tuple[int, int]:
-        """(offset, length) in bytes of KV head ``head`` of ``num_blocks`` adjacent blocks."""
-        return (head * self.num_blocks + first_block) * self.head_block_bytes, num_blocks * self.head_block_bytes
+        """(offset, length) in bytes of KV head ``head`` of ``num_blocks`` adjacent blocks
+        (head order; in block order only a single block is one range)."""
+        if self.order == "block" and num_blocks != 1:
+            raise ValueError("in block order one head of several blocks is not one byte range")
+        return self.unit_index(head, first_block) * self.head_block_bytes, num_blocks * self.head_block_bytes
 
     @staticmethod
     def runs(block_ids: list[int]) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ import structlog
 import torch
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.kv_layout import LOGICAL_FROM_STORAGE, STORAGE_FROM_LOGICAL, KVLayout
+from pdserve.common.kv_layout import KVLayout
 from pdserve.common.tp import kv_heads_of
 from pdserve.common.protocol import Decoder, HandshakeReply, KVHandle, Release, encode
 
@@ -106,12 +106,12 @@ def incompatibilities(
 def new_cache(layout: KVLayout, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zeroed cache in our memory order, returned as its logical view [N, L, 2, H, B, D]."""
     storage = torch.zeros(layout.storage_shape, dtype=getattr(torch, layout.dtype), device=device)
-    return storage.permute(LOGICAL_FROM_STORAGE)
+    return storage.permute(layout.logical_from_storage)
 
 
-def storage_of(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The memory-order tensor [H, N, L, 2, B, D] behind a logical cache view."""
-    return kv_cache.permute(STORAGE_FROM_LOGICAL)
+def storage_of(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """The memory-order tensor ([H, N, ...] or [N, H, ...]) behind a logical cache view."""
+    return kv_cache.permute(layout.storage_from_logical)
 
 
 def _memory_of(kv_cache: torch.Tensor) -> tuple[str, int]:
@@ -129,14 +129,14 @@ def _check_cache(kv_cache: torch.Tensor, layout: KVLayout, who: str) -> None:
             f"{who}: KV cache tensor {tuple(kv_cache.shape)} {dtype} does not match its layout "
             f"{layout.shape} {layout.dtype}"
         )
-    if not storage_of(kv_cache).is_contiguous():
-        raise KVTransferError(f"{who}: KV cache must be a logical view of one head-major storage "
-                              "tensor (kv_transfer.new_cache): one registration, head runs contiguous")
+    if not storage_of(kv_cache, layout).is_contiguous():
+        raise KVTransferError(f"{who}: KV cache must be a logical view of one {layout.order}-major "
+                              "storage tensor (kv_transfer.new_cache): one registration, runs contiguous")
 
 
 def _head_block_descs(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
-    """[H * N, 3] (address, length, device) rows, one per (head, block) in memory order:
-    index = head * num_blocks + block."""
+    """[H * N, 3] (address, length, device) rows, one per (head, block) unit in memory
+    order: row ``layout.unit_index(head, block)``."""
     count = layout.num_kv_heads * layout.num_blocks
     descs = np.empty((count, 3), dtype=np.uint64)
     descs[:, 0] = base + np.arange(count, dtype=np.uint64) * layout.head_block_bytes
@@ -153,10 +153,16 @@ def _num_runs(remote_idx: np.ndarray, local_idx: np.ndarray) -> int:
     return int(len(local_idx) - np.count_nonzero(cont))
 
 
-def _indices(block_ids: list[int], num_blocks: int, first_head: int, num_heads: int) -> np.ndarray:
-    ids = np.asarray(block_ids, dtype=np.int64)
-    heads = np.arange(first_head, first_head + num_heads, dtype=np.int64)[:, None]
-    return (heads * num_blocks + ids[None, :]).ravel()
+def _indices(ids: np.ndarray, layout: KVLayout, first_head: int, num_heads: int, by_block: bool) -> np.ndarray:
+    """Unit indices (KVLayout.unit_index) of heads [first_head, +num_heads) of blocks ``ids``,
+    enumerated block by block (``by_block``) or head by head. Both sides of a READ must use
+    one enumeration, as NIXL pairs the two index lists element by element."""
+    heads = np.arange(first_head, first_head + num_heads, dtype=np.int32)
+    if layout.order == "block":
+        units = ids[:, None] * layout.num_kv_heads + heads[None, :]  # [blocks, heads]
+    else:
+        units = (heads[:, None] * layout.num_blocks + ids[None, :]).T  # [blocks, heads]
+    return (units if by_block else units.T).ravel()
 
 
 class _CacheAgent:
@@ -183,7 +189,7 @@ class _CacheAgent:
                                    capture_telemetry=capture_telemetry)
         try:
             self._agent: Any = nixl_agent(agent_name, config)
-            self._reg: Any = self._agent.register_memory(storage_of(kv_cache))
+            self._reg: Any = self._agent.register_memory(storage_of(kv_cache, layout))
         except Exception as exc:
             raise KVTransferError(f"agent {agent_name!r}: NIXL/UCX start failed: {exc!r}") from exc
 
@@ -421,9 +427,14 @@ class KVConsumer(_CacheAgent):
         num_heads = sum(n for _, _, n in heads)
         # (head, block) indices; NIXL merges pairs contiguous on both sides into one
         # descriptor: one per head and run of blocks (fewer when runs meet across heads).
-        local_n, remote_n = self.layout.num_blocks, remote.reply.layout.num_blocks
-        local_idx = np.concatenate([_indices(local_block_ids, local_n, dst, n) for _, dst, n in heads])
-        remote_idx = np.concatenate([_indices(handle.block_ids, remote_n, src, n) for src, _, n in heads])
+        local_ids = np.array(local_block_ids, dtype=np.int32)
+        remote_ids = np.array(handle.block_ids, dtype=np.int32)
+        # Enumerated so that units adjacent in memory on both sides are adjacent in the
+        # lists: block by block when both sides are block-major, head by head otherwise.
+        by_block = self.layout.order == remote.reply.layout.order == "block"
+        local_idx = np.concatenate([_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads])
+        remote_idx = np.concatenate([_indices(remote_ids, remote.reply.layout, src, n, by_block)
+                                     for src, _, n in heads])
         pull = Pull(request_id=request_id, peer=peer, remote=remote, num_descriptors=_num_runs(remote_idx, local_idx),
                     num_bytes=len(local_block_ids) * num_heads * self.layout.head_block_bytes,
                     started_at=started)
@@ -432,8 +443,7 @@ class KVConsumer(_CacheAgent):
             return pull
         try:
             pull.xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, local_idx.astype(np.int32),
-                remote.dlist, remote_idx.astype(np.int32),
+                "READ", self._local_dlist, local_idx, remote.dlist, remote_idx,
             )
             state = self._agent.transfer(pull.xfer)
         except Exception as exc:

@@ -12,7 +12,9 @@ import structlog
 import torch
 from safetensors.torch import load_file
 
+from pdserve import kernels
 from pdserve.common.attention import AttentionMetadata
+from pdserve.common.cuda_graphs import DecodeGraphs
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.kv_layout import KVLayout
@@ -61,7 +63,10 @@ def load_model(
     rotary.inv_freq, rotary.attention_scaling = inv_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
     )
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cuda":
+        model.pack_weights()
+    return model
 
 
 class ModelRunner:
@@ -77,6 +82,9 @@ class ModelRunner:
         kv_cache_memory_gb: float,
         gpu_memory_utilization: float,
         parallel: ParallelContext | None = None,
+        kv_order: str = "head",
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
@@ -93,12 +101,17 @@ class ModelRunner:
             num_blocks=1, num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads_of(cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank)[1],
             block_size=block_size, head_dim=cfg.head_dim, dtype=dtype,
+            order="block" if kv_order == "block" else "head",
         )
         if num_blocks is None:
             num_blocks = self._blocks_for_memory(probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization)
         self.layout = msgspec.structs.replace(probe, num_blocks=num_blocks)
         # logical [N, L, 2, H_kv, B, D] over head-major storage (common/kv_layout.py)
         self.kv_cache = new_cache(self.layout, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self._graph_max_batch = cuda_graph_max_batch
+        self._max_model_len = max_model_len or cfg.max_position_embeddings
+        self._capture_graphs()
         log.info(
             "model_loaded", model=str(model_dir), device=device, dtype=dtype,
             load_seconds=round(self.load_seconds, 2), num_kv_blocks=num_blocks,
@@ -109,7 +122,19 @@ class ModelRunner:
         """Re-make the KV cache with ``num_blocks`` blocks (PCP ranks agree on one size)."""
         if num_blocks != self.layout.num_blocks:
             self.layout = msgspec.structs.replace(self.layout, num_blocks=num_blocks)
+            self.graphs = None  # they hold the old cache's address
             self.kv_cache = new_cache(self.layout, self.device)
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps (common/cuda_graphs.py), where they can run."""
+        par = self.parallel
+        if (self._graph_max_batch < 1 or self.device.type != "cuda" or par.tp_size > 1 or par.pcp_size > 1
+                or kernels.backend_name(self.device) != "triton"):
+            return
+        max_blocks = min(self.layout.num_blocks, -(-self._max_model_len // self.layout.block_size))
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.layout.block_size,
+                                   self._graph_max_batch, max_blocks)
 
     def kv_compat(self) -> dict[str, str | int]:
         """What must be equal between a KV producer and its consumer (checked at handshake)."""
@@ -128,7 +153,9 @@ class ModelRunner:
             cfg, model_dir, device=config.device, dtype=config.torch_dtype_name,
             block_size=config.block_size, num_blocks=config.num_kv_blocks,
             kv_cache_memory_gb=config.kv_cache_memory_gb,
-            gpu_memory_utilization=config.gpu_memory_utilization, **kwargs,
+            gpu_memory_utilization=config.gpu_memory_utilization, kv_order=config.kv_order,
+            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch) if config.cuda_graphs else 0,
+            max_model_len=config.max_model_len, **kwargs,
         )
 
     def _blocks_for_memory(self, block_bytes: int, cpu_gb: float, gpu_share: float) -> int:
@@ -150,6 +177,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``."""
+        if self.graphs is not None:
+            logits = self.graphs.run(plan)
+            if logits is not None:
+                return logits
         prepare = self.prepare_pcp if self.parallel.is_parallel else self.prepare
         input_ids, positions, meta, logits_indices = prepare(plan)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)

@@ -140,7 +140,19 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         base = msgspec.to_builtins(self.engine)
         base.update(model=self.model, device=self.device)
         base.update(overrides)
+        if base.get("kv_order", "auto") == "auto":
+            base["kv_order"] = self.kv_order
+        if role == "prefill" and "cuda_graphs" not in overrides:
+            base["cuda_graphs"] = False  # prefill steps are prompt chunks: graphs would idle
         return _convert(base, EngineConfig, f"[{role}_engine]")
+
+    @property
+    def kv_order(self) -> str:
+        """KV storage order for "auto": block-major when every decode instance has the
+        prefill TP size (each decode rank reads whole producer ranks: one descriptor per
+        run of blocks), head-major otherwise (one per head and run, any head slice)."""
+        sizes = self.decode_tp if isinstance(self.decode_tp, list) else [self.decode_tp]
+        return "block" if all(t == self.prefill_tp for t in sizes) else "head"
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **flags: Any) -> DeploymentConfig:

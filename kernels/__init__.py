@@ -1,7 +1,8 @@
-"""Paged-attention kernels, with the implementation chosen at run time per call.
+"""Paged-attention and pointwise kernels, with the implementation chosen at run time per call.
 
 ``write_kv``, ``prefill_attention`` and ``decode_attention`` have the signatures of
-:mod:`pdserve.kernels.reference`. By default, CUDA tensors go to the Triton kernels
+:mod:`pdserve.kernels.reference`; ``rms_norm``, ``rotary`` and ``silu_and_mul`` those of
+:mod:`pdserve.kernels.pointwise_ref` (Triton: :mod:`pdserve.kernels.triton_pointwise`). By default, CUDA tensors go to the Triton kernels
 (:mod:`pdserve.kernels.triton_ops`) when triton imports, everything else to the torch
 reference. ``PDSERVE_KERNELS=torch|triton`` forces one; Triton on CPU tensors runs only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported).
@@ -18,12 +19,13 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import pointwise_ref, reference
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
 
-__all__ = ["ENV_VAR", "backend_name", "decode_attention", "prefill_attention", "write_kv"]
+__all__ = ["ENV_VAR", "backend_name", "decode_attention", "prefill_attention", "rms_norm", "rotary",
+           "silu_and_mul", "write_kv"]
 
 
 def _triton_interpret() -> bool:
@@ -39,6 +41,13 @@ def _triton_ops() -> ModuleType | ImportError:
     except ImportError as exc:
         return exc
     return triton_ops
+
+
+@functools.cache
+def _triton_pointwise() -> ModuleType:
+    from pdserve.kernels import triton_pointwise
+
+    return triton_pointwise
 
 
 def backend_name(device: torch.device | str) -> str:
@@ -68,6 +77,34 @@ def _impl(device: torch.device) -> ModuleType:
     if backend_name(device) == "triton":
         return _triton_ops()  # type: ignore[return-value]  # checked by backend_name
     return reference
+
+
+def _pointwise(device: torch.device) -> ModuleType:
+    if backend_name(device) == "triton":
+        return _triton_pointwise()
+    return pointwise_ref
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, hidden], added to x first
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normalised, x + residual or None)
+    return _pointwise(x.device).rms_norm(x, weight, eps, residual)
+
+
+def rotary(
+    q: torch.Tensor,  # [T, H_q, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (Triton: in place)
+    return _pointwise(q.device).rotary(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    return _pointwise(gate_up.device).silu_and_mul(gate_up)
 
 
 def write_kv(

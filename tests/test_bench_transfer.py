@@ -30,7 +30,8 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     layout = KVLayout(num_blocks=16, num_layers=16, num_kv_heads=8, block_size=64, head_dim=64, dtype="bfloat16")
     assert layout.total_bytes == 32 * 2**20
     rows = payload["rows"]
-    assert [r["pattern"] for r in rows] == ["contiguous", "fragmented"]
+    assert [(r["order"], r["pattern"]) for r in rows] == [
+        ("head", "contiguous"), ("head", "fragmented"), ("block", "contiguous"), ("block", "fragmented")]
     for row in rows:
         assert all(key in row for key in ROW_KEYS), row
         assert (row["device"], row["shape"], row["tokens"], row["repeats"]) == ("cpu", "1b", 1024, 1)
@@ -39,11 +40,14 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
         # NIXL merges exactly what we count as one descriptor
         assert row["nixl_descriptors"] == row["descriptors"]
-    contiguous, fragmented = rows
-    assert contiguous["runs"] == 1 and fragmented["runs"] == 16  # every other block
-    # descriptors follow runs (times the heads a run is split into by the memory order)
-    assert fragmented["descriptors"] == 16 * contiguous["descriptors"]
-    shape = payload["config"]["per_shape"]["1b"]
-    assert shape["releases"] == shape["pulls"] == 2 * 2  # warm-up + 1 repeat, two rows
+    for order, heads in (("head", 8), ("block", 1)):
+        contiguous, fragmented = (r for r in rows if r["order"] == order)
+        assert contiguous["runs"] == 1 and fragmented["runs"] == 16  # every other block
+        # descriptors follow runs: times the 8 KV heads in head order, once in block order
+        assert contiguous["descriptors"] == heads and fragmented["descriptors"] == 16 * heads
+        shape = payload["config"]["per_shape"][f"1b/{order}"]
+        assert shape["releases"] == shape["pulls"] == 2 * 2  # warm-up + 1 repeat, two rows
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "pull GB/s" in lines[1] and [line.split()[1] for line in lines[3:]] == ["contiguous", "fragmented"]
+    assert "pull GB/s" in lines[1]
+    assert [line.split()[1:3] for line in lines[3:]] == [
+        ["head", "contiguous"], ["head", "fragmented"], ["block", "contiguous"], ["block", "fragmented"]]

@@ -228,6 +228,25 @@ def test_pull_head_slice_into_a_smaller_tp_layout(producers: list[ProducerProc])
         consumer.close()
 
 
+def test_block_order_consumer_reads_head_order_producer(producers: list[ProducerProc]) -> None:
+    """The two sides' storage orders may differ: the bytes land right, and only units
+    contiguous on both sides merge (here one per (head, block) where heads meet)."""
+    blocky = msgspec.structs.replace(LAYOUT, order="block")
+    consumer = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(blocky),
+                          layout=blocky, compat=COMPAT, capture_telemetry=True)
+    try:
+        connect_all(consumer, producers)
+        remote, local = [4, 5, 6, 17], [0, 1, 2, 9]
+        pull = consumer.start_pull("req-mixed", make_handle(remote), local, replica=1)
+        wait_pull(consumer, pull)
+        # locally the heads of a block are adjacent, remotely the blocks of a head: no
+        # pair is adjacent on both sides, so every (head, block) unit is a descriptor
+        assert pull.num_descriptors == pull.nixl_descriptors == len(remote) * LAYOUT.num_kv_heads
+        assert torch.equal(consumer.kv_cache[local], seeded_cache(LAYOUT, SEED)[remote])
+    finally:
+        consumer.close()
+
+
 def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: KVConsumer) -> None:
     connect_all(consumer, producers)
     handle = make_handle([1, 2, 3])
