@@ -43,12 +43,22 @@ def test_bench_engine_writes_rows(
                     "hf_decode_tok_s", "prefill_ratio", "decode_ratio"):
             assert row[key] > 0, (key, row)
         assert row["engine_prefill_steps"] == 1  # the batch's prompts were one step
-    # stdout is the table alone (logs and progress go to stderr): a header line, the
-    # column titles, a rule, one line per batch size.
+        # against the machine's floors: a step can not beat the bytes it must read
+        for key in ("engine_step_ms", "model_step_ms", "decode_floor_ms", "prefill_floor_s"):
+            assert row[key] > 0, (key, row)
+        assert row["model_step_ms"] <= row["engine_step_ms"]
+        assert row["engine_step_over_floor"] == pytest.approx(row["engine_step_ms"] / row["decode_floor_ms"])
+    ceilings = config["ceilings"]
+    assert ceilings["copy_gbps"] > 0 and ceilings["matmul_tflops"] > 0
+    assert ceilings["kv_bytes_per_token"] > 0 and ceilings["weight_bytes"] > 0
+    # stdout is the tables alone (logs and progress go to stderr): a header line, then
+    # per table the column titles, a rule, one line per batch size; the ceilings between.
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 11
     assert "engine prefill tok/s" in lines[1] and "HF decode tok/s" in lines[1]
-    assert [line.split()[0] for line in lines[3:]] == ["1", "2"]
+    assert [line.split()[0] for line in lines[3:5]] == ["1", "2"]
+    assert lines[6].startswith("ceilings: copy") and "memory floor ms" in lines[7]
+    assert [line.split()[0] for line in lines[9:]] == ["1", "2"]
 
 
 def test_bench_engine_without_hf(
