@@ -51,8 +51,11 @@ class DecodeGraphs:
         self._inputs = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
         self._inputs[2].fill_(-1)
         self._tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
-        rows = torch.arange(max_batch, dtype=torch.int64, device=device)
+        # A graph holds raw addresses, not references: every tensor it reads must outlive
+        # it (a freed one is reused by the allocator, and the graph reads garbage).
+        self._rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         empty = torch.zeros(0, dtype=torch.int32, device=device)
+        self._keep: list[AttentionMetadata] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
@@ -62,7 +65,8 @@ class DecodeGraphs:
                 prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
             )  # fmt: skip
-            args = (self._inputs[0, :size], self._inputs[1, :size], kv_cache, meta, rows[:size])
+            self._keep.append(meta)
+            args = (self._inputs[0, :size], self._inputs[1, :size], kv_cache, meta, self._rows[:size])
             with torch.inference_mode():
                 model(*args)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize(device)

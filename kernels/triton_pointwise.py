@@ -3,7 +3,8 @@
 One launch replaces the 8-10 small torch kernels of each op (RMSNorm with the residual
 add, rotary embedding of q and k, SiLU-and-mul). Rounding follows the reference step by
 step (each product or sum that torch rounds to the input dtype is rounded here too); the
-one difference is RMSNorm's mean of squares, summed in another order.
+differences are RMSNorm's mean of squares, summed in another order, and rotary's
+multiply-adds, which the GPU compiler may fuse (one rounding where torch has two).
 """
 
 from __future__ import annotations
