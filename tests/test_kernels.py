@@ -382,7 +382,8 @@ def test_rotary_in_place_on_packed_qkv(pointwise, device, gen, dtype, head_dim):
     got_q, got_k = pointwise.rotary(*split(packed), cos.to(device), sin.to(device))
     # On the GPU the compiler contracts x1 * c1 + (-x2 * s1) into a fused multiply-add
     # (one rounding instead of two) where torch runs two kernels: a last-bit difference.
-    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    # (the interpreter's truncating bf16 casts cost up to one ulp more)
+    tol = 1e-6 if dtype == torch.float32 else (4e-3 if device == "cuda" else TOL[dtype])
     assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol
     assert torch.equal(split(packed)[0].cpu(), got_q.cpu())  # in place, v untouched
     assert torch.equal(packed[:, (heads + kv_heads) * head_dim:].cpu(), qkv[:, (heads + kv_heads) * head_dim:])
