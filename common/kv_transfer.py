@@ -145,6 +145,17 @@ def _head_block_descs(base: int, layout: KVLayout, device_id: int) -> np.ndarray
     return descs
 
 
+def _block_descs(base: int, layout: KVLayout, device_id: int) -> np.ndarray | None:
+    """Block order only: [N, 3] rows, one per block with all its heads (row = block id)."""
+    if layout.order != "block":
+        return None
+    descs = np.empty((layout.num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(layout.num_blocks, dtype=np.uint64) * layout.block_bytes
+    descs[:, 1] = layout.block_bytes
+    descs[:, 2] = device_id
+    return descs
+
+
 def _num_runs(remote_idx: np.ndarray, local_idx: np.ndarray) -> int:
     """Descriptors after merging: index pairs where both sides step by exactly one continue a run."""
     if not len(local_idx):
@@ -297,7 +308,8 @@ class Pull:
 @dataclass(eq=False)
 class _Remote:
     reply: HandshakeReply
-    dlist: Any  # prepped block-granular descriptor list of the remote cache
+    dlist: Any  # prepped (head, block)-granular descriptor list of the remote cache
+    blocks: Any = None  # block order: prepped list of whole blocks (all heads), else None
     failed: bool = False  # a READ from it failed: releases take the side channel
 
 
@@ -316,6 +328,11 @@ class KVConsumer(_CacheAgent):
         self._local_dlist: Any = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descs, self.mem_type
         )
+        # Block order: whole blocks too, so that a pull of every head between two
+        # block-major caches indexes by block id alone (no per-head index arrays).
+        blocks = _block_descs(kv_cache.data_ptr(), layout, self.device_id)
+        self._local_blocks: Any = (None if blocks is None
+                                   else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type))
         self._remotes: dict[tuple[str, int, str], _Remote] = {}  # (engine, epoch, agent)
         # Releases go out from a second agent (no memory, no READs). Sent from the reading
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
@@ -355,11 +372,13 @@ class KVConsumer(_CacheAgent):
                 raise ValueError(f"its metadata names agent {name!r}")
             descs = _head_block_descs(reply.base_address, reply.layout, reply.device_id)
             dlist = self._agent.prep_xfer_dlist(name, descs, reply.mem_type)
+            blocks = _block_descs(reply.base_address, reply.layout, reply.device_id)
+            block_dlist = None if blocks is None else self._agent.prep_xfer_dlist(name, blocks, reply.mem_type)
             self._notifier.add_remote_agent(reply.agent_metadata)
         except Exception as exc:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
-        self._remotes[key] = _Remote(reply=reply, dlist=dlist)
+        self._remotes[key] = _Remote(reply=reply, dlist=dlist, blocks=block_dlist)
         log.info("kv_remote_connected", peer=peer_name(*key), mem_type=reply.mem_type,
                  num_blocks=reply.layout.num_blocks)
 
@@ -385,7 +404,7 @@ class KVConsumer(_CacheAgent):
 
     def _drop(self, key: tuple[str, int, str]) -> None:
         remote = self._remotes.pop(key)
-        for step in (remote.dlist.release, lambda: self._agent.remove_remote_agent(key[2]),
+        for step in (remote.dlist.release, lambda: remote.blocks is not None and remote.blocks.release(), lambda: self._agent.remove_remote_agent(key[2]),
                      lambda: self._notifier.remove_remote_agent(key[2])):
             try:
                 step()
@@ -420,30 +439,41 @@ class KVConsumer(_CacheAgent):
         started = time.perf_counter()
         remote = self._remote_for(handle, replica, request_id)
         peer = peer_name(handle.engine_id, handle.epoch, remote.reply.agent_name)
-        self._check_ids(request_id, peer, handle, remote, local_block_ids)
+        try:
+            local_ids = np.array(local_block_ids, dtype=np.int64)
+            remote_ids = np.array(handle.block_ids, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise _pull_error(request_id, peer, f"refused, block ids are not block numbers: {exc}") from exc
+        self._check_ids(request_id, peer, handle, remote, local_ids, remote_ids)
+        local_ids, remote_ids = local_ids.astype(np.int32), remote_ids.astype(np.int32)  # in range now
+        rlayout = remote.reply.layout
         if heads is None:
             heads = [(0, 0, self.layout.num_kv_heads)]
         self._check_heads(request_id, peer, remote, heads)
         num_heads = sum(n for _, _, n in heads)
-        # (head, block) indices; NIXL merges pairs contiguous on both sides into one
-        # descriptor: one per head and run of blocks (fewer when runs meet across heads).
-        local_ids = np.array(local_block_ids, dtype=np.int32)
-        remote_ids = np.array(handle.block_ids, dtype=np.int32)
-        # Enumerated so that units adjacent in memory on both sides are adjacent in the
-        # lists: block by block when both sides are block-major, head by head otherwise.
-        by_block = self.layout.order == remote.reply.layout.order == "block"
-        local_idx = np.concatenate([_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads])
-        remote_idx = np.concatenate([_indices(remote_ids, remote.reply.layout, src, n, by_block)
-                                     for src, _, n in heads])
+        if remote.blocks is not None and self._local_blocks is not None and heads == [(0, 0, rlayout.num_kv_heads)] \
+                and rlayout.num_kv_heads == self.layout.num_kv_heads:
+            # Every head, both caches block-major: whole blocks, indexed by block id.
+            local_list, remote_list, local_idx, remote_idx = self._local_blocks, remote.blocks, local_ids, remote_ids
+        else:
+            # (head, block) units; NIXL merges pairs contiguous on both sides into one
+            # descriptor: one per head and run of blocks (fewer when runs meet across
+            # heads). Enumerated so that units adjacent in memory on both sides are
+            # adjacent in the lists: block by block when both are block-major, else
+            # head by head.
+            by_block = self.layout.order == rlayout.order == "block"
+            local_list, remote_list = self._local_dlist, remote.dlist
+            local_idx = np.concatenate([_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads])
+            remote_idx = np.concatenate([_indices(remote_ids, rlayout, src, n, by_block) for src, _, n in heads])
         pull = Pull(request_id=request_id, peer=peer, remote=remote, num_descriptors=_num_runs(remote_idx, local_idx),
-                    num_bytes=len(local_block_ids) * num_heads * self.layout.head_block_bytes,
+                    num_bytes=len(local_ids) * num_heads * self.layout.head_block_bytes,
                     started_at=started)
         if not len(local_idx):  # NIXL refuses an empty request: done at once
             pull.posted_at = pull.done_at = time.perf_counter()
             return pull
         try:
             pull.xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, local_idx, remote.dlist, remote_idx,
+                "READ", local_list, local_idx, remote_list, remote_idx,
             )
             state = self._agent.transfer(pull.xfer)
         except Exception as exc:
@@ -456,7 +486,8 @@ class KVConsumer(_CacheAgent):
         return pull
 
     def _check_ids(
-        self, request_id: str, peer: str, handle: KVHandle, remote: _Remote, local: list[int]
+        self, request_id: str, peer: str, handle: KVHandle, remote: _Remote, local: np.ndarray,
+        remote_ids: np.ndarray,
     ) -> None:
         # Refused before posting: NIXL would reject the indices, but say which ones and why.
         if handle.layout != remote.reply.layout:
@@ -465,10 +496,10 @@ class KVConsumer(_CacheAgent):
         if len(handle.block_ids) != len(local):
             why = f"{len(handle.block_ids)} remote blocks but {len(local)} local"
             raise _pull_error(request_id, peer, f"refused, {why}")
-        for side, ids, n in (("remote", handle.block_ids, remote.reply.layout.num_blocks),
+        for side, ids, n in (("remote", remote_ids, remote.reply.layout.num_blocks),
                              ("local", local, self.layout.num_blocks)):
-            if ids and (min(ids) < 0 or max(ids) >= n):  # C-speed check; list only on error
-                bad = [b for b in ids if not 0 <= b < n][:8]
+            if len(ids) and (ids.min() < 0 or ids.max() >= n):  # C-speed check; list only on error
+                bad = [int(b) for b in ids if not 0 <= b < n][:8]
                 why = f"{side} block ids {bad} outside [0, {n})"
                 raise _pull_error(request_id, peer, f"refused, {why}")
 
@@ -562,6 +593,8 @@ class KVConsumer(_CacheAgent):
             self._drop(key)
         try:
             self._local_dlist.release()
+            if self._local_blocks is not None:
+                self._local_blocks.release()
         except Exception as exc:  # noqa: BLE001
             log.warning("kv_dlist_release_failed", agent=self.agent_name, error=repr(exc))
         self._notifier = None
