@@ -221,13 +221,19 @@ def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     from pdserve.common.kv_transfer import KVConsumer
     from pdserve.common.protocol import Decoder, HandshakeReply
 
-    consumer = raw = None
+    consumer = checker = raw = None
     try:
         device = spec["device"]
         layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"])
         cache = new_cache(layout, device)
+        # Timed pulls run as decode runs them (no NIXL telemetry); a second agent with
+        # telemetry makes each row's checked first pull, for NIXL's own descriptor count.
         consumer = KVConsumer(
             agent_name=f"bench-consumer-{os.getpid()}", kv_cache=cache, layout=layout,
+            compat=COMPAT, num_threads=spec["num_threads"],
+        )  # fmt: skip
+        checker = KVConsumer(
+            agent_name=f"bench-checker-{os.getpid()}", kv_cache=cache, layout=layout,
             compat=COMPAT, num_threads=spec["num_threads"], capture_telemetry=True,
         )  # fmt: skip
         raw = RawAgent(f"bench-consumer-raw-{os.getpid()}", cache, spec["num_threads"])
@@ -237,9 +243,10 @@ def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
         started = time.perf_counter()
         consumer.connect(reply)
         connect_s = time.perf_counter() - started
+        checker.connect(reply)
         remote_raw = raw.agent.add_remote_agent(raw_metadata)
         remote_raw = remote_raw.decode() if isinstance(remote_raw, bytes) else remote_raw
-        peers = _Peers(consumer, raw, cache, layout, reply, remote_raw, raw_base, device)
+        peers = _Peers(consumer, checker, raw, cache, layout, reply, remote_raw, raw_base, device)
         for tokens in spec["tokens"]:
             for run_blocks in [None, *spec["fragment"]]:
                 row = peers.measure(tokens, run_blocks, spec["repeats"])
@@ -252,7 +259,7 @@ def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     except BaseException:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     finally:
-        for agent in (raw, consumer):
+        for agent in (raw, checker, consumer):
             if agent is not None:
                 agent.close()
 
@@ -261,10 +268,10 @@ class _Peers:
     """The consumer's side of one shape: our pull, the raw READ and the copy, taking turns."""
 
     def __init__(
-        self, consumer: KVConsumer, raw: RawAgent, cache: torch.Tensor, layout: KVLayout,
-        reply: HandshakeReply, remote_raw: str, remote_base: int, device: str,
+        self, consumer: KVConsumer, checker: KVConsumer, raw: RawAgent, cache: torch.Tensor,
+        layout: KVLayout, reply: HandshakeReply, remote_raw: str, remote_base: int, device: str,
     ) -> None:  # fmt: skip
-        self.consumer, self.raw, self.cache, self.layout = consumer, raw, cache, layout
+        self.consumer, self.checker, self.raw, self.cache, self.layout = consumer, checker, raw, cache, layout
         self.reply, self.remote_raw, self.remote_base, self.device = reply, remote_raw, remote_base, device
         self.num_pulls = 0
 
@@ -278,15 +285,17 @@ class _Peers:
             lease_deadline=0.0,
         )  # fmt: skip
 
-    def pull(self, handle: KVHandle, local_ids: list[int]) -> Pull:
+    def pull(self, handle: KVHandle, local_ids: list[int], consumer: KVConsumer | None = None) -> Pull:
         """handshake done -> start_pull -> poll until done -> release, as decode does."""
+        consumer = consumer or self.consumer
         self.num_pulls += 1
         rid = f"bench-{self.num_pulls}"
-        pull = self.consumer.start_pull(rid, handle, local_ids)
-        while not self.consumer.poll(pull):
+        pull = consumer.start_pull(rid, handle, local_ids)
+        while not consumer.poll(pull):
             pass
-        self.consumer.release(handle, rid)
-        self.consumer.progress()  # sends the queued release notification
+        consumer.release(handle, rid)
+        for agent in (self.consumer, self.checker):  # (untimed) queued release notifications go out
+            agent.progress()
         return pull
 
     def copy(self, num_bytes: int) -> float:
@@ -305,12 +314,14 @@ class _Peers:
         remote_ids = local_ids if run_blocks is None else fragmented_ids(num, run_blocks)
         handle = self.handle(tokens, remote_ids)
         num_bytes = num * self.layout.block_bytes
-        # Warm-up pull into a zeroed cache, checked, then every timed repeat takes turns.
+        # A pull into a zeroed cache, checked (the checker's: NIXL's count), an untimed
+        # warm-up of the timed agent, then every timed repeat takes turns.
         self.cache.zero_()
         _sync(self.device)
-        first = self.pull(handle, local_ids)
+        checked = self.pull(handle, local_ids, self.checker)
         _sync(self.device)
         check(self.cache, self.layout, local_ids, remote_ids)
+        first = self.pull(handle, local_ids)
         lists = self.raw.read(self.remote_raw, self.remote_base, num_bytes)
         self.raw.run(lists)
         self.copy(num_bytes)
@@ -331,9 +342,9 @@ class _Peers:
             "pattern": "contiguous" if run_blocks is None else "fragmented",
             "run_blocks": run_blocks if run_blocks is not None else num,
             "tokens": tokens, "blocks": num, "bytes": num_bytes,
-            "bytes_pulled": first.num_bytes, "layout_block_bytes": self.layout.block_bytes,
+            "bytes_pulled": checked.num_bytes, "layout_block_bytes": self.layout.block_bytes,
             "runs": len(_runs(remote_ids)), "descriptors": first.num_descriptors,
-            "nixl_descriptors": first.nixl_descriptors, "repeats": repeats,
+            "nixl_descriptors": checked.nixl_descriptors, "repeats": repeats,
             "gbps": gbps, "ceiling_gbps": ceiling_gbps, "copy_gbps": num_bytes / copy_s / 1e9,
             "ratio": gbps / ceiling_gbps,
             # best of the repeats: what a machine shared with other work can still show

@@ -160,7 +160,7 @@ def _num_runs(remote_idx: np.ndarray, local_idx: np.ndarray) -> int:
     """Descriptors after merging: index pairs where both sides step by exactly one continue a run."""
     if not len(local_idx):
         return 0
-    cont = (np.diff(remote_idx) == 1) & (np.diff(local_idx) == 1)
+    cont = (remote_idx[1:] - remote_idx[:-1] == 1) & (local_idx[1:] - local_idx[:-1] == 1)
     return int(len(local_idx) - np.count_nonzero(cont))
 
 
@@ -465,7 +465,7 @@ class KVConsumer(_CacheAgent):
             local_list, remote_list = self._local_dlist, remote.dlist
             local_idx = np.concatenate([_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads])
             remote_idx = np.concatenate([_indices(remote_ids, rlayout, src, n, by_block) for src, _, n in heads])
-        pull = Pull(request_id=request_id, peer=peer, remote=remote, num_descriptors=_num_runs(remote_idx, local_idx),
+        pull = Pull(request_id=request_id, peer=peer, remote=remote, num_descriptors=0,
                     num_bytes=len(local_ids) * num_heads * self.layout.head_block_bytes,
                     started_at=started)
         if not len(local_idx):  # NIXL refuses an empty request: done at once
@@ -483,6 +483,7 @@ class KVConsumer(_CacheAgent):
         if state == "ERR":
             self._finish(pull, "posting the READ failed: NIXL state ERR")
             raise _pull_error(request_id, peer, pull.error or "")
+        pull.num_descriptors = _num_runs(remote_idx, local_idx)  # counted while the READ runs
         return pull
 
     def _check_ids(

@@ -46,7 +46,7 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         # descriptors follow runs: times the 8 KV heads in head order, once in block order
         assert contiguous["descriptors"] == heads and fragmented["descriptors"] == 16 * heads
         shape = payload["config"]["per_shape"][f"1b/{order}"]
-        assert shape["releases"] == shape["pulls"] == 2 * 2  # warm-up + 1 repeat, two rows
+        assert shape["releases"] == shape["pulls"] == 2 * 3  # checked + warm-up + 1 repeat, two rows
     lines = capsys.readouterr().out.strip().splitlines()
     assert "pull GB/s" in lines[1]
     assert [line.split()[1:3] for line in lines[3:]] == [
