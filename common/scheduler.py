@@ -71,7 +71,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + num]
+        tokens = req.token_ids_between(start, start + num)
         return ScheduledSeq(req.request_id, tokens, start, list(req.block_ids), start + num == req.num_tokens)
 
     def _blocks_needed(self, req: Request, num: int) -> int:
@@ -109,7 +109,7 @@ class Scheduler:
         num_full = req.num_tokens // self.block_size
         if done < num_full:
             parent = req.block_hashes[-1] if done else None
-            tokens = req.all_token_ids[done * self.block_size : num_full * self.block_size]
+            tokens = req.token_ids_between(done * self.block_size, num_full * self.block_size)
             req.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
     def _release_blocks(self, req: Request) -> None:

@@ -89,3 +89,12 @@ def test_max_num_seqs_bounds_the_running_set() -> None:
         s.add(Request(str(i), [1, 2], SamplingParams(), i))
     plan, _ = s.schedule()
     assert len(plan.seqs) == 2 and len(s.waiting) == 2
+
+
+def test_token_ids_between_is_a_slice_of_all_token_ids() -> None:
+    req = Request("a", list(range(10)), SamplingParams())
+    req.output_token_ids += [100, 101, 102]
+    whole = req.all_token_ids
+    for start in range(14):
+        for stop in range(start, 15):
+            assert req.token_ids_between(start, stop) == whole[start:stop], (start, stop)
