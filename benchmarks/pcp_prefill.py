@@ -54,7 +54,7 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
     import msgspec
 
     from pdserve.common import protocol as p
-    from pdserve.common.kv_transfer import KVConsumer
+    from pdserve.common.kv_consumer import KVConsumer
 
     layout = group.layout
     cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device)

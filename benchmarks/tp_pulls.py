@@ -100,7 +100,8 @@ def ceiling(consumer: Any, handle: Any, num_bytes: int) -> float:
 
 def run(tokens_list: list[int], tps: list[int], repeats: int) -> list[dict[str, Any]]:
     import torch
-    from pdserve.common.kv_transfer import KVConsumer, new_cache
+    from pdserve.common.kv_consumer import KVConsumer
+    from pdserve.common.kv_transfer import new_cache
     from pdserve.common.protocol import HandshakeReply, KVHandle, Replica
 
     torch.set_num_threads(1)

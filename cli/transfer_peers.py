@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.common.kv_layout import KVLayout
-    from pdserve.common.kv_transfer import KVConsumer, Pull
+    from pdserve.common.kv_consumer import KVConsumer, Pull
     from pdserve.common.protocol import HandshakeReply, KVHandle
 
 # Llama-3.2-1B and Llama-3.1-8B: KV heads, head_dim and layers are what set the bytes.
@@ -218,7 +218,7 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Connect to the producer, then measure every (tokens, pattern) row and send it."""
-    from pdserve.common.kv_transfer import KVConsumer
+    from pdserve.common.kv_consumer import KVConsumer
     from pdserve.common.protocol import Decoder, HandshakeReply
 
     consumer = checker = raw = None

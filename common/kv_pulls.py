@@ -34,7 +34,7 @@ class LocalPuller:
     """TP 1: the KVConsumer lives in the decode engine's thread."""
 
     def __init__(self, agent_name: str, runner: Any) -> None:
-        from pdserve.common.kv_transfer import KVConsumer
+        from pdserve.common.kv_consumer import KVConsumer
 
         self.consumer = KVConsumer(agent_name=agent_name, kv_cache=runner.kv_cache,
                                    layout=runner.layout, compat=runner.kv_compat())

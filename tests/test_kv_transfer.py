@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_transfer import KVConsumer, KVTransferError, coalesce, new_cache
+from pdserve.common.kv_consumer import KVConsumer
+from pdserve.common.kv_descs import coalesce
+from pdserve.common.kv_transfer import KVTransferError, new_cache
 from pdserve.common.protocol import (
     Decoder,
     HandshakeReply,
@@ -387,10 +389,11 @@ def test_nixl_imported_lazily() -> None:
     import ast
     import inspect
 
-    from pdserve.common import kv_transfer
+    from pdserve.common import kv_consumer, kv_descs, kv_transfer
 
-    tree = ast.parse(inspect.getsource(kv_transfer))
-    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-    assert not [n for n in names if n.split(".")[0] == "nixl"]
+    for module in (kv_transfer, kv_consumer, kv_descs):
+        tree = ast.parse(inspect.getsource(module))
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] == "nixl"], module.__name__
