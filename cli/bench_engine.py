@@ -60,7 +60,7 @@ def add_parser(sub: Any) -> None:
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--prompt-len", type=_positive_int, default=256)
     p.add_argument("--gen-len", type=_gen_len, default=32, help="tokens per sequence, at least 2")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16],
+    p.add_argument("--batch-sizes", type=_positive_ints, default=[1, 16],
                    help="comma-separated, e.g. 1,16")
     p.add_argument("--repeats", type=_positive_int, default=3,
                    help="timed runs per number (the median is reported)")
@@ -87,16 +87,17 @@ def _gen_len(text: str) -> int:
     return value
 
 
-def _batch_sizes(text: str) -> list[int]:
+def _positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive integers, e.g. 1,16 (every bench's list flags)."""
     try:
-        sizes = [_positive_int(part) for part in text.split(",") if part.strip()]
+        values = [_positive_int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated positive integers, got {text!r}"
         ) from exc
-    if not sizes:
-        raise argparse.ArgumentTypeError("no batch size given")
-    return sizes
+    if not values:
+        raise argparse.ArgumentTypeError("no value given")
+    return values
 
 
 # -- shared helpers ---------------------------------------------------------------------

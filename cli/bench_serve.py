@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.cli import ttft_parts
-from pdserve.cli.bench_engine import _positive_int  # stdlib-only at import time
+from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
 
 if TYPE_CHECKING:
     import aiohttp
@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests/s, Poisson arrivals (seeded); inf: all at once")
-    p.add_argument("--max-concurrency", type=_loads, default=None,
+    p.add_argument("--max-concurrency", type=_positive_ints, default=None,
                    help="at most this many requests in flight (default: no limit); a list, "
                         "e.g. 1,8,32, runs one load per value against each deployment")
     p.add_argument("--hf-reference", action="store_true",
@@ -80,16 +80,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write config, metrics and per-request records here")
     p.set_defaults(run=run)
-
-
-def _loads(text: str) -> list[int]:
-    try:
-        values = [_positive_int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected positive integers, e.g. 8 or 1,8,32; got {text!r}") from exc
-    if not values:
-        raise argparse.ArgumentTypeError("no value given")
-    return values
 
 
 def _for_load(args: argparse.Namespace, index: int, load: int | None) -> argparse.Namespace:

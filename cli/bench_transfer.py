@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.bench_engine import _positive_int  # stdlib-only at import time
+from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
 
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
@@ -74,7 +74,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--shape", type=_shapes, default=["1b"], help="1b, 8b or 1b,8b")
-    p.add_argument("--tokens", type=_int_list, default=None,
+    p.add_argument("--tokens", type=_positive_ints, default=None,
                    help="comma-separated prompt lengths, e.g. 1024,8192 (default: per device, shape)")
     p.add_argument("--fragment", type=_fragments, default=[1],
                    help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows")
@@ -92,18 +92,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [_positive_int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from exc
-    if not values:
-        raise argparse.ArgumentTypeError("no value given")
-    return values
-
-
 def _fragments(text: str) -> list[int]:
-    return [] if text.strip().lower() == "none" else _int_list(text)
+    return [] if text.strip().lower() == "none" else _positive_ints(text)
 
 
 def _orders(text: str) -> list[str]:

@@ -63,7 +63,7 @@ def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
         self.par = par
         self.num_heads = q_heads_of(cfg.num_attention_heads, par.tp_size, par.tp_rank)[1]
@@ -76,7 +76,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed (pack_weights)
 
     def pack(self) -> None:
@@ -131,9 +130,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, par)
+        self.self_attn = Attention(cfg, par)
         self.mlp = MLP(cfg, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -159,10 +158,10 @@ class LlamaBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, par) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, par) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -184,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.layers[0].self_attn.rotary.cos_sin(positions)
+        cos, sin = self.model.rotary.cos_sin(positions)
         rope = (cos.to(x.dtype), sin.to(x.dtype))  # once per step, not per layer
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):

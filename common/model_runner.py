@@ -59,7 +59,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer was built on meta; rebuild it for real.
-    rotary = model.model.layers[0].self_attn.rotary
+    rotary = model.model.rotary
     rotary.inv_freq, rotary.attention_scaling = inv_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
     )

@@ -100,7 +100,8 @@ def _yarn(
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Rotates q and k in place of HF's rotate_half layout (pairs i and i + D/2)."""
+    """cos / sin of positions for HF's rotate_half layout (pairs i and i + D/2); the
+    rotation itself is ``kernels.rotary``."""
 
     def __init__(
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
@@ -113,16 +114,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [T, H_q, D], k [T, H_kv, D]
-        cos, sin = self.cos_sin(positions)
-        cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -407,6 +407,21 @@ def test_router_admission_and_drain(tmp_path: Path, scripted: tuple[DeploymentCo
         stopped(proc, 0.1)
 
 
+def generate_in_background(client: Client) -> tuple[threading.Thread, list[BaseException]]:
+    """A one-token generate on a thread; the list gets its GenerationFailed, if any."""
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            client.generate(prompt_token_ids=PROMPT, max_tokens=1)
+        except GenerationFailed as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=run, daemon=True)
+    waiter.start()
+    return waiter, outcome
+
+
 def test_router_drain_deadline_fails_and_aborts(tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications) -> None:
     cfg, decode = scripted
     cfg = msgspec.structs.replace(cfg, drain_seconds=0.0)
@@ -415,16 +430,7 @@ def test_router_drain_deadline_fails_and_aborts(tmp_path: Path, scripted: tuple[
     try:
         notifications.wait_for("READY=1", proc, timeout=60)
         wait_healthy(f"http://{cfg.host}:{cfg.http_port}", proc)
-        outcome: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                client.generate(prompt_token_ids=PROMPT, max_tokens=1)
-            except GenerationFailed as exc:
-                outcome.append(exc)
-
-        waiter = threading.Thread(target=run, daemon=True)
-        waiter.start()
+        waiter, outcome = generate_in_background(client)
         held = decode.requests.get(timeout=30)
         proc.send_signal(signal.SIGTERM)
         waiter.join(30)
@@ -447,16 +453,7 @@ def test_router_fails_what_a_draining_instance_held_when_it_goes_silent(
         notifications.wait_for("READY=1", proc, timeout=60)
         url = f"http://{cfg.host}:{cfg.http_port}"
         wait_healthy(url, proc)
-        outcome: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                client.generate(prompt_token_ids=PROMPT, max_tokens=1)
-            except GenerationFailed as exc:
-                outcome.append(exc)
-
-        waiter = threading.Thread(target=run, daemon=True)
-        waiter.start()
+        waiter, outcome = generate_in_background(client)
         decode.requests.get(timeout=30)
         decode.ready = False  # draining: no new requests, the held one continues...
         while health(url) == 200:  # until the router has seen a Pong saying so
