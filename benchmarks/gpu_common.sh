@@ -16,7 +16,7 @@ torch.manual_seed(0)
 transformers.LlamaForCausalLM(cfg).save_pretrained("/tmp/tokmodel")
 for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f".gpu/tok/{f}", f"/tmp/tokmodel/{f}")
-from pdserve.common.random_model import save_random_llama
+from pdserve.common.model.random import save_random_llama
 save_random_llama("/tmp/llama1b", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
                   intermediate_size=8192, max_position_embeddings=16384, tokenizer_from="/tmp/tokmodel")
 PY

@@ -27,7 +27,7 @@ python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_serving.py -p n
 
 echo "== bench engine, 1B-shaped random Llama, bf16"
 python3 - <<'PY'
-from pdserve.common.random_model import save_random_llama
+from pdserve.common.model.random import save_random_llama
 save_random_llama("/tmp/llama1b", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
                   intermediate_size=8192, max_position_embeddings=8192, tokenizer_from="/tmp/tokmodel")
 PY

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU machine, fourth batch: bench transfer on VRAM after releases moved to a notifier
-# agent (common/kv_transfer.py), producer progressing every 5 ms as in serving.
+# agent (common/transfer/kv_transfer.py), producer progressing every 5 ms as in serving.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdcache UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on

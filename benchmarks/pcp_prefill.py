@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.model_files import resolve_model
-from pdserve.common.model_runner import ModelRunner
-from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.files import resolve_model
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.services.prefill.rank_group import RankGroup
 
 
@@ -53,8 +53,8 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
     (a decode-side NIXL agent in this process, READs as the decode service issues them)."""
     import msgspec
 
-    from pdserve.common import protocol as p
-    from pdserve.common.kv_consumer import KVConsumer
+    from pdserve.common.runtime import protocol as p
+    from pdserve.common.transfer.kv_consumer import KVConsumer
 
     layout = group.layout
     cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device)

@@ -30,8 +30,8 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.tp import kv_heads_of
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.parallel.tp import kv_heads_of
 
 SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 64}
 ENGINE, EPOCH = "bench-tp", 1
@@ -50,8 +50,9 @@ def value(global_head: int, block: int) -> float:
 
 def producer_main(tp: int, rank: int, num_blocks: int, conn: Connection) -> None:
     import torch
-    from pdserve.common.kv_transfer import KVProducer, new_cache
-    from pdserve.common.protocol import encode
+    from pdserve.common.engine.kv_cache import new_cache
+    from pdserve.common.transfer.kv_transfer import KVProducer
+    from pdserve.common.runtime.protocol import encode
 
     torch.set_num_threads(1)
     layout = layout_for(tp, rank, num_blocks)
@@ -69,7 +70,7 @@ def producer_main(tp: int, rank: int, num_blocks: int, conn: Connection) -> None
 
 
 def pull_once(consumers: list[Any], handle: Any, local: list[int], dtp: int) -> tuple[float, int]:
-    from pdserve.common.kv_pulls import start_pulls
+    from pdserve.common.transfer.kv_pulls import start_pulls
     from pdserve.services.decode.pullers import plan_pulls
 
     plan = plan_pulls(handle, local, SHAPE["num_kv_heads"], dtp, striped=False)
@@ -100,9 +101,9 @@ def ceiling(consumer: Any, handle: Any, num_bytes: int) -> float:
 
 def run(tokens_list: list[int], tps: list[int], repeats: int) -> list[dict[str, Any]]:
     import torch
-    from pdserve.common.kv_consumer import KVConsumer
-    from pdserve.common.kv_transfer import new_cache
-    from pdserve.common.protocol import HandshakeReply, KVHandle, Replica
+    from pdserve.common.transfer.kv_consumer import KVConsumer
+    from pdserve.common.engine.kv_cache import new_cache
+    from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Replica
 
     torch.set_num_threads(1)
     rows = []

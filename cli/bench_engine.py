@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.common.engine import LLMEngine
+    from pdserve.common.engine.llm_engine import LLMEngine
 
 Sync = Callable[[], None]
 
@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face reference")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="decode steps launch kernel by kernel (the before of common/cuda_graphs.py)")
+                   help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the config and rows here")
     p.set_defaults(run=run)
@@ -149,7 +149,7 @@ class EngineBench:
         self._ids = itertools.count()
 
     def _add(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[str]:
-        from pdserve.common.sampling import SamplingParams
+        from pdserve.common.engine.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         ids = [f"bench-{next(self._ids)}" for _ in prompts]
@@ -447,8 +447,8 @@ def write_json(path: Path, config: dict[str, Any], rows: list[Row]) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import LLMEngine
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
 
     max_batch = max(args.batch_sizes)
     block_size = EngineConfig().block_size
@@ -498,7 +498,7 @@ def bench_batch(
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.common.log import configure_logging
+    from pdserve.common.runtime.log import configure_logging
 
     configure_logging("WARNING")
     load_at_start = os.getloadavg()[0]

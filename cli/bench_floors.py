@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.common.engine import LLMEngine
+    from pdserve.common.engine.llm_engine import LLMEngine
 
 
 @dataclass

@@ -18,7 +18,7 @@ Metrics, as vLLM defines them: throughputs over the whole run's duration; TTFT =
 the first chunk with text; TPOT = (e2e - TTFT) / (output tokens - 1), one per request;
 ITL = every gap between chunks with text, all requests pooled; E2E = request latency.
 TTFT by part (queue, prefill, handoff, handshake, blocks, pull, first_chunk, return;
-common/ttft.py): mean and median over the load's requests, from the router's /metrics
+common/runtime/ttft.py): mean and median over the load's requests, from the router's /metrics
 (cli/ttft_parts.py); they add up to the router's TTFT.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
 PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
@@ -357,7 +357,7 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
 def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
                  loads: list[int | None]) -> list[dict[str, Any]]:  # fmt: skip
     from pdserve.cli.deployment import Deployment, local_config
-    from pdserve.common.ports import free_port_block
+    from pdserve.common.runtime.ports import free_port_block
 
     base = free_port_block(100)
     cfg = local_config(model=args.model, device=args.device, colocated=colocated,

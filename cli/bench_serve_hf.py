@@ -22,7 +22,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     import transformers
 
     from pdserve.cli.bench_serve import _stats, make_prompts
-    from pdserve.common.model_files import resolve_model
+    from pdserve.common.model.files import resolve_model
 
     transformers.logging.set_verbosity_error()
     device = args.device or "cpu"

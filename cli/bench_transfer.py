@@ -27,7 +27,7 @@ GB/s = bytes moved / seconds (1e9 bytes; a copy's bytes counted once, not read +
 written), the median of the repeats; ratio = pull GB/s / ceiling GB/s. Pull time is
 ``Pull.transfer_seconds``: from building the request until poll saw it done.
 
-Orders (--order, common/kv_layout.py): ``head``-major storage costs one descriptor per
+Orders (--order, common/engine/kv_layout.py): ``head``-major storage costs one descriptor per
 (KV head, run of blocks) and lets a reader take any head slice; ``block``-major costs one
 per run when the reader takes every head (equal TP on both sides), which is what a
 deployment with equal prefill and decode TP uses.
@@ -79,7 +79,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fragment", type=_fragments, default=[1],
                    help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows")
     p.add_argument("--order", type=_orders, default=["head", "block"],
-                   help="KV storage orders to measure (common/kv_layout.py): head, block or head,block")
+                   help="KV storage orders to measure (common/engine/kv_layout.py): head, block or head,block")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="timed repeats per row (the median is reported)")
     p.add_argument("--producer-poll-ms", type=float, default=5.0,
@@ -97,7 +97,7 @@ def _fragments(text: str) -> list[int]:
 
 
 def _orders(text: str) -> list[str]:
-    from pdserve.common.kv_layout import ORDERS
+    from pdserve.common.engine.kv_layout import ORDERS
 
     orders = [s.strip().lower() for s in text.split(",") if s.strip()]
     if not orders or any(o not in ORDERS for o in orders):

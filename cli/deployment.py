@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.runtime.service_config import DeploymentConfig
 
 
 class Deployment:
@@ -160,7 +160,7 @@ def _die_with_parent() -> None:
 
 def local_config(**flags: Any) -> DeploymentConfig:
     """The config of ``pdserve up``: file < env < flags, threads split among the processes."""
-    from pdserve.common.service_config import load_config
+    from pdserve.common.runtime.service_config import load_config
 
     path = flags.pop("config", None)
     cfg = load_config(path, **flags)

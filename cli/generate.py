@@ -23,12 +23,12 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.common.log import configure_logging
+    from pdserve.common.runtime.log import configure_logging
 
     configure_logging(args.log_level)
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import LLMEngine
-    from pdserve.common.sampling import SamplingParams
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -16,7 +16,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.common.curve import create_keys
+    from pdserve.common.runtime.curve import create_keys
 
     written = create_keys(args.dir, tuple(args.client))
     for path in written:

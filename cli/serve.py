@@ -22,8 +22,8 @@ def add_parsers(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from pdserve.common.log import configure_logging
-    from pdserve.common.service_config import load_config
+    from pdserve.common.runtime.log import configure_logging
+    from pdserve.common.runtime.service_config import load_config
 
     cfg = load_config(args.config, model=args.model, device=args.device, http_port=args.http_port)
     configure_logging(cfg.log_level)

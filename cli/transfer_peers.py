@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.common.kv_layout import KVLayout
-    from pdserve.common.kv_consumer import KVConsumer, Pull
-    from pdserve.common.protocol import HandshakeReply, KVHandle
+    from pdserve.common.engine.kv_layout import KVLayout
+    from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
+    from pdserve.common.runtime.protocol import HandshakeReply, KVHandle
 
 # Llama-3.2-1B and Llama-3.1-8B: KV heads, head_dim and layers are what set the bytes.
 SHAPES: dict[str, dict[str, int]] = {
@@ -38,7 +38,7 @@ PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
 
 
 def make_layout(shape: str, num_blocks: int, order: str = "head") -> KVLayout:
-    from pdserve.common.kv_layout import KVLayout
+    from pdserve.common.engine.kv_layout import KVLayout
 
     return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, order=order, **SHAPES[shape])
 
@@ -157,7 +157,7 @@ def new_cache(layout: KVLayout, device: str) -> torch.Tensor:
     """A zeroed cache in the memory order kv_transfer expects, as its logical view."""
     import torch
 
-    from pdserve.common import kv_transfer
+    from pdserve.common.transfer import kv_transfer
 
     torch.set_num_threads(1)  # the local copy is one memcpy stream, as CMA is one reader
     return kv_transfer.new_cache(layout, device)
@@ -176,8 +176,8 @@ def storage_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Serve the patterned cache; answer ("releases", n) once n releases came, or on time out."""
-    from pdserve.common.kv_transfer import KVProducer
-    from pdserve.common.protocol import encode
+    from pdserve.common.transfer.kv_transfer import KVProducer
+    from pdserve.common.runtime.protocol import encode
 
     producer = raw = None
     try:
@@ -218,8 +218,8 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Connect to the producer, then measure every (tokens, pattern) row and send it."""
-    from pdserve.common.kv_consumer import KVConsumer
-    from pdserve.common.protocol import Decoder, HandshakeReply
+    from pdserve.common.transfer.kv_consumer import KVConsumer
+    from pdserve.common.runtime.protocol import Decoder, HandshakeReply
 
     consumer = checker = raw = None
     try:
@@ -276,7 +276,7 @@ class _Peers:
         self.num_pulls = 0
 
     def handle(self, tokens: int, remote_ids: list[int]) -> KVHandle:
-        from pdserve.common.protocol import KVHandle, Replica
+        from pdserve.common.runtime.protocol import KVHandle, Replica
 
         r = self.reply
         return KVHandle(

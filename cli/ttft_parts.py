@@ -1,5 +1,5 @@
 """TTFT by part for ``pdserve bench serve``: the router's ``pdserve:ttft_part_seconds``
-histograms (common/ttft.py), scraped from ``/metrics`` before and after a load, differenced.
+histograms (common/runtime/ttft.py), scraped from ``/metrics`` before and after a load, differenced.
 
 The mean of a part is exact (histogram sum / count); its median is interpolated inside
 the histogram's buckets (metrics.PART_BUCKETS: 0.1 ms .. 60 s), as Prometheus'
@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from pdserve.common.ttft import PARTS
+from pdserve.common.runtime.ttft import PARTS
 
 if TYPE_CHECKING:
     import aiohttp

@@ -53,7 +53,7 @@ def _start(args: argparse.Namespace) -> Any:
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
         security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
     )
-    from pdserve.common.curve import WireSecurity
+    from pdserve.common.runtime.curve import WireSecurity
 
     WireSecurity.from_dir(cfg.security.curve_keys_dir)  # bad keys: one error now, not one per child
     dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
@@ -90,7 +90,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _sdk_keys(cfg: Any) -> Any:
-    from pdserve.common.curve import CurveKeys
+    from pdserve.common.runtime.curve import CurveKeys
 
     keys_dir = cfg.security.curve_keys_dir
     return CurveKeys.client(keys_dir) if keys_dir else None

@@ -1,6 +1,6 @@
 """Torch reference kernels for the paged KV cache (used on CPU; the oracle for Triton).
 
-Cache layout of one rank (see common/kv_layout.py): ``[num_blocks, num_layers, 2, H_kv,
+Cache layout of one rank (see common/engine/kv_layout.py): ``[num_blocks, num_layers, 2, H_kv,
 block_size, D]`` -- block-major across layers, heads-major (HND) inside a block. The
 kernels receive one layer's view ``layer_cache = cache[:, layer]`` of shape
 ``[num_blocks, 2, H_kv, block_size, D]`` (index 0 of dim 1 is K, 1 is V), a strided view.

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.model_files import resolve_model
+from pdserve.common.model.files import resolve_model
 
 
 @pytest.fixture(scope="session")

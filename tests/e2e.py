@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cli.deployment import Deployment
-from pdserve.common.ports import free_port_block
-from pdserve.common.service_config import load_config
+from pdserve.common.runtime.ports import free_port_block
+from pdserve.common.runtime.service_config import load_config
 
 
 def deployment(

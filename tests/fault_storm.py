@@ -21,9 +21,9 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from pdserve.common import protocol as p
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.sockets import make_socket
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.sockets import make_socket
 
 # kind -> share of the storm
 KINDS = {

@@ -21,8 +21,8 @@ from typing import Any, Self, TypeVar
 
 import msgspec
 import zmq
-from pdserve.common import protocol as p
-from pdserve.common.sockets import make_socket
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.sockets import make_socket
 
 T = TypeVar("T")
 TERMINAL = (p.PrefillDone, p.Finished, p.Failed)

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdserve.common.random_model import save_random_llama
+    from pdserve.common.model.random import save_random_llama
 
     return save_random_llama(tmp_path_factory.mktemp("bench") / "tiny")
 

@@ -26,7 +26,7 @@ from pdserve.cli.bench_serve import (
     percentile,
 )
 from pdserve.cli.main import main
-from pdserve.common.ttft import PARTS
+from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
 
 
@@ -179,7 +179,7 @@ def test_bench_serve_against_a_deployment(model_dir: Path, tmp_path: Path) -> No
     records = run["requests"]
     assert all(r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"] for r in records)
     assert all((r["prompt_tokens"], r["output_tokens"]) == (32, 4) for r in records)
-    # every TTFT part was measured (common/ttft.py); they add up to the router's TTFT,
+    # every TTFT part was measured (common/runtime/ttft.py); they add up to the router's TTFT,
     # which the client's includes
     parts = [metrics[f"mean_ttft_{part}_ms"] for part in PARTS]
     assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.main import main
-from pdserve.common.kv_layout import KVLayout
+from pdserve.common.engine.kv_layout import KVLayout
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.slow

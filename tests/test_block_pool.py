@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.common.block_pool import BlockPool, NoFreeBlocks, hash_block, hash_blocks
+from pdserve.common.engine.block_pool import BlockPool, NoFreeBlocks, hash_block, hash_blocks
 
 
 def test_allocate_lowest_ids_first_gives_contiguous_runs() -> None:

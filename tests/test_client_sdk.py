@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from pdserve.common.errors import PdserveError, RequestError
-from pdserve.common.protocol import (
+from pdserve.common.runtime.protocol import (
     Abort,
     ClientToRouter,
     Decoder,

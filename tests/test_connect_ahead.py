@@ -16,11 +16,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.common import protocol as p
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.ports import free_port
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.service_config import DeploymentConfig, InstanceAddresses
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.runtime.ports import free_port
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.service_config import DeploymentConfig, InstanceAddresses
 from pdserve.services.decode.service import DecodeService
 
 LAYOUT = KVLayout(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_greedy_tokens_identical_to_transformers(engine: LLMEngine, hf_model: to
 
 
 def test_logits_close_to_transformers(engine: LLMEngine, hf_model: torch.nn.Module) -> None:
-    from pdserve.common.step_plan import ScheduledSeq, StepPlan
+    from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
     prompts = prompt_ids(engine)
     blocks = engine.pool.allocate(8)

@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 import pytest
 from pdserve.cli.deployment import Deployment
-from pdserve.common import protocol as p
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.services.decode.worker import HOLD_PULLS_ENV
 
 from tests.e2e import deployment

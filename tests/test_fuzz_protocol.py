@@ -21,12 +21,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.common import protocol as p
+from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import PdserveError
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.sockets import make_socket
-from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.sockets import make_socket
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.services.router.client import _Inbox
 
 UNIONS = {
@@ -202,7 +202,7 @@ def test_non_finite_sampling_is_refused() -> None:
 def test_oversized_frames_cost_the_sender_its_connection() -> None:
     """MAXMSGSIZE (make_socket): a frame over the limit is never allocated; the peer is
     disconnected, and the socket goes on serving others."""
-    from pdserve.common.ports import free_port
+    from pdserve.common.runtime.ports import free_port
 
     ctx = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -330,7 +330,7 @@ def ask(sock: zmq.Socket[Any], msg: p.Message | None, decoder: p.Decoder[Any],
 @pytest.fixture(scope="module")
 def http_server(model_dir: Path) -> Iterator[Any]:
     """The real aiohttp app over test_http_api's FakeCore: the HTTP layer alone."""
-    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.common.model.tokenizer import Tokenizer
     from tests.test_http_api import FakeCore, Server
 
     server = Server(FakeCore(Tokenizer.from_dir(model_dir)))
@@ -381,7 +381,7 @@ def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
     instance loudly (RankFailed, fatal: the service exits to be restarted), naming the rank."""
     from multiprocessing import Pipe
 
-    from pdserve.common.rank_group import RankFailed, RankProcesses
+    from pdserve.services.ranks.group import RankFailed, RankProcesses
 
     group = object.__new__(RankProcesses)  # only its pipe: no rank processes
     ours, theirs = Pipe()

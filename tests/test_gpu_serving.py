@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
-    from pdserve.common.random_model import save_random_llama
+    from pdserve.common.model.random import save_random_llama
 
     return save_random_llama(
         tmp_path_factory.mktemp("m") / "llama", num_layers=4, hidden_size=512, num_heads=8,
@@ -23,9 +23,9 @@ def random_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> P
 
 
 def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Path) -> None:
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import LLMEngine
-    from pdserve.common.sampling import SamplingParams
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
     from pdserve.services.router.client import Client
     from tests.e2e import deployment
 
@@ -43,10 +43,10 @@ def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Pa
 def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     """A decode step replayed from a captured graph (5 sequences padded to 8) gives the
     logits of the same step run kernel by kernel, and writes the same KV."""
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.model_config import ModelConfig
-    from pdserve.common.model_runner import ModelRunner
-    from pdserve.common.step_plan import ScheduledSeq, StepPlan
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
     config = EngineConfig(model=str(random_model), device="cuda", num_kv_blocks=64, block_size=16,
                           max_num_seqs=8, cuda_graph_max_batch=8)

@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from pdserve.common.errors import RequestError
-from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk, Usage
-from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
+from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.services.router import openapi
 from pdserve.services.router.core_api import Event, RouterCore
 from pdserve.services.router.http_api import make_app

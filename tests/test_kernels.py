@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.common.kv_layout import LOGICAL_FROM_STORAGE
+from pdserve.common.engine.kv_layout import LOGICAL_FROM_STORAGE
 from pdserve.kernels import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
@@ -84,7 +84,7 @@ class Paged:
             self.block_tables[s, :n] = torch.tensor(ids[:n])
             del ids[:n]
         self.context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-        # The real memory order (head-major storage, common/kv_layout.py) seen through the
+        # The real memory order (head-major storage, common/engine/kv_layout.py) seen through the
         # logical view [N, L, 2, H_kv, B, D]: the kernels must follow the strides.
         storage = (num_kv_heads, num_blocks, NUM_LAYERS, 2, block_size, head_dim)
         self.cache = torch.full(storage, NAN, dtype=dtype).permute(LOGICAL_FROM_STORAGE)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_transfer import new_cache, storage_of
-from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.kv_cache import new_cache, storage_of
+from pdserve.common.runtime.service_config import DeploymentConfig
 
 
 @pytest.mark.parametrize("order", ["head", "block"])

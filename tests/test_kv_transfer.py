@@ -20,11 +20,12 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_consumer import KVConsumer
-from pdserve.common.kv_descs import coalesce
-from pdserve.common.kv_transfer import KVTransferError, new_cache
-from pdserve.common.protocol import (
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.transfer.kv_consumer import KVConsumer
+from pdserve.common.transfer.kv_descs import coalesce
+from pdserve.common.engine.kv_cache import new_cache
+from pdserve.common.transfer.kv_transfer import KVTransferError
+from pdserve.common.runtime.protocol import (
     Decoder,
     HandshakeReply,
     Heartbeat,
@@ -59,7 +60,7 @@ def seeded_cache(layout: KVLayout, seed: int) -> torch.Tensor:
 def _producer_main(conn: Connection, agent_name: str, engine_id: str = ENGINE) -> None:
     """Child: serve the seeded cache; answer 'state' with (releases, bad count)."""
     torch.set_num_threads(1)
-    from pdserve.common.kv_transfer import KVProducer
+    from pdserve.common.transfer.kv_transfer import KVProducer
 
     producer = KVProducer(engine_id=engine_id, epoch=EPOCH, agent_name=agent_name,
                           kv_cache=seeded_cache(LAYOUT, SEED), layout=LAYOUT, compat=COMPAT)
@@ -389,7 +390,7 @@ def test_nixl_imported_lazily() -> None:
     import ast
     import inspect
 
-    from pdserve.common import kv_consumer, kv_descs, kv_transfer
+    from pdserve.common.transfer import kv_consumer, kv_descs, kv_transfer
 
     for module in (kv_transfer, kv_consumer, kv_descs):
         tree = ast.parse(inspect.getsource(module))

@@ -28,10 +28,10 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.common import protocol as p
-from pdserve.common.ports import free_port_block
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.service_config import DeploymentConfig, load_config
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.ports import free_port_block
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.service_config import DeploymentConfig, load_config
 from pdserve.services.router.client import Client, GenerationFailed
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdserve.common import protocol as p
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.sampling_params import SamplingParams
 from tests.e2e import deployment, free_port_block
 from tests.fault_tools import service_metrics
 

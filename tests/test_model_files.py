@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pdserve.common import model_files
+from pdserve.common.model import files as model_files
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.model_files import default_model_path, gguf_architecture, resolve_model
-from pdserve.common.random_model import save_random_llama
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.files import default_model_path, gguf_architecture, resolve_model
+from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.tokenizer import Tokenizer
 
 
 def _write_gguf(path: Path, arch: str, heads: int = 2) -> Path:

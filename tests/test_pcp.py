@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.model_runner import ModelRunner
-from pdserve.common.sampling import SamplingParams
-from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.services.prefill.rank_group import RankGroup
 from tests.e2e import deployment
 from tests.test_serving import assert_pools_full, metrics, total

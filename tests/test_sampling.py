@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import RequestError
-from pdserve.common.sampling import Sampler, SamplingParams, sample_row
+from pdserve.common.engine.sampling import Sampler, SamplingParams, sample_row
 
 
 def test_greedy_is_argmax_per_row() -> None:

@@ -2,10 +2,10 @@
 
 import random
 
-from pdserve.common.block_pool import BlockPool
-from pdserve.common.request import Request, Status
-from pdserve.common.sampling import SamplingParams
-from pdserve.common.scheduler import Scheduler
+from pdserve.common.engine.block_pool import BlockPool
+from pdserve.common.engine.request import Request, Status
+from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.engine.scheduler import Scheduler
 
 B = 4
 

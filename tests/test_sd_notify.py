@@ -1,4 +1,4 @@
-"""common/sd_notify.py against real AF_UNIX datagram sockets (path and abstract names)."""
+"""common/runtime/sd_notify.py against real AF_UNIX datagram sockets (path and abstract names)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common import sd_notify
-from pdserve.common.sd_notify import Watchdog, notify, watchdog_seconds
+from pdserve.common.runtime import sd_notify
+from pdserve.common.runtime.sd_notify import Watchdog, notify, watchdog_seconds
 
 
 def _listener(address: str) -> socket.socket:

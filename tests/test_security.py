@@ -16,10 +16,10 @@ import zmq.asyncio
 
 from pdserve.cli.deployment import Deployment
 from pdserve.cli.main import main
-from pdserve.common import protocol as p
-from pdserve.common.curve import SERVER, CurveKeys, HandshakeLog, WireSecurity, create_keys
-from pdserve.common.ports import free_port
-from pdserve.common.sockets import make_socket
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.curve import SERVER, CurveKeys, HandshakeLog, WireSecurity, create_keys
+from pdserve.common.runtime.ports import free_port
+from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.router.client import AsyncClient, Client, GenerationFailed
 from tests.e2e import deployment
 from tests.test_serving import metrics, total

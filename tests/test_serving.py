@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from pdserve.cli.deployment import Deployment
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sampling import SamplingParams
 from tests.e2e import deployment
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.main import build_parser
-from pdserve.common.service_config import DeploymentConfig, load_config
+from pdserve.common.runtime.service_config import DeploymentConfig, load_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNITS = DEPLOY / "systemd"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.protocol import KVHandle, Replica
-from pdserve.common.tp import check_tp, kv_heads_of, pull_plan
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.runtime.protocol import KVHandle, Replica
+from pdserve.common.parallel.tp import check_tp, kv_heads_of, pull_plan
 from pdserve.services.decode.pullers import plan_pulls
 
 SIZES = [(8, 4), (8, 8), (8, 2), (9, 3), (32, 8), (8, 1)]  # (heads, KV heads)
@@ -95,7 +95,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tp_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
     pytest.importorskip("transformers")
-    from pdserve.common.random_model import save_random_llama
+    from pdserve.common.model.random import save_random_llama
 
     return save_random_llama(tmp_path_factory.mktemp("tp-model"), num_heads=8, num_kv_heads=4,
                              hidden_size=128, intermediate_size=256, num_layers=2, tokenizer_from=model_dir)
@@ -103,9 +103,9 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tp_model: Path) -> dict[str, list[int]]:
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import LLMEngine
-    from pdserve.common.sampling import SamplingParams
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tp_model), kv_cache_memory_gb=0.05))
     outs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=12))
@@ -155,10 +155,10 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Path) -> None:
     """TP 4 over 2 KV heads: each KV head lives on two ranks; greedy tokens as at TP 1."""
     pytest.importorskip("transformers")
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import LLMEngine
-    from pdserve.common.random_model import save_random_llama
-    from pdserve.common.sampling import SamplingParams
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.engine.sampling import SamplingParams
     from pdserve.services.decode.rank_group import DecodeRankGroup
 
     model = save_random_llama(tmp_path / "m", num_heads=8, num_kv_heads=2, hidden_size=128,

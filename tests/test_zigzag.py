@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.common.zigzag import piece_bounds, rank_pieces
+from pdserve.common.parallel.zigzag import piece_bounds, rank_pieces
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])

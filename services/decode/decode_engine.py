@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.common.engine import LLMEngine
-from pdserve.common.outputs import RequestOutput
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.engine.sampling import SamplingParams
 
 
 class DecodeEngine(LLMEngine):

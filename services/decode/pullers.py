@@ -1,7 +1,7 @@
 """How a decode instance moves a request's prompt KV in: the pull plan and the pullers.
 
 :func:`plan_pulls` maps a producer's TP x PCP grid onto this instance's TP ranks: each
-decode rank reads its KV heads from the producer TP rank(s) holding them (common/tp.py),
+decode rank reads its KV heads from the producer TP rank(s) holding them (common/parallel/tp.py),
 from the first PCP replica or, with ``pull_from = "striped"``, one share of the blocks
 from each replica. Whatever was read from, every replica is released exactly once.
 
@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common import protocol as p
-from pdserve.common.kv_pulls import PullResult, PullSpec
-from pdserve.common.kv_transfer import KVTransferError
-from pdserve.common.tp import pull_plan
+from pdserve.common.runtime import protocol as p
+from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
+from pdserve.common.transfer.kv_transfer import KVTransferError
+from pdserve.common.parallel.tp import pull_plan
 
 
 def plan_pulls(

@@ -1,4 +1,4 @@
-"""DecodeRankGroup: a decode instance's TP rank processes (common/rank.py, role decode).
+"""DecodeRankGroup: a decode instance's TP rank processes (services/ranks/process.py, role decode).
 
 Each rank holds its heads of the KV cache and its own NIXL agent, which reads those heads
 from the producers (services/decode/pullers.py RankPuller); rank 0 returns the logits.
@@ -6,8 +6,8 @@ from the producers (services/decode/pullers.py RankPuller); rank 0 returns the l
 
 from __future__ import annotations
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.rank_group import RankProcesses
+from pdserve.common.engine.config import EngineConfig
+from pdserve.services.ranks.group import RankProcesses
 
 
 class DecodeRankGroup(RankProcesses):

@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq
 
-from pdserve.common import protocol as p
-from pdserve.common.service import Service
-from pdserve.common.service_config import DeploymentConfig
-from pdserve.common.sockets import make_socket
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.service import Service
+from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.decode.worker import DecodeWorker, ProducerKey
 
 HANDSHAKE_TIMEOUT = 10.0

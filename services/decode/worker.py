@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from pdserve.common import protocol as p
+from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import FatalError, PdserveError
-from pdserve.common.outputs import RequestOutput
-from pdserve.common.worker import WorkerThread, report_engine
+from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
 
 if TYPE_CHECKING:
     from pdserve.services.decode.decode_engine import DecodeEngine
-    from pdserve.common.kv_pulls import LocalPuller, PullResult
+    from pdserve.common.transfer.kv_pulls import LocalPuller, PullResult
     from pdserve.services.decode.pullers import RankPuller
     from pdserve.services.decode.service import DecodeService
 
@@ -45,7 +45,7 @@ class PendingPull:
     blocks: list[int] | None = None
     pulling: bool = False  # READs posted, not all ended
     aborted: bool = False
-    marks: dict[str, float] = field(default_factory=lambda: {"decode_received": time.time()})  # common/ttft.py
+    marks: dict[str, float] = field(default_factory=lambda: {"decode_received": time.time()})  # common/runtime/ttft.py
 
     @property
     def key(self) -> ProducerKey:
@@ -66,7 +66,7 @@ class DecodeWorker(WorkerThread):
         import torch
 
         from pdserve.services.decode.decode_engine import DecodeEngine
-        from pdserve.common.kv_pulls import LocalPuller
+        from pdserve.common.transfer.kv_pulls import LocalPuller
         from pdserve.services.decode.pullers import RankPuller
 
         torch.set_num_threads(self.svc.torch_threads)
@@ -280,7 +280,7 @@ class DecodeWorker(WorkerThread):
             self._emit(out)
 
     def _emit(self, out: RequestOutput, marks: dict[str, float] | None = None) -> None:
-        """``marks``: the TTFT marks of a request's first output (common/ttft.py)."""
+        """``marks``: the TTFT marks of a request's first output (common/runtime/ttft.py)."""
         peer = self.peers.get(out.request_id)
         if peer is None:
             return

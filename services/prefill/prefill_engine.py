@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.common.engine import LLMEngine
-from pdserve.common.request import Request
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.request import Request
 
 
 class Prefilled(msgspec.Struct, kw_only=True):

@@ -7,9 +7,9 @@ frees a request only when every rank has reported.
 
 from __future__ import annotations
 
-from pdserve.common import protocol as p
-from pdserve.common.config import EngineConfig
-from pdserve.common.rank_group import RankFailed, RankProcesses
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.config import EngineConfig
+from pdserve.services.ranks.group import RankFailed, RankProcesses
 
 __all__ = ["RankFailed", "RankGroup"]
 

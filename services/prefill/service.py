@@ -9,10 +9,10 @@ from typing import Any
 
 import zmq
 
-from pdserve.common import protocol as p
-from pdserve.common.service import Service
-from pdserve.common.service_config import DeploymentConfig
-from pdserve.common.sockets import make_socket
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.service import Service
+from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.prefill.worker import PrefillWorker
 
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from pdserve.common import protocol as p
+from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import FatalError, PdserveError
-from pdserve.common.worker import WorkerThread, report_engine
+from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
-    from pdserve.common.kv_transfer import KVProducer
+    from pdserve.common.transfer.kv_transfer import KVProducer
     from pdserve.services.prefill.rank_group import RankGroup
     from pdserve.services.prefill.prefill_engine import PrefillEngine, Prefilled
     from pdserve.services.prefill.service import PrefillService
@@ -46,7 +46,7 @@ class PrefillWorker(WorkerThread):
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:
-            from pdserve.common.kv_transfer import KVProducer
+            from pdserve.common.transfer.kv_transfer import KVProducer
 
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
@@ -158,7 +158,7 @@ class PrefillWorker(WorkerThread):
 
     def _mark_scheduled(self, started: float) -> None:
         """A request's prefill began with the first step that left it out of the waiting
-        queue (TTFT parts, common/ttft.py)."""
+        queue (TTFT parts, common/runtime/ttft.py)."""
         if self.engine.last_step_tokens == 0:
             return
         waiting = {req.request_id for req in self.engine.scheduler.waiting}

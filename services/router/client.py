@@ -42,9 +42,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common.curve import CurveKeys, describe_failure
+from pdserve.common.runtime.curve import CurveKeys, describe_failure
 from pdserve.common.errors import PdserveError, RequestError
-from pdserve.common.protocol import (
+from pdserve.common.runtime.protocol import (
     Abort,
     ChatMessage,
     Decoder,
@@ -56,8 +56,8 @@ from pdserve.common.protocol import (
     Usage,
     encode,
 )
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.sockets import make_socket
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.sockets import make_socket
 
 log = structlog.get_logger("pdserve.client")
 

@@ -10,9 +10,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdserve.common import protocol as p
+from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import PdserveError
-from pdserve.common.sockets import make_socket, send_nowait
+from pdserve.common.runtime.sockets import make_socket, send_nowait
 from pdserve.services.router.router import Router
 
 log = structlog.get_logger("pdserve.router.front")

@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 
 from pdserve.common.errors import PdserveError, RequestError
-from pdserve.common.protocol import Failed, Finished, Generate, TokenChunk
+from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
 from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.block_pool import BlockHash
+from pdserve.common.engine.block_pool import BlockHash
 
 PREFIX_MEMORY = 50_000  # block hashes remembered per prefill instance (affinity hints)
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pdserve.common.sd_notify import Watchdog, notify
-from pdserve.common.service_config import DeploymentConfig
+from pdserve.common.runtime.sd_notify import Watchdog, notify
+from pdserve.common.runtime.service_config import DeploymentConfig
 
 if TYPE_CHECKING:
     from pdserve.services.router.router import Router
@@ -26,9 +26,9 @@ log = structlog.get_logger("pdserve.router")
 async def serve(cfg: DeploymentConfig) -> None:
     from aiohttp import web
 
-    from pdserve.common.model_config import ModelConfig
-    from pdserve.common.model_files import resolve_model
-    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.files import resolve_model
+    from pdserve.common.model.tokenizer import Tokenizer
     from pdserve.services.router.front import FrontDoor
     from pdserve.services.router.http_api import make_app
     from pdserve.services.router.router import Router

@@ -24,15 +24,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common import protocol as p
-from pdserve.common.block_pool import hash_blocks
-from pdserve.common.curve import HandshakeLog, WireSecurity
+from pdserve.common.runtime import protocol as p
+from pdserve.common.engine.block_pool import hash_blocks
+from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
 from pdserve.common.errors import RequestError
-from pdserve.common.metrics import Metrics, render
-from pdserve.common.service_config import DeploymentConfig
-from pdserve.common.sockets import make_socket
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.common.ttft import ttft_parts
+from pdserve.common.runtime.metrics import Metrics, render
+from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.runtime.sockets import make_socket
+from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.runtime.ttft import ttft_parts
 from pdserve.services.router.links import Link, pick
 
 log = structlog.get_logger("pdserve.router")
@@ -50,7 +50,7 @@ class RequestState:
     trace_id: str
     num_prompt_tokens: int
     arrived: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.time()})  # common/ttft.py
+    marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.time()})  # common/runtime/ttft.py
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     link: Link | None = None  # the instance holding the request now
     finished: bool = False

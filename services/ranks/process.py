@@ -21,9 +21,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-from pdserve.common import protocol as p
-from pdserve.common.kv_pulls import PullSpec
-from pdserve.common.step_plan import StepPlan
+from pdserve.common.runtime import protocol as p
+from pdserve.common.transfer.kv_pulls import PullSpec
+from pdserve.common.engine.step_plan import StepPlan
 
 # Fault injection for tests only: a prefill rank that silently drops every release.
 DROP_RELEASES_ENV = "PDSERVE_TEST_DROP_RELEASES_RANK"
@@ -46,11 +46,11 @@ def rank_main(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: by
 def _serve(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.model_config import ModelConfig
-    from pdserve.common.model_files import resolve_model
-    from pdserve.common.model_runner import ModelRunner
-    from pdserve.common.parallel import init_grid
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.files import resolve_model
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.common.parallel.context import init_grid
 
     spec = msgspec.json.decode(setup)
     config = msgspec.convert(spec["config"], EngineConfig)
@@ -108,7 +108,7 @@ class _Role:
 
 class _Producer(_Role):
     def __init__(self, spec: dict[str, Any], rank: int, par: Any, runner: Any) -> None:
-        from pdserve.common.kv_transfer import KVProducer
+        from pdserve.common.transfer.kv_transfer import KVProducer
 
         engine_id, epoch = spec["engine_id"], spec["epoch"]
         self.producer = KVProducer(
@@ -131,7 +131,7 @@ class _Producer(_Role):
 
 class _Consumer(_Role):
     def __init__(self, spec: dict[str, Any], rank: int, par: Any, runner: Any) -> None:
-        from pdserve.common.kv_pulls import LocalPuller
+        from pdserve.common.transfer.kv_pulls import LocalPuller
 
         self.puller = LocalPuller(f"{spec['name']}-r{rank}", runner)
 

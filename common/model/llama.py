@@ -4,7 +4,7 @@ Module and parameter names follow Hugging Face's LlamaForCausalLM so a safetenso
 checkpoint loads by name. Tokens arrive as one flat batch [T] of all scheduled sequences.
 
 Tensor parallel (``parallel.tp_size > 1``): each rank holds its query heads and KV heads
-(common/tp.py) and a slice of the MLP; q/k/v and gate/up are column-parallel, o_proj and
+(common/parallel/tp.py) and a slice of the MLP; q/k/v and gate/up are column-parallel, o_proj and
 down_proj row-parallel followed by an all-reduce over the TP group. Embeddings, norms and
 the LM head are replicated. :func:`shard_state_dict` cuts a full checkpoint to one rank.
 
@@ -23,11 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.attention import AttentionMetadata, paged_attention
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.parallel import ParallelContext
-from pdserve.common.rope import RotaryEmbedding
-from pdserve.common.tp import kv_heads_of, q_heads_of
+from pdserve.common.model.attention import AttentionMetadata, paged_attention
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.parallel.context import ParallelContext
+from pdserve.common.model.rope import RotaryEmbedding
+from pdserve.common.parallel.tp import kv_heads_of, q_heads_of
 
 
 class RMSNorm(nn.Module):

@@ -1,7 +1,7 @@
 """NIXL descriptor arithmetic of a KV cache (pure numpy): the prepared lists' rows and the
 index lists of a pull.
 
-A cache is an array of (head, block) units (common/kv_layout.py); each side prepares a
+A cache is an array of (head, block) units (common/engine/kv_layout.py); each side prepares a
 list with one row per unit, once, so that a pull is two index lists into them and one
 ``make_prepped_xfer``. NIXL merges index pairs whose local AND remote rows are both
 adjacent into one descriptor (its default merging; the tests check NIXL's own count):
@@ -11,7 +11,7 @@ adjacent into one descriptor (its default merging; the tests check NIXL's own co
 from __future__ import annotations
 
 import numpy as np
-from pdserve.common.kv_layout import KVLayout
+from pdserve.common.engine.kv_layout import KVLayout
 
 
 def coalesce(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:

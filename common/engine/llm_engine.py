@@ -12,19 +12,19 @@ from typing import Protocol
 import structlog
 import torch
 
-from pdserve.common.block_pool import BlockPool
-from pdserve.common.config import EngineConfig
+from pdserve.common.engine.block_pool import BlockPool
+from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import RequestError
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.model_files import resolve_model
-from pdserve.common.model_runner import ModelRunner
-from pdserve.common.outputs import Completion, RequestOutput, TextTracker, finish_reason
-from pdserve.common.request import Request
-from pdserve.common.sampling import Sampler, SamplingParams
-from pdserve.common.scheduler import Scheduler
-from pdserve.common.step_plan import StepPlan
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.files import resolve_model
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
+from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling import Sampler, SamplingParams
+from pdserve.common.engine.scheduler import Scheduler
+from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.model.tokenizer import Tokenizer
 
 log = structlog.get_logger("pdserve.engine")
 

@@ -21,8 +21,8 @@ import time
 import structlog
 import torch
 
-from pdserve.common.attention import AttentionMetadata
-from pdserve.common.step_plan import StepPlan
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.engine.step_plan import StepPlan
 
 log = structlog.get_logger("pdserve.cuda_graphs")
 

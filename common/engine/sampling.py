@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplingParams", "sample_row", "token_generator"]
 

@@ -16,8 +16,8 @@ from typing import Any, Generic, TypeVar, Union
 
 import msgspec
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -53,7 +53,7 @@ class TokenChunk(Message, kw_only=True, omit_defaults=True):
     trace_id: str
     token_ids: list[int]
     text: str
-    # decode's wall-clock marks of the request (common/ttft.py), on the first chunk only;
+    # decode's wall-clock marks of the request (common/runtime/ttft.py), on the first chunk only;
     # empty ones are not encoded, so peers without the field still read every other chunk
     timings: dict[str, float] = {}
 
@@ -113,7 +113,7 @@ class PrefillDone(Message, kw_only=True, omit_defaults=True):
     first_token: int
     num_cached_tokens: int
     handle: KVHandle
-    timings: dict[str, float] = {}  # prefill's wall-clock marks (common/ttft.py)
+    timings: dict[str, float] = {}  # prefill's wall-clock marks (common/runtime/ttft.py)
 
 
 # -- router -> decode -----------------------------------------------------------------------

@@ -13,19 +13,19 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve import kernels
-from pdserve.common.attention import AttentionMetadata
-from pdserve.common.cuda_graphs import DecodeGraphs
-from pdserve.common.config import EngineConfig
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.engine.cuda_graphs import DecodeGraphs
+from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_transfer import new_cache
-from pdserve.common.model import LlamaForCausalLM, shard_state_dict
-from pdserve.common.model_config import ModelConfig
-from pdserve.common.parallel import ParallelContext
-from pdserve.common.rope import inv_frequencies
-from pdserve.common.step_plan import ScheduledSeq, StepPlan
-from pdserve.common.tp import check_tp, kv_heads_of
-from pdserve.common.zigzag import rank_pieces
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.kv_cache import new_cache
+from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.parallel.context import ParallelContext
+from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.parallel.tp import check_tp, kv_heads_of
+from pdserve.common.parallel.zigzag import rank_pieces
 
 log = structlog.get_logger("pdserve.model_runner")
 
@@ -106,7 +106,7 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._blocks_for_memory(probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization)
         self.layout = msgspec.structs.replace(probe, num_blocks=num_blocks)
-        # logical [N, L, 2, H_kv, B, D] over head-major storage (common/kv_layout.py)
+        # logical [N, L, 2, H_kv, B, D] over head-major storage (common/engine/kv_layout.py)
         self.kv_cache = new_cache(self.layout, self.device)
         self.graphs: DecodeGraphs | None = None
         self._graph_max_batch = cuda_graph_max_batch
@@ -127,7 +127,7 @@ class ModelRunner:
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """CUDA graphs of decode steps (common/cuda_graphs.py), where they can run."""
+        """CUDA graphs of decode steps (common/engine/cuda_graphs.py), where they can run."""
         par = self.parallel
         if (self._graph_max_batch < 1 or self.device.type != "cuda" or par.tp_size > 1 or par.pcp_size > 1
                 or kernels.backend_name(self.device) != "triton"):

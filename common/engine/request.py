@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from pdserve.common.block_pool import BlockHash
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.engine.block_pool import BlockHash
+from pdserve.common.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):

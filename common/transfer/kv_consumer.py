@@ -1,6 +1,6 @@
 """The decode side of KV transfer: ``KVConsumer`` connects to producer replicas, pulls
-blocks with NIXL READs and releases them (common/kv_transfer.py has the producer and the
-shared parts; common/kv_descs.py the descriptor arithmetic).
+blocks with NIXL READs and releases them (common/transfer/kv_transfer.py has the producer and the
+shared parts; common/transfer/kv_descs.py the descriptor arithmetic).
 
 NIXL agents are not thread-safe: use each KVConsumer from one thread only.
 """
@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from pdserve.common.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.kv_transfer import (
+from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.transfer.kv_transfer import (
     KVTransferError,
     _CacheAgent,
     _pull_error,
     incompatibilities,
     peer_name,
 )
-from pdserve.common.protocol import HandshakeReply, KVHandle, Release, encode
+from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release, encode
 
 log = structlog.get_logger("pdserve.kv_transfer")
 

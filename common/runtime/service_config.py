@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.config import EngineConfig
+from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import PdserveError
 
 ENV_PREFIX = "PDSERVE_"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdserve.common.block_pool import BlockPool, hash_blocks
-from pdserve.common.request import Request, Status
-from pdserve.common.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.request import Request, Status
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
 
 class Scheduler:

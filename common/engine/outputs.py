@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.common.request import Request
-from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.engine.request import Request
+from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.common.curve import (
+from pdserve.common.runtime.curve import (
     CurveKeys,
     ensure_authenticator,
     handshake_events,

@@ -46,7 +46,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve.common.errors import PdserveError
 
 if TYPE_CHECKING:
-    from pdserve.common.metrics import Metrics
+    from pdserve.common.runtime.metrics import Metrics
 
 log = structlog.get_logger("pdserve.curve")
 

@@ -4,7 +4,7 @@ A service binds one ROUTER socket for the router, decodes each frame with its di
 typed decoder, and dispatches by message type. Malformed frames are counted, logged and
 answered, never fatal. Model work happens in the service's WorkerThread.
 
-Lifecycle (systemd ``Type=notify``, see common/sd_notify.py): READY=1 once the worker
+Lifecycle (systemd ``Type=notify``, see common/runtime/sd_notify.py): READY=1 once the worker
 loaded the weights and the sockets are bound; WATCHDOG=1 from the worker's loop while
 the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
 "draining" (and Pongs say not ready, so the router stops picking this instance), work in
@@ -33,13 +33,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdserve.common import protocol as p
-from pdserve.common.curve import WireSecurity
-from pdserve.common.metrics import Metrics
-from pdserve.common.sd_notify import Watchdog, notify
-from pdserve.common.service_config import DeploymentConfig
-from pdserve.common.sockets import make_socket, send_nowait
-from pdserve.common.worker import WorkerThread
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.curve import WireSecurity
+from pdserve.common.runtime.metrics import Metrics
+from pdserve.common.runtime.sd_notify import Watchdog, notify
+from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.runtime.sockets import make_socket, send_nowait
+from pdserve.common.runtime.engine_thread import WorkerThread
 
 log = structlog.get_logger("pdserve.service")
 

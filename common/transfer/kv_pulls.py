@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from pdserve.common import protocol as p
+from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import PdserveError
 
 
@@ -34,7 +34,7 @@ class LocalPuller:
     """TP 1: the KVConsumer lives in the decode engine's thread."""
 
     def __init__(self, agent_name: str, runner: Any) -> None:
-        from pdserve.common.kv_consumer import KVConsumer
+        from pdserve.common.transfer.kv_consumer import KVConsumer
 
         self.consumer = KVConsumer(agent_name=agent_name, kv_cache=runner.kv_cache,
                                    layout=runner.layout, compat=runner.kv_compat())

@@ -6,7 +6,7 @@ the same block ids. Ranks also send events the coordinator did not ask for (a pr
 received releases, a consumer's finished pulls); they are kept in arrival order and
 handed out by :meth:`take_events`.
 
-Pipe messages are msgpack tuples, never pickle (common/rank.py lists them).
+Pipe messages are msgpack tuples, never pickle (services/ranks/process.py lists them).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import msgspec
 import numpy as np
 import torch
 
-from pdserve.common.config import EngineConfig
+from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import FatalError
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.ports import free_port
-from pdserve.common.protocol import HandshakeReply
-from pdserve.common.step_plan import StepPlan
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.runtime.ports import free_port
+from pdserve.common.runtime.protocol import HandshakeReply
+from pdserve.common.engine.step_plan import StepPlan
 
 START_TIMEOUT = 600.0
 STEP_TIMEOUT = 600.0
@@ -40,7 +40,7 @@ class RankFailed(FatalError):
 class RankProcesses:
     def __init__(self, role: str, config: EngineConfig, name: str, *, tp: int = 1, pcp: int = 1,
                  agent: dict[str, Any] | None = None) -> None:
-        from pdserve.common.rank import rank_main
+        from pdserve.services.ranks.process import rank_main
 
         ctx = mp.get_context("spawn")
         dist_addr = f"tcp://127.0.0.1:{free_port()}"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import LLAMA_FAMILY
+from pdserve.common.model.config import LLAMA_FAMILY
 
 log = logging.getLogger("pdserve.model_files")
 

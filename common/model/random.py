@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pdserve.common.model_files import resolve_model
+from pdserve.common.model.files import resolve_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -1,16 +1,16 @@
 """KV cache transfer by NIXL READ: the producer (prefill rank) registers its cache and
-answers a handshake; the consumer (decode rank, common/kv_consumer.py) pulls blocks and
+answers a handshake; the consumer (decode rank, common/transfer/kv_consumer.py) pulls blocks and
 releases them. This module has the producer and what both sides share.
 
 Descriptor count, not bandwidth, decides speed (FACTS.md), so:
 - each side registers its whole cache once, and the consumer prepares descriptor lists of
   (head, block) units once (its own at start, each remote's at connect; block-major caches
   also one of whole blocks), so a pull is one ``make_prepped_xfer`` call over two index
-  lists, no per-request list building (common/kv_descs.py);
+  lists, no per-request list building (common/transfer/kv_descs.py);
 - adjacent units coalesce: ``make_prepped_xfer`` merges index pairs whose local AND
   remote descriptors are both contiguous into one descriptor (NIXL's default merging; the
   tests check NIXL's own count in transfer telemetry): ``runs x heads`` descriptors per
-  pull in head order, for any pair of TP sizes, ``runs`` in block order (common/kv_layout.py).
+  pull in head order, for any pair of TP sizes, ``runs`` in block order (common/engine/kv_layout.py).
   Measured against ``initialize_xfer`` with explicit run descriptors (64 MiB, 2-core CPU,
   CMA): same bytes/s for the same descriptors, but building the request took ~70-90 us
   prepped (flat in the number of runs) vs ~150 us (1 run) to ~1 ms (256 runs), because
@@ -34,9 +34,10 @@ import msgspec
 import structlog
 import torch
 from pdserve.common.errors import PdserveError
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.protocol import Decoder, HandshakeReply, Release
-from pdserve.common.tp import kv_heads_of
+from pdserve.common.engine.kv_cache import new_cache, storage_of
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.runtime.protocol import Decoder, HandshakeReply, Release
+from pdserve.common.parallel.tp import kv_heads_of
 
 log = structlog.get_logger("pdserve.kv_transfer")
 
@@ -83,17 +84,6 @@ def incompatibilities(
         diffs.append(f"remote TP rank {reply.tp_rank}/{reply.tp_size} of a model with {total!r} KV heads "
                      "cannot be mapped")
     return diffs
-
-
-def new_cache(layout: KVLayout, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed cache in our memory order, returned as its logical view [N, L, 2, H, B, D]."""
-    storage = torch.zeros(layout.storage_shape, dtype=getattr(torch, layout.dtype), device=device)
-    return storage.permute(layout.logical_from_storage)
-
-
-def storage_of(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """The memory-order tensor ([H, N, ...] or [N, H, ...]) behind a logical cache view."""
-    return kv_cache.permute(layout.storage_from_logical)
 
 
 def _memory_of(kv_cache: torch.Tensor) -> tuple[str, int]:

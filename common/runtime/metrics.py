@@ -12,7 +12,7 @@ import bisect
 import threading
 from collections import defaultdict
 
-from pdserve.common.protocol import MetricSample
+from pdserve.common.runtime.protocol import MetricSample
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # TTFT parts go down to tens of microseconds (an idle handoff, the first chunk's emit)
@@ -47,7 +47,7 @@ HISTOGRAMS = {
     "pdserve:inter_token_latency_seconds": "time between consecutive tokens",
     "pdserve:e2e_request_latency_seconds": "time from arrival to the last token",
     "pdserve:kv_transfer_seconds": "time of one KV pull",
-    "pdserve:ttft_part_seconds": "time to first token by part of the request's path (common/ttft.py)",
+    "pdserve:ttft_part_seconds": "time to first token by part of the request's path (common/runtime/ttft.py)",
 }
 HELP = {**COUNTERS, **GAUGES, **HISTOGRAMS}
 

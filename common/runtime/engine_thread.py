@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from pdserve.common.sd_notify import Watchdog
+from pdserve.common.runtime.sd_notify import Watchdog
 
 log = structlog.get_logger("pdserve.worker")
 

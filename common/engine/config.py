@@ -22,12 +22,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # Storage order of the KV cache (common/kv_layout.py): "head" suits readers of a head
+    # Storage order of the KV cache (common/engine/kv_layout.py): "head" suits readers of a head
     # slice (decode TP != prefill TP), "block" readers of every head; "auto" lets the
     # deployment choose from its TP sizes (a lone engine takes "head").
     kv_order: str = "auto"
     # CUDA: decode steps of up to this many sequences replay captured graphs
-    # (common/cuda_graphs.py); larger ones, and every step on CPU, run eagerly.
+    # (common/engine/cuda_graphs.py); larger ones, and every step on CPU, run eagerly.
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 64
 
