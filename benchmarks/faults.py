@@ -22,12 +22,24 @@ RESULT = ROOT / "benchmarks" / "results" / "faults.json"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--show", action="store_true", help="print the last run's table, run nothing")
-    parser.add_argument("--json", type=Path, default=RESULT, help=f"where the suite writes (default {RESULT})")
+    parser.add_argument(
+        "--show", action="store_true", help="print the last run's table, run nothing"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=RESULT, help=f"where the suite writes (default {RESULT})"
+    )
     args = parser.parse_args()
     if not args.show:
         env = {**os.environ, "PDSERVE_FAULTS_JSON": str(args.json.resolve())}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_faults.py",
+        ]
         code = subprocess.call(cmd, cwd=ROOT, env=env)
         if code != 0:
             return code

@@ -20,15 +20,17 @@ from pathlib import Path
 import torch
 
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import resolve_model
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.files import resolve_model
 from pdserve.services.prefill.rank_group import RankGroup
 
 
 def plans(length: int, chunk: int, block_size: int) -> list[StepPlan]:
-    ids = torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    ids = torch.randint(
+        100, 40000, (length,), generator=torch.Generator().manual_seed(length)
+    ).tolist()
     blocks = list(range(-(-length // block_size)))
     out = []
     for start in range(0, length, chunk):
@@ -58,15 +60,27 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
 
     layout = group.layout
     cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device)
-    consumer = KVConsumer(agent_name="bench-decode", kv_cache=cache, layout=layout, compat=group.handshake_replies[0].compat)
+    consumer = KVConsumer(
+        agent_name="bench-decode",
+        kv_cache=cache,
+        layout=layout,
+        compat=group.handshake_replies[0].compat,
+    )
     try:
         for reply in group.handshake_replies:
             consumer.connect(reply)
         first = group.handshake_replies[0]
         blocks = list(range(layout.num_blocks))
         handle = p.KVHandle(
-            engine_id=first.engine_id, epoch=first.epoch, layout=layout, block_ids=blocks, num_tokens=len(blocks) * layout.block_size,
-            replicas=[p.Replica(agent_name=r.agent_name, side_channel="", pcp_rank=i) for i, r in enumerate(group.handshake_replies)],
+            engine_id=first.engine_id,
+            epoch=first.epoch,
+            layout=layout,
+            block_ids=blocks,
+            num_tokens=len(blocks) * layout.block_size,
+            replicas=[
+                p.Replica(agent_name=r.agent_name, side_channel="", pcp_rank=i)
+                for i, r in enumerate(group.handshake_replies)
+            ],
             lease_deadline=0.0,
         )
         out = {}
@@ -76,7 +90,12 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
                 bounds = [len(blocks) * i // parts for i in range(parts + 1)]
                 started = time.perf_counter()
                 pulls = [
-                    consumer.start_pull("bench", msgspec.structs.replace(handle, block_ids=blocks[a:b]), blocks[a:b], i)
+                    consumer.start_pull(
+                        "bench",
+                        msgspec.structs.replace(handle, block_ids=blocks[a:b]),
+                        blocks[a:b],
+                        i,
+                    )
                     for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
                 ]
                 while not all(consumer.poll(pull) for pull in pulls):
@@ -90,7 +109,9 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lengths", default="1024,2048,4096")
@@ -103,31 +124,59 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     model_dir = resolve_model(args.model)
     blocks = -(-max(lengths) // 64) + 1
-    cfg = EngineConfig(model=str(model_dir), device=args.device, num_kv_blocks=blocks, max_num_batched_tokens=args.chunk)
+    cfg = EngineConfig(
+        model=str(model_dir),
+        device=args.device,
+        num_kv_blocks=blocks,
+        max_num_batched_tokens=args.chunk,
+    )
     rows: list[dict[str, float]] = []
     pulls: list[dict[str, float]] = []
     for n in [int(x) for x in args.pcp.split(",")]:
         if n == 1:
             torch.set_num_threads(int(os.environ.get("PDSERVE_RANK_THREADS", "1")))
-            runner: object = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, cfg)
+            runner: object = ModelRunner.from_config(
+                ModelConfig.from_dir(model_dir), model_dir, cfg
+            )
         else:
             runner = RankGroup(cfg, n, f"bench-pcp{n}", 1)
         try:
             time_prefill(runner, min(lengths), args.chunk, 64, 1)  # warm-up
             for length in lengths:
                 seconds = time_prefill(runner, length, args.chunk, 64, args.repeats)
-                rows.append({"pcp": n, "tokens": length, "seconds": seconds, "tokens_per_s": length / seconds})
-                print(f"pcp {n}  tokens {length:6d}  {seconds * 1000:9.1f} ms  {length / seconds:9.1f} tok/s", flush=True)
+                rows.append(
+                    {
+                        "pcp": n,
+                        "tokens": length,
+                        "seconds": seconds,
+                        "tokens_per_s": length / seconds,
+                    }
+                )
+                print(
+                    f"pcp {n}  tokens {length:6d}  {seconds * 1000:9.1f} ms  {length / seconds:9.1f} tok/s",
+                    flush=True,
+                )
             if isinstance(runner, RankGroup):
                 t = time_pulls(runner, args.device)
                 pulls.append({"pcp": n, **t})
                 gb = t["bytes"] / 1e9
-                print(f"pcp {n}  pull {gb:.3f} GB  first {t['first'] * 1000:.1f} ms ({gb / t['first']:.2f} GB/s)"
-                      f"  striped {t['striped'] * 1000:.1f} ms ({gb / t['striped']:.2f} GB/s)", flush=True)
+                print(
+                    f"pcp {n}  pull {gb:.3f} GB  first {t['first'] * 1000:.1f} ms ({gb / t['first']:.2f} GB/s)"
+                    f"  striped {t['striped'] * 1000:.1f} ms ({gb / t['striped']:.2f} GB/s)",
+                    flush=True,
+                )
         finally:
             if isinstance(runner, RankGroup):
                 runner.close()
-    result = {"model": str(model_dir), "device": args.device, "cpu_count": os.cpu_count(), "chunk": args.chunk, "torch": torch.__version__, "rows": rows, "pulls": pulls}
+    result = {
+        "model": str(model_dir),
+        "device": args.device,
+        "cpu_count": os.cpu_count(),
+        "chunk": args.chunk,
+        "torch": torch.__version__,
+        "rows": rows,
+        "pulls": pulls,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
@@ -138,7 +187,12 @@ def main() -> None:
 
         for n in sorted({r["pcp"] for r in rows}):
             pts = [r for r in rows if r["pcp"] == n]
-            plt.plot([r["tokens"] for r in pts], [r["seconds"] for r in pts], marker="o", label=f"PCP={n}")
+            plt.plot(
+                [r["tokens"] for r in pts],
+                [r["seconds"] for r in pts],
+                marker="o",
+                label=f"PCP={n}",
+            )
         plt.xlabel("prompt tokens")
         plt.ylabel("prefill seconds")
         plt.legend()

@@ -26,8 +26,12 @@ def main(src: str, dst: str) -> None:
         series[run.get("mode", run["label"])].append(run)
     cfg = payload["config"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [("output_throughput", "output tokens/s", [""]), ("ttft", "TTFT (ms)", ["median", "p99"]),
-              ("tpot", "TPOT (ms)", ["median", "p99"]), ("itl", "ITL (ms)", ["median", "p99"])]
+    panels = [
+        ("output_throughput", "output tokens/s", [""]),
+        ("ttft", "TTFT (ms)", ["median", "p99"]),
+        ("tpot", "TPOT (ms)", ["median", "p99"]),
+        ("itl", "ITL (ms)", ["median", "p99"]),
+    ]
     colors = {mode: f"C{i}" for i, mode in enumerate(series)}
     for ax, (key, title, stats) in zip(axes.flat, panels):
         for mode, runs in series.items():
@@ -45,8 +49,10 @@ def main(src: str, dst: str) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"pdserve bench serve: {Path(str(payload['runs'][0]['server']['model'])).name}, "
-                 f"{cfg['num_prompts']} prompts, input {cfg['input_len']}, output {cfg['output_len']}")
+    fig.suptitle(
+        f"pdserve bench serve: {Path(str(payload['runs'][0]['server']['model'])).name}, "
+        f"{cfg['num_prompts']} prompts, input {cfg['input_len']}, output {cfg['output_len']}"
+    )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
     print(f"wrote {dst}")

@@ -19,7 +19,9 @@ BENCHMARKS = (bench_engine, bench_serve, bench_transfer)
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks (engine vs Hugging Face, serving over HTTP, KV transfer)", description=__doc__,
+        "bench",
+        help="benchmarks (engine vs Hugging Face, serving over HTTP, KV transfer)",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benches = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")

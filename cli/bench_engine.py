@@ -51,25 +51,44 @@ Sync = Callable[[], None]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "engine", help="monolithic engine vs Hugging Face transformers (prefill and decode tok/s)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "engine",
+        help="monolithic engine vs Hugging Face transformers (prefill and decode tok/s)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="auto: float32 on CPU, bfloat16 on CUDA",
+    )
     p.add_argument("--prompt-len", type=_positive_int, default=256)
     p.add_argument("--gen-len", type=_gen_len, default=32, help="tokens per sequence, at least 2")
-    p.add_argument("--batch-sizes", type=_positive_ints, default=[1, 16],
-                   help="comma-separated, e.g. 1,16")
-    p.add_argument("--repeats", type=_positive_int, default=3,
-                   help="timed runs per number (the median is reported)")
+    p.add_argument(
+        "--batch-sizes", type=_positive_ints, default=[1, 16], help="comma-separated, e.g. 1,16"
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed runs per number (the median is reported)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face reference")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="also write the config and rows here")
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the config and rows here",
+    )
     p.set_defaults(run=run)
 
 
@@ -169,7 +188,9 @@ class EngineBench:
         self.sync()
         return time.perf_counter() - start, steps
 
-    def decode(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[float, int, int, float]:
+    def decode(
+        self, prompts: Sequence[Sequence[int]], gen_len: int
+    ) -> tuple[float, int, int, float]:
         """Seconds of the steps after every sequence has its first token, their tokens,
         the steps, and the seconds spent in the model's forward (synced after each)."""
         waiting_first = set(self._add(prompts, max_tokens=gen_len))
@@ -258,8 +279,13 @@ class HFBench:
             self.sync()
             start = time.perf_counter()
             out = self.model.generate(
-                input_ids, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
-                do_sample=False, use_cache=True, pad_token_id=self.pad_token_id,
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=gen_len,
+                min_new_tokens=gen_len,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=self.pad_token_id,
             )
             self.sync()
         seconds = time.perf_counter() - start
@@ -334,7 +360,8 @@ def make_row(batch: int, prompt_len: int, engine: Timing, steps: int, hf: Timing
         batch=batch,
         engine_prefill_tok_s=batch * prompt_len / engine.prefill_s,
         engine_decode_tok_s=engine.decode_tokens / engine.decode_s,
-        engine_prefill_s=engine.prefill_s, engine_decode_s=engine.decode_s,
+        engine_prefill_s=engine.prefill_s,
+        engine_decode_s=engine.decode_s,
         engine_prefill_steps=steps,
     )
     if hf is not None:
@@ -454,7 +481,9 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     block_size = EngineConfig().block_size
     blocks_per_seq = -(-(args.prompt_len + args.gen_len) // block_size)
     config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
         block_size=block_size,
         # Exactly the blocks the largest batch needs: no preemption, no oversized cache.
         num_kv_blocks=max_batch * blocks_per_seq,
@@ -468,7 +497,11 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def bench_batch(
-    batch: int, args: argparse.Namespace, vocab: int, engine: EngineBench, hf: HFBench | None,
+    batch: int,
+    args: argparse.Namespace,
+    vocab: int,
+    engine: EngineBench,
+    hf: HFBench | None,
     ceilings: Any,
 ) -> Row:
     warm_up, *timed = (
@@ -525,9 +558,11 @@ def run(args: argparse.Namespace) -> int:
         f"load {load_at_start:.1f}->{config['loadavg_1m_end']:.1f}"
     )
     print(format_table(rows))
-    print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read + write), matmul "
-          f"{ceilings.matmul_tflops:.1f} TFLOP/s; weights {ceilings.weight_bytes / 2**20:.0f} MiB, "
-          f"KV {ceilings.kv_bytes_per_token / 1024:.0f} KiB a token")
+    print(
+        f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read + write), matmul "
+        f"{ceilings.matmul_tflops:.1f} TFLOP/s; weights {ceilings.weight_bytes / 2**20:.0f} MiB, "
+        f"KV {ceilings.kv_bytes_per_token / 1024:.0f} KiB a token"
+    )
     print(format_table(rows, FLOOR_COLUMNS))
     if args.json is not None:
         write_json(args.json, config, rows)

@@ -89,7 +89,8 @@ def measure(engine: LLMEngine) -> Ceilings:
         matmul_tflops=2 * n**3 / mm_s / 1e12,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=runner.layout.bytes_per_token,
-        linear_params=linear, head_params=embed,
+        linear_params=linear,
+        head_params=embed,
         attn_flops_per_pair=4 * heads_dim * cfg.num_hidden_layers,
     )
 

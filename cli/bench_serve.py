@@ -54,31 +54,52 @@ LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E l
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "serve", help="online serving load over HTTP (TTFT, TPOT, ITL, throughput)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "serve",
+        help="online serving load over HTTP (TTFT, TPOT, ITL, throughput)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running deployment, e.g. http://127.0.0.1:8000")
-    target.add_argument("--compare", action="store_true",
-                        help="start disaggregated, then colocated deployments; load each")
+    target.add_argument(
+        "--compare",
+        action="store_true",
+        help="start disaggregated, then colocated deployments; load each",
+    )
     p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
     p.add_argument("--num-prompts", type=_positive_int, default=64)
-    p.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="requests/s, Poisson arrivals (seeded); inf: all at once")
-    p.add_argument("--max-concurrency", type=_positive_ints, default=None,
-                   help="at most this many requests in flight (default: no limit); a list, "
-                        "e.g. 1,8,32, runs one load per value against each deployment")
-    p.add_argument("--hf-reference", action="store_true",
-                   help="--compare: also time Hugging Face generate() on the same model and "
-                        "prompts, batches of each --max-concurrency (cli/bench_serve_hf.py)")
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=math.inf,
+        help="requests/s, Poisson arrivals (seeded); inf: all at once",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_positive_ints,
+        default=None,
+        help="at most this many requests in flight (default: no limit); a list, "
+        "e.g. 1,8,32, runs one load per value against each deployment",
+    )
+    p.add_argument(
+        "--hf-reference",
+        action="store_true",
+        help="--compare: also time Hugging Face generate() on the same model and "
+        "prompts, batches of each --max-concurrency (cli/bench_serve_hf.py)",
+    )
     p.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens")
     p.add_argument("--output-len", type=_positive_int, default=64, help="generated tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="also write config, metrics and per-request records here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write config, metrics and per-request records here",
+    )
     p.set_defaults(run=run)
 
 
@@ -173,8 +194,11 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str
     done = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
-            for r in done if r.output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None]
+    tpot = [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in done
+        if r.output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None
+    ]
     return {
         "completed": len(done),
         "failed": len(records) - len(done),
@@ -207,8 +231,10 @@ class Progress:
         if not self.tty and self.done % max(1, self.total // 10) and self.done != self.total:
             return
         filled = 30 * self.done // self.total
-        line = (f"bench serve: {self.label} [{'#' * filled}{'.' * (30 - filled)}] "
-                f"{self.done}/{self.total} {time.perf_counter() - self.started:.1f} s")
+        line = (
+            f"bench serve: {self.label} [{'#' * filled}{'.' * (30 - filled)}] "
+            f"{self.done}/{self.total} {time.perf_counter() - self.started:.1f} s"
+        )
         end = "\n" if not self.tty or self.done == self.total else ""
         print(f"\r{line}" if self.tty else line, end=end, file=sys.stderr, flush=True)
 
@@ -224,8 +250,14 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
 async def send_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
                        output_len: int, record: RequestRecord) -> None:  # fmt: skip
     """One streamed completion; fills ``record`` and never raises (but for cancellation)."""
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     record.prompt_tokens = len(prompt)
     start = last = time.perf_counter()
     chunks, usage = 0, None
@@ -238,7 +270,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: list[in
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
                     continue  # the blank line that ends each event
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
@@ -301,8 +333,9 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
     url = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
     # No connection cap of aiohttp's own: concurrency is what the flags say, no less.
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         try:
             info = await server_info(session, url)
         except aiohttp.ClientError as exc:
@@ -456,9 +489,11 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a server that is unreachable or refuses the warm-up
         raise PdserveError(str(exc)) from exc
     server = runs[0]["server"]
-    print(f"model {server['model']}  prompts {args.num_prompts}  input {args.input_len}  "
-          f"output {args.output_len}  rate {config['request_rate']}  "
-          f"concurrency {','.join(map(str, args.max_concurrency or [])) or 'unlimited'}  seed {args.seed}")
+    print(
+        f"model {server['model']}  prompts {args.num_prompts}  input {args.input_len}  "
+        f"output {args.output_len}  rate {config['request_rate']}  "
+        f"concurrency {','.join(map(str, args.max_concurrency or [])) or 'unlimited'}  seed {args.seed}"
+    )
     print(format_table(runs))
     if args.json is not None:
         write_json(args.json, config, runs)

@@ -28,7 +28,9 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     device = args.device or "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model_dir = resolve_model(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    )
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
@@ -36,26 +38,38 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     def generate(batch: list[list[int]]) -> None:
         ids = torch.tensor(batch, dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                                 min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         if device == "cuda":
             torch.cuda.synchronize()
         if out.shape[1] != ids.shape[1] + args.output_len:
-            raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens, not {args.output_len}")
+            raise RuntimeError(
+                f"HF generated {out.shape[1] - ids.shape[1]} tokens, not {args.output_len}"
+            )
 
     runs = []
     for index, load in enumerate(loads):
         size = load or args.num_prompts
         prompts = make_prompts(args.num_prompts, args.input_len, id_range, args.seed + index)
-        generate(make_prompts(min(size, args.num_prompts), args.input_len, id_range, args.seed, "warm-up"))
+        generate(
+            make_prompts(
+                min(size, args.num_prompts), args.input_len, id_range, args.seed, "warm-up"
+            )
+        )
         label = f"HF generate c={size}"
         progress(f"{label}: {args.num_prompts} prompts in batches of {size}")
         latencies = []
         start = time.perf_counter()
         for first in range(0, len(prompts), size):
             batch_start = time.perf_counter()
-            generate(prompts[first:first + size])
-            latencies += [time.perf_counter() - batch_start] * len(prompts[first:first + size])
+            generate(prompts[first : first + size])
+            latencies += [time.perf_counter() - batch_start] * len(prompts[first : first + size])
         duration = time.perf_counter() - start
         n = len(prompts)
         metrics: dict[str, Any] = {
@@ -66,8 +80,16 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
             "total_token_throughput": n * (args.input_len + args.output_len) / duration,
             **_stats("ttft", []), **_stats("tpot", []), **_stats("itl", []), **_stats("e2el", latencies),
         }  # fmt: skip
-        runs.append({"label": label, "load": load, "mode": "hf", "metrics": metrics,
-                     "server": {"model": str(model_dir)}, "requests": []})
+        runs.append(
+            {
+                "label": label,
+                "load": load,
+                "mode": "hf",
+                "metrics": metrics,
+                "server": {"model": str(model_dir)},
+                "requests": [],
+            }
+        )
     del model
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -69,26 +69,57 @@ ROW_WAIT_S = 600.0
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "transfer", help="KV pull GB/s of KVProducer/KVConsumer vs a one-descriptor NIXL READ",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "transfer",
+        help="KV pull GB/s of KVProducer/KVConsumer vs a one-descriptor NIXL READ",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--shape", type=_shapes, default=["1b"], help="1b, 8b or 1b,8b")
-    p.add_argument("--tokens", type=_positive_ints, default=None,
-                   help="comma-separated prompt lengths, e.g. 1024,8192 (default: per device, shape)")
-    p.add_argument("--fragment", type=_fragments, default=[1],
-                   help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows")
-    p.add_argument("--order", type=_orders, default=["head", "block"],
-                   help="KV storage orders to measure (common/engine/kv_layout.py): head, block or head,block")
-    p.add_argument("--repeats", type=_positive_int, default=5,
-                   help="timed repeats per row (the median is reported)")
-    p.add_argument("--producer-poll-ms", type=float, default=5.0,
-                   help="the producer progresses its NIXL agents every this many ms (0: spins), as "
-                        "a prefill worker does between engine steps; a pull after a release waits for it")
-    p.add_argument("--num-threads", type=int, default=0,
-                   help="NIXL UCX backend threads (nixl_agent_config num_threads; 0: default)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="also write the config and rows here")
+    p.add_argument(
+        "--tokens",
+        type=_positive_ints,
+        default=None,
+        help="comma-separated prompt lengths, e.g. 1024,8192 (default: per device, shape)",
+    )
+    p.add_argument(
+        "--fragment",
+        type=_fragments,
+        default=[1],
+        help="run lengths (blocks) of the fragmented rows, e.g. 1,8; 'none': no such rows",
+    )
+    p.add_argument(
+        "--order",
+        type=_orders,
+        default=["head", "block"],
+        help="KV storage orders to measure (common/engine/kv_layout.py): head, block or head,block",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=5,
+        help="timed repeats per row (the median is reported)",
+    )
+    p.add_argument(
+        "--producer-poll-ms",
+        type=float,
+        default=5.0,
+        help="the producer progresses its NIXL agents every this many ms (0: spins), as "
+        "a prefill worker does between engine steps; a pull after a release waits for it",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="NIXL UCX backend threads (nixl_agent_config num_threads; 0: default)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the config and rows here",
+    )
     p.set_defaults(run=run)
 
 
@@ -160,7 +191,9 @@ class _Peer:
             self.proc.join(5)
 
 
-def run_shape(device: str, shape: str, order: str, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def run_shape(
+    device: str, shape: str, order: str, tokens: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
     """Spawn producer and consumer for one shape and order; return its rows and what they said."""
     from pdserve.cli.transfer_peers import cache_blocks, consumer_main, producer_main
     from pdserve.common.errors import PdserveError
@@ -189,11 +222,18 @@ def run_shape(device: str, shape: str, order: str, tokens: list[int], args: argp
         producer.conn.send(("releases", num_pulls))
         _, releases = producer.expect(("releases",), 30.0, "its count of releases")
         if releases != num_pulls:
-            raise PdserveError(f"{shape}: the producer received {releases} releases for {num_pulls} pulls")
+            raise PdserveError(
+                f"{shape}: the producer received {releases} releases for {num_pulls} pulls"
+            )
     finally:
         consumer.stop()
         producer.stop()
-    return {"rows": rows, "pulls": num_pulls, "releases": releases, "cache_blocks": spec["num_blocks"]}
+    return {
+        "rows": rows,
+        "pulls": num_pulls,
+        "releases": releases,
+        "cache_blocks": spec["num_blocks"],
+    }
 
 
 def check_memory(device: str, shape: str, tokens: list[int]) -> None:
@@ -295,12 +335,16 @@ def run(args: argparse.Namespace) -> int:
             result = run_shape(args.device, shape, order, tokens, args)
             rows += result.pop("rows")
             shapes[f"{shape}/{order}"] = result
-    print(f"device {args.device}  repeats {args.repeats}  NIXL UCX threads {args.num_threads or 'default'}")
+    print(
+        f"device {args.device}  repeats {args.repeats}  NIXL UCX threads {args.num_threads or 'default'}"
+    )
     print(format_table(rows))
     if args.json is not None:
         config = bench_config(args, load_start)
         config["per_shape"] = shapes
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "transfer", "config": config, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"benchmark": "transfer", "config": config, "rows": rows}, indent=2) + "\n"
+        )
         progress(f"wrote {args.json}")
     return 0

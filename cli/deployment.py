@@ -25,7 +25,9 @@ from pdserve.common.runtime.service_config import DeploymentConfig
 
 
 class Deployment:
-    def __init__(self, cfg: DeploymentConfig, log_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, cfg: DeploymentConfig, log_dir: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.cfg = cfg
         self.extra_env = env or {}
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -41,14 +43,24 @@ class Deployment:
     def roles(self) -> list[tuple[str, list[str]]]:
         out = []
         if not self.cfg.colocated:
-            out += [(f"prefill-{i}", ["prefill", "--instance", str(i)]) for i in range(len(self.cfg.prefill_addresses))]
-        out += [(f"decode-{i}", ["decode", "--instance", str(i)]) for i in range(len(self.cfg.decode_addresses))]
+            out += [
+                (f"prefill-{i}", ["prefill", "--instance", str(i)])
+                for i in range(len(self.cfg.prefill_addresses))
+            ]
+        out += [
+            (f"decode-{i}", ["decode", "--instance", str(i)])
+            for i in range(len(self.cfg.decode_addresses))
+        ]
         return out + [("router", ["router"])]
 
     def start(self) -> None:
         self.config_path.write_bytes(json.dumps(msgspec.to_builtins(self.cfg), indent=1).encode())
         # The children get their configuration from the file alone, not from PDSERVE_* env.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")
+        }
         # Under systemd, `pdserve up` itself is the unit's main process, not its children.
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(key, None)
@@ -61,7 +73,11 @@ class Deployment:
         log = open(self.log_dir / f"{name}.log", log_mode)
         cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
         self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=_die_with_parent,
         )
 
@@ -107,14 +123,23 @@ class Deployment:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.3)
-        raise PdserveError(f"the deployment was not ready within {timeout:.0f} s; logs in {self.log_dir}")
+        raise PdserveError(
+            f"the deployment was not ready within {timeout:.0f} s; logs in {self.log_dir}"
+        )
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-5:]
-                raise PdserveError(f"{name} exited with code {code}; last log lines: {' | '.join(tail)}")
+                tail = (
+                    (self.log_dir / f"{name}.log")
+                    .read_text(errors="replace")
+                    .strip()
+                    .splitlines()[-5:]
+                )
+                raise PdserveError(
+                    f"{name} exited with code {code}; last log lines: {' | '.join(tail)}"
+                )
 
     def stop(self, timeout: float | None = None) -> dict[str, int | None]:
         """SIGTERM every process (each drains, see docs/operations.md); kill what is still

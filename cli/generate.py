@@ -31,8 +31,11 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.engine.sampling import SamplingParams
 
     sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     sampling.validate()  # before loading the model: a bad flag fails fast
     config = EngineConfig(model=args.model, device=args.device)

@@ -9,7 +9,9 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("keys", help="create CURVE key pairs for [security] curve_keys_dir")
-    p.add_argument("--dir", required=True, help="the key directory (created; existing keys are kept)")
+    p.add_argument(
+        "--dir", required=True, help="the key directory (created; existing keys are kept)"
+    )
     p.add_argument("--client", action="append", default=[], metavar="NAME",
                    help="also create and authorize an SDK client pair NAME (repeatable)")  # fmt: skip
     p.set_defaults(run=run)

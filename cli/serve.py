@@ -10,7 +10,9 @@ from typing import Any
 def add_parsers(sub: Any) -> None:
     for role in ("router", "prefill", "decode"):
         p = sub.add_parser(role, help=f"run the {role} service")
-        p.add_argument("--config", default=None, help="TOML file (PDSERVE_* env and flags override)")
+        p.add_argument(
+            "--config", default=None, help="TOML file (PDSERVE_* env and flags override)"
+        )
         if role != "router":
             p.add_argument("--instance", type=int, default=0, help="which configured instance")
         p.add_argument("--model", default=None)

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.common.engine.kv_layout import KVLayout
-    from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
     from pdserve.common.runtime.protocol import HandshakeReply, KVHandle
+    from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
 
 # Llama-3.2-1B and Llama-3.1-8B: KV heads, head_dim and layers are what set the bytes.
 SHAPES: dict[str, dict[str, int]] = {
@@ -40,7 +40,9 @@ PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
 def make_layout(shape: str, num_blocks: int, order: str = "head") -> KVLayout:
     from pdserve.common.engine.kv_layout import KVLayout
 
-    return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, order=order, **SHAPES[shape])
+    return KVLayout(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, order=order, **SHAPES[shape]
+    )
 
 
 def num_blocks_for(tokens: int) -> int:
@@ -82,21 +84,27 @@ def fill(cache: torch.Tensor, layout: KVLayout) -> None:
         blocks[b].copy_(values.view(blocks[b].shape))
 
 
-def check(cache: torch.Tensor, layout: KVLayout, local_ids: list[int], remote_ids: list[int]) -> None:
+def check(
+    cache: torch.Tensor, layout: KVLayout, local_ids: list[int], remote_ids: list[int]
+) -> None:
     """Samples of every pulled block equal the producer's pattern for its remote id."""
     import torch
 
     blocks = cache.movedim(block_dim(layout), 0)
     numel = blocks[0].numel()
     gen = torch.Generator().manual_seed(0)
-    flat = torch.cat([torch.tensor([0, 1, numel // 2, numel - 1]), torch.randint(numel, (28,), generator=gen)])
+    flat = torch.cat(
+        [torch.tensor([0, 1, numel // 2, numel - 1]), torch.randint(numel, (28,), generator=gen)]
+    )
     index = torch.unravel_index(flat, tuple(blocks.shape[1:]))
     index = tuple(i.to(cache.device) for i in index)
     for lo, r in zip(local_ids, remote_ids, strict=True):
         got = blocks[lo][index].float().cpu()
         want = ((flat % PATTERN_MOD) + 37 * r) % PATTERN_MOD
         if not torch.equal(got, want.float()):
-            raise AssertionError(f"pulled block {r} -> {lo} holds wrong bytes: {got[:6]} vs {want[:6]}")
+            raise AssertionError(
+                f"pulled block {r} -> {lo} holds wrong bytes: {got[:6]} vs {want[:6]}"
+            )
 
 
 # -- raw NIXL: the single-descriptor ceiling ----------------------------------------------
@@ -108,7 +116,9 @@ class RawAgent:
     def __init__(self, name: str, cache: torch.Tensor, num_threads: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=num_threads)
+        config = nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], num_threads=num_threads
+        )
         self.agent: Any = nixl_agent(name, config)
         flat = storage_bytes(cache)
         self.reg = self.agent.register_memory(flat)
@@ -125,7 +135,9 @@ class RawAgent:
     def read(self, remote: str, remote_base: int, num_bytes: int) -> tuple[Any, Any]:
         """Prepared lists of one descriptor each: [remote_base, +num_bytes) into the start
         of our cache, read the way KVConsumer reads (make_prepped_xfer per READ)."""
-        return self.dlist("NIXL_INIT_AGENT", self.base, num_bytes), self.dlist(remote, remote_base, num_bytes)
+        return self.dlist("NIXL_INIT_AGENT", self.base, num_bytes), self.dlist(
+            remote, remote_base, num_bytes
+        )
 
     def run(self, lists: tuple[Any, Any]) -> float:
         import numpy as np
@@ -176,8 +188,8 @@ def storage_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Serve the patterned cache; answer ("releases", n) once n releases came, or on time out."""
-    from pdserve.common.transfer.kv_transfer import KVProducer
     from pdserve.common.runtime.protocol import encode
+    from pdserve.common.transfer.kv_transfer import KVProducer
 
     producer = raw = None
     try:
@@ -190,7 +202,9 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
             kv_cache=cache, layout=layout, compat=COMPAT, num_threads=spec["num_threads"],
         )  # fmt: skip
         raw = RawAgent(f"bench-producer-raw-{os.getpid()}", cache, spec["num_threads"])
-        conn.send(("ready", (encode(producer.handshake_reply), raw.agent.get_agent_metadata(), raw.base)))
+        conn.send(
+            ("ready", (encode(producer.handshake_reply), raw.agent.get_agent_metadata(), raw.base))
+        )
         releases, want, deadline = 0, None, 0.0
         while True:
             releases += len(producer.poll_releases())
@@ -218,8 +232,8 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     """Connect to the producer, then measure every (tokens, pattern) row and send it."""
-    from pdserve.common.transfer.kv_consumer import KVConsumer
     from pdserve.common.runtime.protocol import Decoder, HandshakeReply
+    from pdserve.common.transfer.kv_consumer import KVConsumer
 
     consumer = checker = raw = None
     try:
@@ -271,8 +285,19 @@ class _Peers:
         self, consumer: KVConsumer, checker: KVConsumer, raw: RawAgent, cache: torch.Tensor,
         layout: KVLayout, reply: HandshakeReply, remote_raw: str, remote_base: int, device: str,
     ) -> None:  # fmt: skip
-        self.consumer, self.checker, self.raw, self.cache, self.layout = consumer, checker, raw, cache, layout
-        self.reply, self.remote_raw, self.remote_base, self.device = reply, remote_raw, remote_base, device
+        self.consumer, self.checker, self.raw, self.cache, self.layout = (
+            consumer,
+            checker,
+            raw,
+            cache,
+            layout,
+        )
+        self.reply, self.remote_raw, self.remote_base, self.device = (
+            reply,
+            remote_raw,
+            remote_base,
+            device,
+        )
         self.num_pulls = 0
 
     def handle(self, tokens: int, remote_ids: list[int]) -> KVHandle:
@@ -285,7 +310,9 @@ class _Peers:
             lease_deadline=0.0,
         )  # fmt: skip
 
-    def pull(self, handle: KVHandle, local_ids: list[int], consumer: KVConsumer | None = None) -> Pull:
+    def pull(
+        self, handle: KVHandle, local_ids: list[int], consumer: KVConsumer | None = None
+    ) -> Pull:
         """handshake done -> start_pull -> poll until done -> release, as decode does."""
         consumer = consumer or self.consumer
         self.num_pulls += 1

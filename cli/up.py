@@ -22,10 +22,21 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda")
     p.add_argument("--prefill-instances", type=int, default=None)
     p.add_argument("--decode-instances", type=int, default=None)
-    p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel ranks per prefill instance")
-    p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill PCP rank")
-    p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode instance")
-    p.add_argument("--colocated", action="store_true", default=None, help="no prefill service: decode computes prompts")
+    p.add_argument(
+        "--pcp", type=int, default=None, help="prefill context-parallel ranks per prefill instance"
+    )
+    p.add_argument(
+        "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill PCP rank"
+    )
+    p.add_argument(
+        "--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode instance"
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="no prefill service: decode computes prompts",
+    )
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--curve-keys-dir", default=None,
                    help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
@@ -35,7 +46,9 @@ def add_parsers(sub: Any) -> None:
     up = sub.add_parser("up", help="start router, prefill and decode processes; serve until Ctrl-C")
     _deployment_flags(up)
     up.set_defaults(run=run_up)
-    demo = sub.add_parser("demo", help="start a deployment, send a few real prompts through it, stop")
+    demo = sub.add_parser(
+        "demo", help="start a deployment, send a few real prompts through it, stop"
+    )
     _deployment_flags(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(run=run_demo)
@@ -47,10 +60,16 @@ def _start(args: argparse.Namespace) -> Any:
     from pdserve.cli.deployment import Deployment, local_config
 
     cfg = local_config(
-        config=args.config, http_port=args.http_port, model=args.model, device=args.device,
-        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
-        colocated=args.colocated, pcp=args.pcp,
-        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        config=args.config,
+        http_port=args.http_port,
+        model=args.model,
+        device=args.device,
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        colocated=args.colocated,
+        pcp=args.pcp,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
     )
     from pdserve.common.runtime.curve import WireSecurity
@@ -58,14 +77,20 @@ def _start(args: argparse.Namespace) -> Any:
     WireSecurity.from_dir(cfg.security.curve_keys_dir)  # bad keys: one error now, not one per child
     dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
     started = time.monotonic()
-    print(f"starting {', '.join(name for name, _ in dep.roles())} (logs in {dep.log_dir})", file=sys.stderr)
+    print(
+        f"starting {', '.join(name for name, _ in dep.roles())} (logs in {dep.log_dir})",
+        file=sys.stderr,
+    )
     dep.start()
     try:
         dep.wait_ready()
     except BaseException:
         dep.stop()
         raise
-    print(f"ready in {time.monotonic() - started:.1f} s: {dep.url}  (OpenAI API at {dep.url}/v1, ZMQ SDK at {cfg.front_address})", file=sys.stderr)
+    print(
+        f"ready in {time.monotonic() - started:.1f} s: {dep.url}  (OpenAI API at {dep.url}/v1, ZMQ SDK at {cfg.front_address})",
+        file=sys.stderr,
+    )
     return dep
 
 
@@ -105,13 +130,23 @@ def run_demo(args: argparse.Namespace) -> int:
     dep = _start(args)
     try:
         for prompt in DEMO_PROMPTS:
-            body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": 0}).encode()
-            req = urllib.request.Request(f"{dep.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                }
+            ).encode()
+            req = urllib.request.Request(
+                f"{dep.url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=300) as resp:
                 answer = json.loads(resp.read())["choices"][0]["message"]["content"]
             print(f"> {prompt}  [HTTP /v1/chat/completions]\n{answer.strip()}\n")
         with Client(dep.cfg.front_address, curve=_sdk_keys(dep.cfg)) as client:
-            result = client.generate(prompt="The three primary colors are", max_tokens=args.max_tokens, temperature=0.0)
+            result = client.generate(
+                prompt="The three primary colors are", max_tokens=args.max_tokens, temperature=0.0
+            )
         print(f"> The three primary colors are  [ZMQ SDK, raw completion]\n{result.text.strip()}\n")
     finally:
         dep.stop()

@@ -24,8 +24,16 @@ from pdserve.kernels import pointwise_ref, reference
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
 
-__all__ = ["ENV_VAR", "backend_name", "decode_attention", "prefill_attention", "rms_norm", "rotary",
-           "silu_and_mul", "write_kv"]
+__all__ = [
+    "ENV_VAR",
+    "backend_name",
+    "decode_attention",
+    "prefill_attention",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "write_kv",
+]
 
 
 def _triton_interpret() -> bool:

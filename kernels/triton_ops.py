@@ -42,9 +42,17 @@ def _write_kv_kernel(
     k_ptr,  # [T, H_kv, D] in the cache dtype
     v_ptr,  # [T, H_kv, D] in the cache dtype
     slot_ptr,  # [T]
-    stride_cn, stride_ckv, stride_ch, stride_cb, stride_cd,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
+    stride_cn,
+    stride_ckv,
+    stride_ch,
+    stride_cb,
+    stride_cd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -104,10 +112,19 @@ def _prefill_kernel(
     block_tables_ptr,  # [S, max_blocks]
     qk_scale,  # scale * log2(e)
     window,  # sliding window (ignored unless USE_WINDOW)
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_cn, stride_ckv, stride_ch, stride_cb, stride_cd,
-    stride_bts, stride_btb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cn,
+    stride_ckv,
+    stride_ch,
+    stride_cb,
+    stride_cd,
+    stride_bts,
+    stride_btb,
     GROUP: tl.constexpr,  # H_q // H_kv
     USE_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -161,8 +178,16 @@ def _prefill_kernel(
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, head_base + block_id * stride_cn, stride_ckv, k_pos < ctx,
-            visible, qk_scale, UPCAST,
+            q,
+            acc,
+            m_i,
+            l_i,
+            head_base + block_id * stride_cn,
+            stride_ckv,
+            k_pos < ctx,
+            visible,
+            qk_scale,
+            UPCAST,
         )
 
     # Padding rows (rows >= q_len) may have seen nothing; they are not stored.
@@ -181,10 +206,19 @@ def _decode_kernel(
     block_tables_ptr,  # [S, max_blocks]
     qk_scale,  # scale * log2(e)
     window,  # sliding window (ignored unless USE_WINDOW)
-    stride_qs, stride_qh, stride_qd,
-    stride_os, stride_oh, stride_od,
-    stride_cn, stride_ckv, stride_ch, stride_cb, stride_cd,
-    stride_bts, stride_btb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_cn,
+    stride_ckv,
+    stride_ch,
+    stride_cb,
+    stride_cd,
+    stride_bts,
+    stride_btb,
     GROUP: tl.constexpr,  # H_q // H_kv
     USE_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (the rows of tl.dot)
@@ -231,8 +265,16 @@ def _decode_kernel(
             visible = visible & (k_pos > q_pos - window)
         visible = visible[None, :] & g_ok[:, None]  # [G, B]
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, head_base + block_id * stride_cn, stride_ckv, k_ok, visible,
-            qk_scale, UPCAST,
+            q,
+            acc,
+            m_i,
+            l_i,
+            head_base + block_id * stride_cn,
+            stride_ckv,
+            k_ok,
+            visible,
+            qk_scale,
+            UPCAST,
         )
 
     # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
@@ -306,9 +348,15 @@ def write_kv(
     k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
     with _device_guard(layer_cache):
         _write_kv_kernel[(num_tokens, num_kv_heads)](
-            layer_cache, k, v, slot_mapping,
-            *layer_cache.stride(), *k.stride(), *v.stride(),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            layer_cache,
+            k,
+            v,
+            slot_mapping,
+            *layer_cache.stride(),
+            *k.stride(),
+            *v.stride(),
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
         )
 
 
@@ -338,11 +386,24 @@ def _prefill_into(
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, q.shape[1])
     with _device_guard(q):
         _prefill_kernel[grid](
-            out, q, layer_cache, cu_seqlens_q, context_lens, block_tables,
-            scale * _LOG2E, sliding_window or 0,
-            *q.stride(), *out.stride(), *layer_cache.stride(), *block_tables.stride(),
-            GROUP=group, USE_WINDOW=sliding_window is not None,
-            BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
+            out,
+            q,
+            layer_cache,
+            cu_seqlens_q,
+            context_lens,
+            block_tables,
+            scale * _LOG2E,
+            sliding_window or 0,
+            *q.stride(),
+            *out.stride(),
+            *layer_cache.stride(),
+            *block_tables.stride(),
+            GROUP=group,
+            USE_WINDOW=sliding_window is not None,
+            BLOCK_M=block_m,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            UPCAST=_INTERPRETED,
         )
 
 
@@ -365,12 +426,23 @@ def _decode_into(
     context_lens = context_lens.contiguous()
     with _device_guard(q):
         _decode_kernel[(num_seqs, num_kv_heads)](
-            out, q, layer_cache, context_lens, block_tables,
-            scale * _LOG2E, sliding_window or 0,
-            *q.stride(), *out.stride(), *layer_cache.stride(), *block_tables.stride(),
-            GROUP=group, USE_WINDOW=sliding_window is not None,
+            out,
+            q,
+            layer_cache,
+            context_lens,
+            block_tables,
+            scale * _LOG2E,
+            sliding_window or 0,
+            *q.stride(),
+            *out.stride(),
+            *layer_cache.stride(),
+            *block_tables.stride(),
+            GROUP=group,
+            USE_WINDOW=sliding_window is not None,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, UPCAST=_INTERPRETED,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            UPCAST=_INTERPRETED,
         )
 
 

@@ -18,9 +18,17 @@ from pdserve.kernels.triton_ops import _device_guard
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_cols,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -43,7 +51,9 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, hidden] with unit column stride: {x.stride()}"
+    assert x.dim() == 2 and x.stride(1) == 1, (
+        f"x must be [T, hidden] with unit column stride: {x.stride()}"
+    )
     num_rows, n_cols = x.shape
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((num_rows, n_cols), dtype=out_dtype, device=x.device)
@@ -55,18 +65,35 @@ def rms_norm(
         return out, res_out
     with _device_guard(x):
         _rms_norm_kernel[(num_rows,)](
-            x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
-            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            res_out.stride(0) if res_out is not None else 0, n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            res_out.stride(0) if res_out is not None else 0,
+            n_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(n_cols),
         )
     return out, res_out
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
     num_q_heads,
     HALF: tl.constexpr,
 ):
@@ -102,21 +129,38 @@ def rotary(
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, (
         f"rotary kernel needs head_dim / 2 to be a power of two, got head_dim {head_dim}"
     )
-    assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and sin.stride(1) == 1
+    assert (
+        cos.shape == sin.shape == (num_tokens, head_dim)
+        and cos.stride(1) == 1
+        and sin.stride(1) == 1
+    )
     if num_tokens == 0:
         return q, k
     with _device_guard(q):
         _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, cos.to(q.dtype), sin.to(q.dtype),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            num_q_heads, HALF=head_dim // 2,
+            q,
+            k,
+            cos.to(q.dtype),
+            sin.to(q.dtype),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            num_q_heads,
+            HALF=head_dim // 2,
         )
     return q, k
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    n_cols,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -138,6 +182,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n_cols))
     with _device_guard(gate_up):
         _silu_and_mul_kernel[(num_rows, triton.cdiv(n_cols, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=block,
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            n_cols,
+            BLOCK=block,
         )
     return out

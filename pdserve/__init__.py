@@ -9,5 +9,7 @@ the root joins the package path so ``pdserve.common`` resolves to the same files
 import os as _os
 
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(_os.path.join(_root, "common")):
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
+    _os.path.join(_root, "common")
+):
     __path__.append(_root)

@@ -11,11 +11,20 @@ from pdserve.common.runtime.service_config import load_config
 
 
 def deployment(
-    tmp: Path, model_dir: Path, engine: dict[str, Any] | None = None, env: dict[str, str] | None = None, **flags: Any
+    tmp: Path,
+    model_dir: Path,
+    engine: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    **flags: Any,
 ) -> Deployment:
     base = free_port_block(100)
     cfg = load_config(
-        None, model=str(model_dir), base_port=base, http_port=base + 99, torch_threads=1,
-        engine={"kv_cache_memory_gb": 0.25, **(engine or {})}, **flags,
+        None,
+        model=str(model_dir),
+        base_port=base,
+        http_port=base + 99,
+        torch_threads=1,
+        engine={"kv_cache_memory_gb": 0.25, **(engine or {})},
+        **flags,
     )
     return Deployment(cfg, tmp, env)

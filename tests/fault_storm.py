@@ -21,14 +21,21 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from pdserve.common.runtime import protocol as p
+
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket
 
 # kind -> share of the storm
 KINDS = {
-    "raw": 3, "raw_abort": 1, "raw_abort_at_once": 1, "sdk": 1, "sdk_abort": 1,
-    "sdk_stream_left": 1, "http_gone": 1, "http": 1,
+    "raw": 3,
+    "raw_abort": 1,
+    "raw_abort_at_once": 1,
+    "sdk": 1,
+    "sdk_abort": 1,
+    "sdk_stream_left": 1,
+    "http_gone": 1,
+    "http": 1,
 }
 REQUEST_TIMEOUT = 120.0
 
@@ -63,9 +70,19 @@ class RawClient:
             if isinstance(msg, p.Finished | p.Failed) and msg.request_id in self.ended:
                 self.ended[msg.request_id].set()
 
-    async def run(self, rid: str, ids: list[int], max_tokens: int, abort_after: float | None) -> str:
+    async def run(
+        self, rid: str, ids: list[int], max_tokens: int, abort_after: float | None
+    ) -> str:
         self.ended[rid] = asyncio.Event()
-        await self.sock.send(p.encode(p.Generate(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens))))
+        await self.sock.send(
+            p.encode(
+                p.Generate(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling=SamplingParams(max_tokens=max_tokens),
+                )
+            )
+        )
         if abort_after is not None:
             await asyncio.sleep(abort_after)
             await self.sock.send(p.encode(p.Abort(request_id=rid)))
@@ -79,7 +96,9 @@ class RawClient:
             frames = self.frames.get(rid, [])
             ends = [i for i, f in enumerate(frames) if isinstance(f, p.Finished | p.Failed)]
             if len(ends) != 1 or ends[0] != len(frames) - 1:
-                bad.append(f"{rid}: {len(ends)} terminal replies in {[type(f).__name__ for f in frames]}")
+                bad.append(
+                    f"{rid}: {len(ends)} terminal replies in {[type(f).__name__ for f in frames]}"
+                )
         return bad
 
     async def close(self) -> None:
@@ -93,9 +112,13 @@ async def _http(url: str, ids: list[int], max_tokens: int, leave_early: bool) ->
     connection at the first event (the client is gone)."""
     u = urllib.parse.urlsplit(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
-    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    body = json.dumps(
+        {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     try:
         writer.write(head.encode() + body)
         await writer.drain()
@@ -132,23 +155,35 @@ async def storm(front: str, url: str, num: int, concurrency: int, seed: int) -> 
             result.sent[kind] += 1
             try:
                 if kind.startswith("raw"):
-                    after = None if kind == "raw" else (0.0 if kind == "raw_abort_at_once" else delay)
+                    after = (
+                        None if kind == "raw" else (0.0 if kind == "raw_abort_at_once" else delay)
+                    )
                     outcome = await raw.run(rid, ids, max_tokens, after)
                 elif kind == "sdk":
-                    outcome = (await sdk.generate(prompt_token_ids=ids, max_tokens=max_tokens, request_id=rid)).finish_reason
+                    outcome = (
+                        await sdk.generate(
+                            prompt_token_ids=ids, max_tokens=max_tokens, request_id=rid
+                        )
+                    ).finish_reason
                 elif kind == "sdk_abort":
-                    task = asyncio.create_task(sdk.generate(prompt_token_ids=ids, max_tokens=max_tokens, request_id=rid))
+                    task = asyncio.create_task(
+                        sdk.generate(prompt_token_ids=ids, max_tokens=max_tokens, request_id=rid)
+                    )
                     await asyncio.sleep(delay)
                     await sdk.abort(rid)
                     outcome = (await asyncio.wait_for(task, REQUEST_TIMEOUT)).finish_reason
                 elif kind == "sdk_stream_left":
-                    chunks = sdk.stream(prompt_token_ids=ids, max_tokens=max_tokens + 4, request_id=rid)
+                    chunks = sdk.stream(
+                        prompt_token_ids=ids, max_tokens=max_tokens + 4, request_id=rid
+                    )
                     async for _ in chunks:
                         break
                     await chunks.aclose()  # the SDK sends the Abort
                     outcome = "left"
                 else:
-                    outcome = await asyncio.wait_for(_http(url, ids, max_tokens, kind == "http_gone"), REQUEST_TIMEOUT)
+                    outcome = await asyncio.wait_for(
+                        _http(url, ids, max_tokens, kind == "http_gone"), REQUEST_TIMEOUT
+                    )
             except GenerationFailed as exc:
                 outcome = f"failed:{exc.reason}"
             except Exception as exc:  # noqa: BLE001 - recorded, the suite fails on it

@@ -21,6 +21,7 @@ from typing import Any, Self, TypeVar
 
 import msgspec
 import zmq
+
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket
 
@@ -44,7 +45,9 @@ class Peer:
     def __init__(self, address: str, role: str) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
-        self.decoder: p.Decoder[Any] = p.Decoder(p.PrefillToRouter if role == "prefill" else p.DecodeToRouter)
+        self.decoder: p.Decoder[Any] = p.Decoder(
+            p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
+        )
 
     def close(self) -> None:
         self.sock.close()
@@ -73,7 +76,9 @@ class Peer:
             replies.append(reply)
             if isinstance(reply, TERMINAL):
                 return replies
-        raise AssertionError(f"no terminal reply to {msg.request_id} within {timeout:g} s: {replies}")
+        raise AssertionError(
+            f"no terminal reply to {msg.request_id} within {timeout:g} s: {replies}"
+        )
 
     def metrics(self, timeout: float = 10.0) -> dict[str, float]:
         """Counters and gauges of the service, summed over ranks and labels."""
@@ -113,7 +118,7 @@ def _stat(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()  # fields after "pid (comm) "
+    return text[text.rindex(")") + 2 :].split()  # fields after "pid (comm) "
 
 
 def is_gone(pid: int) -> bool:
@@ -164,7 +169,9 @@ class FaultReport:
         for r in self.rows:
             det = "-" if r.detect_seconds is None else f"{r.detect_seconds:.2f}"
             bound = "-" if r.bound_seconds is None else f"{r.bound_seconds:g}"
-            lines.append(f"| {r.fault} | {r.injected} | {r.requests} | {r.terminal} | {r.leaked_blocks} | {det} | {bound} | {r.outcome} |")
+            lines.append(
+                f"| {r.fault} | {r.injected} | {r.requests} | {r.terminal} | {r.leaked_blocks} | {det} | {bound} | {r.outcome} |"
+            )
         return "\n".join(lines)
 
     def write(self, path: Path, meta: dict[str, Any]) -> None:

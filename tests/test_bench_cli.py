@@ -26,10 +26,22 @@ def test_bench_engine_writes_rows(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "results" / "engine.json"
-    rc = main([
-        "bench", "engine", "--model", str(tiny_model), "--prompt-len", "16", "--gen-len", "4",
-        "--batch-sizes", "1,2", "--json", str(out),
-    ])
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            str(tiny_model),
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "4",
+            "--batch-sizes",
+            "1,2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     payload = json.loads(out.read_text())
     config = payload["config"]
@@ -39,15 +51,23 @@ def test_bench_engine_writes_rows(
     rows = payload["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
-        for key in ("engine_prefill_tok_s", "hf_prefill_tok_s", "engine_decode_tok_s",
-                    "hf_decode_tok_s", "prefill_ratio", "decode_ratio"):
+        for key in (
+            "engine_prefill_tok_s",
+            "hf_prefill_tok_s",
+            "engine_decode_tok_s",
+            "hf_decode_tok_s",
+            "prefill_ratio",
+            "decode_ratio",
+        ):
             assert row[key] > 0, (key, row)
         assert row["engine_prefill_steps"] == 1  # the batch's prompts were one step
         # against the machine's floors: a step can not beat the bytes it must read
         for key in ("engine_step_ms", "model_step_ms", "decode_floor_ms", "prefill_floor_s"):
             assert row[key] > 0, (key, row)
         assert row["model_step_ms"] <= row["engine_step_ms"]
-        assert row["engine_step_over_floor"] == pytest.approx(row["engine_step_ms"] / row["decode_floor_ms"])
+        assert row["engine_step_over_floor"] == pytest.approx(
+            row["engine_step_ms"] / row["decode_floor_ms"]
+        )
     ceilings = config["ceilings"]
     assert ceilings["copy_gbps"] > 0 and ceilings["matmul_tflops"] > 0
     assert ceilings["kv_bytes_per_token"] > 0 and ceilings["weight_bytes"] > 0
@@ -65,10 +85,25 @@ def test_bench_engine_without_hf(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "engine.json"
-    rc = main([
-        "bench", "engine", "--model", str(tiny_model), "--prompt-len", "8", "--gen-len", "2",
-        "--batch-sizes", "3", "--repeats", "1", "--no-hf", "--json", str(out),
-    ])
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            str(tiny_model),
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "2",
+            "--batch-sizes",
+            "3",
+            "--repeats",
+            "1",
+            "--no-hf",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["engine_decode_tok_s"] > 0 and row["hf_decode_tok_s"] is None

@@ -27,14 +27,25 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "transfer"
     # Llama-3.2-1B: 16 layers, 8 KV heads, head_dim 64, bf16; 1,024 tokens = 16 blocks of 64
-    layout = KVLayout(num_blocks=16, num_layers=16, num_kv_heads=8, block_size=64, head_dim=64, dtype="bfloat16")
+    layout = KVLayout(
+        num_blocks=16, num_layers=16, num_kv_heads=8, block_size=64, head_dim=64, dtype="bfloat16"
+    )
     assert layout.total_bytes == 32 * 2**20
     rows = payload["rows"]
     assert [(r["order"], r["pattern"]) for r in rows] == [
-        ("head", "contiguous"), ("head", "fragmented"), ("block", "contiguous"), ("block", "fragmented")]
+        ("head", "contiguous"),
+        ("head", "fragmented"),
+        ("block", "contiguous"),
+        ("block", "fragmented"),
+    ]
     for row in rows:
         assert all(key in row for key in ROW_KEYS), row
-        assert (row["device"], row["shape"], row["tokens"], row["repeats"]) == ("cpu", "1b", 1024, 1)
+        assert (row["device"], row["shape"], row["tokens"], row["repeats"]) == (
+            "cpu",
+            "1b",
+            1024,
+            1,
+        )
         assert row["bytes"] == row["bytes_pulled"] == layout.total_bytes
         assert row["gbps"] > 0 and row["ceiling_gbps"] > 0 and row["copy_gbps"] > 0
         assert row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
@@ -46,8 +57,14 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         # descriptors follow runs: times the 8 KV heads in head order, once in block order
         assert contiguous["descriptors"] == heads and fragmented["descriptors"] == 16 * heads
         shape = payload["config"]["per_shape"][f"1b/{order}"]
-        assert shape["releases"] == shape["pulls"] == 2 * 3  # checked + warm-up + 1 repeat, two rows
+        assert (
+            shape["releases"] == shape["pulls"] == 2 * 3
+        )  # checked + warm-up + 1 repeat, two rows
     lines = capsys.readouterr().out.strip().splitlines()
     assert "pull GB/s" in lines[1]
     assert [line.split()[1:3] for line in lines[3:]] == [
-        ["head", "contiguous"], ["head", "fragmented"], ["block", "contiguous"], ["block", "fragmented"]]
+        ["head", "contiguous"],
+        ["head", "fragmented"],
+        ["block", "contiguous"],
+        ["block", "fragmented"],
+    ]

@@ -18,14 +18,31 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_prints_only_the_answer(model_dir: Path) -> None:
-    done = pdserve("generate", "--prompt", "What is the capital of France?", "--model", str(model_dir), "--max-tokens", "32")
+    done = pdserve(
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--model",
+        str(model_dir),
+        "--max-tokens",
+        "32",
+    )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert done.stdout.count("\n") <= 3  # the answer alone, no logs
 
 
 def test_raw_generation_continues_the_text(model_dir: Path) -> None:
-    done = pdserve("generate", "--raw", "--prompt", "Monday, Tuesday, Wednesday,", "--model", str(model_dir), "--max-tokens", "6")
+    done = pdserve(
+        "generate",
+        "--raw",
+        "--prompt",
+        "Monday, Tuesday, Wednesday,",
+        "--model",
+        str(model_dir),
+        "--max-tokens",
+        "6",
+    )
     assert done.returncode == 0, done.stderr
     assert "Thursday" in done.stdout
 
@@ -69,4 +86,6 @@ def test_cuda_without_a_gpu_is_refused(model_dir: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert "cuda" in error_line(pdserve("generate", "--prompt", "hi", "--device", "cuda", "--model", str(model_dir)))
+    assert "cuda" in error_line(
+        pdserve("generate", "--prompt", "hi", "--device", "cuda", "--model", str(model_dir))
+    )

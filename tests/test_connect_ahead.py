@@ -16,14 +16,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.common.runtime import protocol as p
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.runtime.ports import free_port
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.ports import free_port
 from pdserve.common.runtime.service_config import DeploymentConfig, InstanceAddresses
 from pdserve.services.decode.service import DecodeService
 
-LAYOUT = KVLayout(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")
+LAYOUT = KVLayout(
+    num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32"
+)
 ENGINE = "prefill-0"
 
 
@@ -89,7 +91,10 @@ def run(num_ranks: int, scenario: Any) -> None:
 
 
 def handle(epoch: int, num_ranks: int, side: str) -> p.KVHandle:
-    replicas = [p.Replica(agent_name=f"{ENGINE}-e{epoch}-r{r}", side_channel=side, pcp_rank=r) for r in range(num_ranks)]
+    replicas = [
+        p.Replica(agent_name=f"{ENGINE}-e{epoch}-r{r}", side_channel=side, pcp_rank=r)
+        for r in range(num_ranks)
+    ]
     return p.KVHandle(engine_id=ENGINE, epoch=epoch, layout=LAYOUT, block_ids=[0], num_tokens=4,
                       replicas=replicas, lease_deadline=0.0)  # fmt: skip
 
@@ -148,7 +153,9 @@ def test_a_handle_of_an_epoch_not_seen_yet_still_handshakes_lazily() -> None:
 
 
 @pytest.mark.slow
-def test_the_first_request_of_a_deployment_waits_for_no_handshake(model_dir: Path, tmp_path: Path) -> None:
+def test_the_first_request_of_a_deployment_waits_for_no_handshake(
+    model_dir: Path, tmp_path: Path
+) -> None:
     """A real deployment: decode connects to the prefill before any request, so the first
     request's TTFT has a zero handshake part and no lazy handshake is counted."""
     from tests.e2e import deployment
@@ -159,7 +166,9 @@ def test_the_first_request_of_a_deployment_waits_for_no_handshake(model_dir: Pat
             assert time.monotonic() < deadline, "decode never connected ahead"
             time.sleep(0.2)
         body = json.dumps({"prompt": "The capital of France is", "max_tokens": 2}).encode()
-        req = urllib.request.Request(f"{dep.url}/v1/completions", body, {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{dep.url}/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert resp.status == 200
         assert scrape(dep.url, "pdserve:kv_handshakes_total", mode="lazy") == 0
@@ -174,5 +183,9 @@ def scrape(url: str, name: str, **labels: str) -> float:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )

@@ -65,11 +65,15 @@ def prompt_ids(engine: LLMEngine) -> list[list[int]]:
 def hf_greedy(hf_model: torch.nn.Module, ids: list[int], num: int) -> list[int]:
     """HF's own generate; it stops at EOS (and keeps it), as the engine does."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=num, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=num, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
 
 
-def test_greedy_tokens_identical_to_transformers(engine: LLMEngine, hf_model: torch.nn.Module) -> None:
+def test_greedy_tokens_identical_to_transformers(
+    engine: LLMEngine, hf_model: torch.nn.Module
+) -> None:
     prompts = prompt_ids(engine)
     assert len({len(p) for p in prompts}) > 4  # varied lengths
     ours = engine.generate(prompts, SamplingParams(max_tokens=32))  # all 8 batched together
@@ -102,14 +106,21 @@ def test_a_batch_gives_each_request_its_solo_tokens(engine: LLMEngine) -> None:
     assert [c.token_ids for c in batched] == solo
 
 
-def test_chunked_prefill_and_preemption_give_the_same_tokens(model_dir: Path, engine: LLMEngine) -> None:
+def test_chunked_prefill_and_preemption_give_the_same_tokens(
+    model_dir: Path, engine: LLMEngine
+) -> None:
     prompts = prompt_ids(engine)
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = [c.token_ids for c in engine.generate(prompts, sampling)]
     # 16-token blocks, 9 of them, 24-token steps: prompts are chunked and the pool runs dry.
-    tight = LLMEngine(EngineConfig(
-        model=str(model_dir), block_size=16, num_kv_blocks=9, max_num_batched_tokens=24,
-    ))
+    tight = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            block_size=16,
+            num_kv_blocks=9,
+            max_num_batched_tokens=24,
+        )
+    )
     got = tight.generate(prompts, sampling)
     assert [c.token_ids for c in got] == expected
     assert tight.scheduler.num_preemptions > 0
@@ -157,7 +168,9 @@ def test_stop_string_and_stop_token(engine: LLMEngine) -> None:
 
 
 def test_eos_ends_a_chat_answer(engine: LLMEngine) -> None:
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = engine.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     out = engine.generate([ids], SamplingParams(max_tokens=64))[0]
     assert out.finish_reason == "stop"
     assert "Paris" in out.text

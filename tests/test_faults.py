@@ -23,11 +23,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from pdserve.cli.deployment import Deployment
-from pdserve.common.runtime import protocol as p
-from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.services.decode.worker import HOLD_PULLS_ENV
 
+from pdserve.cli.deployment import Deployment
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
+from pdserve.services.decode.worker import HOLD_PULLS_ENV
 from tests.e2e import deployment
 from tests.fault_storm import storm
 from tests.fault_tools import (
@@ -47,8 +47,13 @@ pytestmark = pytest.mark.slow
 
 # Short liveness settings so the suite stays quick; the bounds scale with them.
 PING, PEER_TIMEOUT, LEASE, HEARTBEAT = 0.5, 3.0, 3.0, 0.5
-FAST = {"ping_seconds": PING, "peer_timeout_seconds": PEER_TIMEOUT, "lease_seconds": LEASE,
-        "heartbeat_seconds": HEARTBEAT, "drain_seconds": 2.0}
+FAST = {
+    "ping_seconds": PING,
+    "peer_timeout_seconds": PEER_TIMEOUT,
+    "lease_seconds": LEASE,
+    "heartbeat_seconds": HEARTBEAT,
+    "drain_seconds": 2.0,
+}
 # A dead process's connection drops at once; silence is noticed within PEER_TIMEOUT + PING.
 # SLACK absorbs a loaded 2-core machine; these are bounds, not speed measurements.
 SLACK = 5.0
@@ -59,14 +64,25 @@ PROMPT = [1, 504, 3458, 282, 4649, 30, 13617, 28, 17212, 28]  # a short raw prom
 
 
 @pytest.fixture(scope="module")
-def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultReport]:
+def report(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FaultReport]:
     rep = FaultReport()
     started = time.monotonic()
     yield rep
     path = report_path(tmp_path_factory.getbasetemp())
-    rep.write(path, {"suite_seconds": round(time.monotonic() - started, 1), "cpus": os.cpu_count(),
-                     "load_average": [round(x, 2) for x in os.getloadavg()], "ping_seconds": PING,
-                     "peer_timeout_seconds": PEER_TIMEOUT, "lease_seconds": LEASE, "heartbeat_seconds": HEARTBEAT})
+    rep.write(
+        path,
+        {
+            "suite_seconds": round(time.monotonic() - started, 1),
+            "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "ping_seconds": PING,
+            "peer_timeout_seconds": PEER_TIMEOUT,
+            "lease_seconds": LEASE,
+            "heartbeat_seconds": HEARTBEAT,
+        },
+    )
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\n\nfaults injected ({path}):\n{rep.table()}")
@@ -81,8 +97,9 @@ def health(dep: Deployment) -> dict[str, Any]:
 
 
 def addresses(dep: Deployment) -> list[tuple[str, str]]:
-    return ([(a.address, "prefill") for a in dep.cfg.prefill_addresses]
-            + [(a.address, "decode") for a in dep.cfg.decode_addresses])
+    return [(a.address, "prefill") for a in dep.cfg.prefill_addresses] + [
+        (a.address, "decode") for a in dep.cfg.decode_addresses
+    ]
 
 
 def leaked(dep: Deployment, roles: list[tuple[str, str]] | None = None) -> int:
@@ -99,10 +116,13 @@ def client(dep: Deployment) -> Any:
     return Client(dep.cfg.front_address, timeout=120)
 
 
-def in_background(pool: concurrent.futures.Executor, dep: Deployment, ids: list[int], **sampling: Any) -> concurrent.futures.Future[Any]:
+def in_background(
+    pool: concurrent.futures.Executor, dep: Deployment, ids: list[int], **sampling: Any
+) -> concurrent.futures.Future[Any]:
     def run() -> Any:
         with client(dep) as c:
             return c.generate(prompt_token_ids=ids, **sampling)
+
     return pool.submit(run)
 
 
@@ -115,17 +135,32 @@ def failure_of(fut: concurrent.futures.Future[Any], timeout: float) -> Any:
 
 
 def decode_waiting(dep: Deployment) -> bool:
-    return service_metrics(dep.cfg.decode_addresses[0].address, "decode")["pdserve:num_requests_waiting"] >= 1
+    return (
+        service_metrics(dep.cfg.decode_addresses[0].address, "decode")[
+            "pdserve:num_requests_waiting"
+        ]
+        >= 1
+    )
 
 
 # -- a prefill rank (PCP = 2) -------------------------------------------------------------------
 
 
-def test_a_dead_prefill_rank_fails_its_instance_fast(tmp_path: Path, model_dir: Path, report: FaultReport) -> None:
+def test_a_dead_prefill_rank_fails_its_instance_fast(
+    tmp_path: Path, model_dir: Path, report: FaultReport
+) -> None:
     long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]  # 16 chunks of 128 tokens
-    with deployment(tmp_path, model_dir, prefill_instances=2, pcp=2,
-                    prefill_engine={"max_num_batched_tokens": 128}, **FAST) as dep, \
-            concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with (
+        deployment(
+            tmp_path,
+            model_dir,
+            prefill_instances=2,
+            pcp=2,
+            prefill_engine={"max_num_batched_tokens": 128},
+            **FAST,
+        ) as dep,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
         fut = in_background(pool, dep, long_prompt, max_tokens=4)
 
         def busy_instance() -> int | None:
@@ -142,12 +177,22 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(tmp_path: Path, model_dir: 
         os.kill(ranks[1], signal.SIGKILL)
         err = failure_of(fut, DETECT_BOUND)
         failed_in = time.monotonic() - killed
-        assert err.reason == "peer_down" and f"prefill {victim}" in err.message and "rank 1" in err.message, err
-        code = wait_until(lambda: coordinator.poll() is not None and coordinator.returncode, 30, "the coordinator to exit")
+        assert (
+            err.reason == "peer_down"
+            and f"prefill {victim}" in err.message
+            and "rank 1" in err.message
+        ), err
+        code = wait_until(
+            lambda: coordinator.poll() is not None and coordinator.returncode,
+            30,
+            "the coordinator to exit",
+        )
         exited_in = time.monotonic() - killed
         assert code != 0
         wait_until(lambda: all(is_gone(pid) for pid in ranks), 15, "its other rank to exit")
-        detail = wait_until(lambda: health(dep).get("detail"), 10, "the router to report the instance")
+        detail = wait_until(
+            lambda: health(dep).get("detail"), 10, "the router to report the instance"
+        )
         assert detail[f"prefill-{victim}"]["ready"] is False
         other = 1 - victim
         before = total(metrics(dep.url), "pdserve:kv_replica_releases_total", "prefill")
@@ -155,11 +200,26 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(tmp_path: Path, model_dir: 
             for k in range(4):
                 assert c.generate(prompt_token_ids=PROMPT + [k], max_tokens=3).token_ids
         after = metrics(dep.url)
-        assert total(after, "pdserve:kv_replica_releases_total", "prefill") - before == 4 * 2  # 2 ranks each
-        live = [(dep.cfg.prefill_addresses[other].address, "prefill"), (dep.cfg.decode_addresses[0].address, "decode")]
+        assert (
+            total(after, "pdserve:kv_replica_releases_total", "prefill") - before == 4 * 2
+        )  # 2 ranks each
+        live = [
+            (dep.cfg.prefill_addresses[other].address, "prefill"),
+            (dep.cfg.decode_addresses[0].address, "decode"),
+        ]
         wait_until(lambda: pools_full(live), 10, "the live pools to be full")
-        report.add(FaultRow("kill -9 of a prefill rank mid-prefill (PCP 2)", 1, 1, 1, leaked(dep, live), round(failed_in, 2),
-                            DETECT_BOUND, f"Failed peer_down; coordinator exited {code} after {exited_in:.1f} s; prefill-{other} served 4/4"))
+        report.add(
+            FaultRow(
+                "kill -9 of a prefill rank mid-prefill (PCP 2)",
+                1,
+                1,
+                1,
+                leaked(dep, live),
+                round(failed_in, 2),
+                DETECT_BOUND,
+                f"Failed peer_down; coordinator exited {code} after {exited_in:.1f} s; prefill-{other} served 4/4",
+            )
+        )
 
 
 # -- one prefill, one decode: killed, restarted, lied to ---------------------------------------
@@ -184,8 +244,12 @@ def hold(hold_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold_path: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("faults"), model_dir, env={HOLD_PULLS_ENV: str(hold_path)}, **FAST) as d:
+def dep(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold_path: Path
+) -> Iterator[Deployment]:
+    with deployment(
+        tmp_path_factory.mktemp("faults"), model_dir, env={HOLD_PULLS_ENV: str(hold_path)}, **FAST
+    ) as d:
         yield d
 
 
@@ -206,23 +270,42 @@ def decode_peer(dep: Deployment) -> Peer:
 
 def handle_for(dep: Deployment, rid: str, ids: list[int], max_tokens: int = 6) -> p.PrefillDone:
     with prefill_peer(dep) as peer:
-        done = peer.ask(p.PrefillRequest(request_id=rid, trace_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens)))[-1]
+        done = peer.ask(
+            p.PrefillRequest(
+                request_id=rid,
+                trace_id=rid,
+                prompt_token_ids=ids,
+                sampling=SamplingParams(max_tokens=max_tokens),
+            )
+        )[-1]
     assert isinstance(done, p.PrefillDone), done
     return done
 
 
-def decode_with(dep: Deployment, done: p.PrefillDone, ids: list[int], handle: p.KVHandle, max_tokens: int = 6) -> list[Any]:
-    msg = p.DecodeRequest(request_id=done.request_id, trace_id=done.trace_id, prompt_token_ids=ids,
-                          sampling=SamplingParams(max_tokens=max_tokens), first_token=done.first_token, handle=handle)
+def decode_with(
+    dep: Deployment, done: p.PrefillDone, ids: list[int], handle: p.KVHandle, max_tokens: int = 6
+) -> list[Any]:
+    msg = p.DecodeRequest(
+        request_id=done.request_id,
+        trace_id=done.trace_id,
+        prompt_token_ids=ids,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        first_token=done.first_token,
+        handle=handle,
+    )
     with decode_peer(dep) as peer:
         return peer.ask(msg)
 
 
 def transfer_failures(dep: Deployment) -> float:
-    return service_metrics(dep.cfg.decode_addresses[0].address, "decode")["pdserve:kv_transfer_failures"]
+    return service_metrics(dep.cfg.decode_addresses[0].address, "decode")[
+        "pdserve:kv_transfer_failures"
+    ]
 
 
-def test_wrong_descriptors_fail_the_request_and_are_counted(dep: Deployment, report: FaultReport) -> None:
+def test_wrong_descriptors_fail_the_request_and_are_counted(
+    dep: Deployment, report: FaultReport
+) -> None:
     done = handle_for(dep, "forged-1", PROMPT)
     n = done.handle.layout.num_blocks
     forged = msgspec.structs.replace(done.handle, block_ids=[b + n for b in done.handle.block_ids])
@@ -231,16 +314,32 @@ def test_wrong_descriptors_fail_the_request_and_are_counted(dep: Deployment, rep
     replies = decode_with(dep, done, PROMPT, forged)
     seconds = time.monotonic() - started
     end = replies[-1]
-    assert isinstance(end, p.Failed) and end.reason == "kv_transfer" and "outside" in end.message, end
+    assert isinstance(end, p.Failed) and end.reason == "kv_transfer" and "outside" in end.message, (
+        end
+    )
     assert "prefill-0" in end.message
     assert transfer_failures(dep) == before + 1
     # The failed pull still released the producer: its blocks are free at once.
-    wait_until(lambda: pools_full(addresses(dep)), 10, "the producer to free the forged request's blocks")
-    report.add(FaultRow("wrong KV descriptors (policy fail)", 1, 1, 1, leaked(dep), round(seconds, 2), None,
-                        "Failed kv_transfer; kv_transfer_failures +1; producer released at once"))
+    wait_until(
+        lambda: pools_full(addresses(dep)), 10, "the producer to free the forged request's blocks"
+    )
+    report.add(
+        FaultRow(
+            "wrong KV descriptors (policy fail)",
+            1,
+            1,
+            1,
+            leaked(dep),
+            round(seconds, 2),
+            None,
+            "Failed kv_transfer; kv_transfer_failures +1; producer released at once",
+        )
+    )
 
 
-def test_prefill_killed_before_the_pull_fails_the_request(dep: Deployment, hold: Path, carry: dict[str, Any], report: FaultReport) -> None:
+def test_prefill_killed_before_the_pull_fails_the_request(
+    dep: Deployment, hold: Path, carry: dict[str, Any], report: FaultReport
+) -> None:
     with client(dep) as c:  # decode has met this producer life (no handshake left to do)
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
     carry["old"] = handle_for(dep, "old-epoch", PROMPT)  # pinned in this producer life
@@ -255,23 +354,40 @@ def test_prefill_killed_before_the_pull_fails_the_request(dep: Deployment, hold:
         failed_in = time.monotonic() - killed
     assert err.reason == "kv_transfer" and "prefill-0" in err.message, err
     # The router stopped routing to the dead instance: a new request fails at once.
-    wait_until(lambda: health(dep).get("detail", {}).get("prefill-0", {}).get("ready") is False, DETECT_BOUND, "prefill-0 marked down")
+    wait_until(
+        lambda: health(dep).get("detail", {}).get("prefill-0", {}).get("ready") is False,
+        DETECT_BOUND,
+        "prefill-0 marked down",
+    )
     with client(dep) as c, pytest.raises(Exception, match="no prefill instance is up"):
         c.generate(prompt_token_ids=PROMPT, max_tokens=2)
     up_in = restart(dep, "prefill-0")
-    report.add(FaultRow("kill -9 of prefill after its answer, before the pull (policy fail)", 1, 2, 2, leaked(dep),
-                        round(failed_in, 2), DETECT_BOUND,
-                        f"Failed kv_transfer naming prefill-0; next request refused peer_down; back in {up_in:.1f} s"))
+    report.add(
+        FaultRow(
+            "kill -9 of prefill after its answer, before the pull (policy fail)",
+            1,
+            2,
+            2,
+            leaked(dep),
+            round(failed_in, 2),
+            DETECT_BOUND,
+            f"Failed kv_transfer naming prefill-0; next request refused peer_down; back in {up_in:.1f} s",
+        )
+    )
 
 
-def test_a_restarted_producer_refuses_old_handles(dep: Deployment, carry: dict[str, Any], report: FaultReport) -> None:
+def test_a_restarted_producer_refuses_old_handles(
+    dep: Deployment, carry: dict[str, Any], report: FaultReport
+) -> None:
     old = carry.get("old")
     assert old is not None, "runs after the producer was killed and restarted"
     with client(dep) as c:  # decode meets the new epoch (and forgets the old one)
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
     replies = decode_with(dep, old, PROMPT, old.handle)
     end = replies[-1]
-    assert isinstance(end, p.Failed) and end.reason == "kv_transfer" and "stale epoch" in end.message, end
+    assert (
+        isinstance(end, p.Failed) and end.reason == "kv_transfer" and "stale epoch" in end.message
+    ), end
     # A handle of an epoch decode never met is refused by the producer at the handshake.
     done = handle_for(dep, "older", PROMPT)
     older = msgspec.structs.replace(done.handle, epoch=done.handle.epoch - 1)
@@ -280,11 +396,23 @@ def test_a_restarted_producer_refuses_old_handles(dep: Deployment, carry: dict[s
     with prefill_peer(dep) as peer:  # nobody will pull it: the abort frees it at once
         peer.send(p.Abort(request_id="older"))
     wait_until(lambda: pools_full(addresses(dep)), 10, "the aborted request's blocks to be free")
-    report.add(FaultRow("producer restarted: old handles used", 2, 2, 2, leaked(dep), None, None,
-                        "Failed kv_transfer: 'stale epoch' (decode) and 'it restarted' (producer handshake)"))
+    report.add(
+        FaultRow(
+            "producer restarted: old handles used",
+            2,
+            2,
+            2,
+            leaked(dep),
+            None,
+            None,
+            "Failed kv_transfer: 'stale epoch' (decode) and 'it restarted' (producer handshake)",
+        )
+    )
 
 
-def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(dep: Deployment, hold: Path, report: FaultReport) -> None:
+def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(
+    dep: Deployment, hold: Path, report: FaultReport
+) -> None:
     prefill = dep.cfg.prefill_addresses[0].address
     expired = service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"]
     hold.touch()
@@ -299,8 +427,11 @@ def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(dep: Deployme
         failed_in = time.monotonic() - killed
     hold.unlink()
     assert err.reason == "peer_down" and "decode-0" in err.message, err
-    wait_until(lambda: service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"] == expired + 1,
-               LEASE_BOUND, "the lease to expire")
+    wait_until(
+        lambda: service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"] == expired + 1,
+        LEASE_BOUND,
+        "the lease to expire",
+    )
     freed_in = time.monotonic() - killed
     assert freed_in <= LEASE_BOUND
     wait_until(lambda: pools_full([(prefill, "prefill")]), 5, "the producer's pool to be full")
@@ -308,18 +439,32 @@ def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(dep: Deployme
     up_in = restart(dep, "decode-0", PDSERVE_KV_LOAD_FAILURE_POLICY="recompute")
     with client(dep) as c:
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
-    report.add(FaultRow("kill -9 of decode mid-pull", 1, 1, 1, leaked(dep), round(failed_in, 2), DETECT_BOUND,
-                        f"Failed peer_down naming decode-0; lease expired, blocks freed {freed_in:.1f} s after the kill "
-                        f"(bound {LEASE_BOUND:g}); back in {up_in:.1f} s"))
+    report.add(
+        FaultRow(
+            "kill -9 of decode mid-pull",
+            1,
+            1,
+            1,
+            leaked(dep),
+            round(failed_in, 2),
+            DETECT_BOUND,
+            f"Failed peer_down naming decode-0; lease expired, blocks freed {freed_in:.1f} s after the kill "
+            f"(bound {LEASE_BOUND:g}); back in {up_in:.1f} s",
+        )
+    )
 
 
-def test_recompute_policy_gives_the_same_tokens(dep: Deployment, hold: Path, report: FaultReport) -> None:
+def test_recompute_policy_gives_the_same_tokens(
+    dep: Deployment, hold: Path, report: FaultReport
+) -> None:
     with client(dep) as c:
         want = c.generate(prompt_token_ids=PROMPT, max_tokens=6).token_ids
     before = transfer_failures(dep)
     # Wrong descriptors, recomputed.
     done = handle_for(dep, "forged-2", PROMPT)
-    forged = msgspec.structs.replace(done.handle, block_ids=[b + done.handle.layout.num_blocks for b in done.handle.block_ids])
+    forged = msgspec.structs.replace(
+        done.handle, block_ids=[b + done.handle.layout.num_blocks for b in done.handle.block_ids]
+    )
     replies = decode_with(dep, done, PROMPT, forged)
     assert isinstance(replies[-1], p.Finished), replies[-1]
     assert [t for r in replies if isinstance(r, p.TokenChunk) for t in r.token_ids] == want
@@ -337,11 +482,23 @@ def test_recompute_policy_gives_the_same_tokens(dep: Deployment, hold: Path, rep
     assert transfer_failures(dep) == before + 2
     up_in = restart(dep, "prefill-0")
     wait_until(lambda: pools_full(addresses(dep)), 10, "every pool to be full")
-    report.add(FaultRow("wrong descriptors + kill -9 of prefill before the pull (policy recompute)", 2, 2, 2, leaked(dep),
-                        round(answered_in, 2), None, f"same tokens as without faults; kv_transfer_failures +2; prefill back in {up_in:.1f} s"))
+    report.add(
+        FaultRow(
+            "wrong descriptors + kill -9 of prefill before the pull (policy recompute)",
+            2,
+            2,
+            2,
+            leaked(dep),
+            round(answered_in, 2),
+            None,
+            f"same tokens as without faults; kv_transfer_failures +2; prefill back in {up_in:.1f} s",
+        )
+    )
 
 
-def test_a_dead_router_has_its_work_aborted(dep: Deployment, hold: Path, report: FaultReport) -> None:
+def test_a_dead_router_has_its_work_aborted(
+    dep: Deployment, hold: Path, report: FaultReport
+) -> None:
     from pdserve.services.router.client import AsyncClient
 
     decode, prefill = dep.cfg.decode_addresses[0].address, dep.cfg.prefill_addresses[0].address
@@ -349,14 +506,29 @@ def test_a_dead_router_has_its_work_aborted(dep: Deployment, hold: Path, report:
 
     async def scenario() -> float:
         async with AsyncClient(dep.cfg.front_address) as c:
-            long = [asyncio.create_task(c.generate(prompt_token_ids=PROMPT + [k], max_tokens=2000, ignore_eos=True)) for k in range(2)]
-            await asyncio.to_thread(wait_until, lambda: service_metrics(decode, "decode")["pdserve:num_requests_running"] >= 2, 60, "two decodes running")
+            long = [
+                asyncio.create_task(
+                    c.generate(prompt_token_ids=PROMPT + [k], max_tokens=2000, ignore_eos=True)
+                )
+                for k in range(2)
+            ]
+            await asyncio.to_thread(
+                wait_until,
+                lambda: service_metrics(decode, "decode")["pdserve:num_requests_running"] >= 2,
+                60,
+                "two decodes running",
+            )
             hold.touch()
             held = asyncio.create_task(c.generate(prompt_token_ids=PROMPT + [9], max_tokens=4))
             await asyncio.to_thread(wait_until, lambda: decode_waiting(dep), 30, "a pull held")
             killed = time.monotonic()
             dep.kill("router")
-            await asyncio.to_thread(wait_until, lambda: pools_full(addresses(dep)), DETECT_BOUND, "the services to abort the dead router's requests")
+            await asyncio.to_thread(
+                wait_until,
+                lambda: pools_full(addresses(dep)),
+                DETECT_BOUND,
+                "the services to abort the dead router's requests",
+            )
             seconds = time.monotonic() - killed
             for t in [*long, held]:
                 t.cancel()
@@ -365,14 +537,26 @@ def test_a_dead_router_has_its_work_aborted(dep: Deployment, hold: Path, report:
 
     freed_in = asyncio.run(scenario())
     hold.unlink()
-    assert service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"] == expired  # released, not expired
+    assert (
+        service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"] == expired
+    )  # released, not expired
     assert service_metrics(decode, "decode")["pdserve:router_lost"] >= 1
     up_in = restart(dep, "router")
     with client(dep) as c:
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
-    report.add(FaultRow("kill -9 of the router", 1, 3, 0, leaked(dep), round(freed_in, 2), DETECT_BOUND,
-                        f"services aborted its 3 requests (2 decoding, 1 pull held), every block freed; "
-                        f"clients of a dead router get no reply (SDK timeout); back in {up_in:.1f} s"))
+    report.add(
+        FaultRow(
+            "kill -9 of the router",
+            1,
+            3,
+            0,
+            leaked(dep),
+            round(freed_in, 2),
+            DETECT_BOUND,
+            f"services aborted its 3 requests (2 decoding, 1 pull held), every block freed; "
+            f"clients of a dead router get no reply (SDK timeout); back in {up_in:.1f} s",
+        )
+    )
 
 
 def test_500_requests_with_disconnects_and_aborts(dep: Deployment, report: FaultReport) -> None:
@@ -385,7 +569,20 @@ def test_500_requests_with_disconnects_and_aborts(dep: Deployment, report: Fault
     counted = total(after, "pdserve:requests_total") - total(before, "pdserve:requests_total")
     assert counted == 500, (counted, result.outcomes)
     assert total(after, "pdserve:num_requests_running", "router") == 0
-    assert total(after, "pdserve:kv_expired_requests_total") == total(before, "pdserve:kv_expired_requests_total")
+    assert total(after, "pdserve:kv_expired_requests_total") == total(
+        before, "pdserve:kv_expired_requests_total"
+    )
     aborted = sum(n for k, n in result.outcomes.items() if k.endswith(("abort", "left", "gone")))
-    report.add(FaultRow("500 requests, clients aborting / disconnecting", aborted, 500, 500, leaked(dep), None, None,
-                        f"{result.seconds:.0f} s; " + ", ".join(f"{k} {n}" for k, n in sorted(result.outcomes.items()))))
+    report.add(
+        FaultRow(
+            "500 requests, clients aborting / disconnecting",
+            aborted,
+            500,
+            500,
+            leaked(dep),
+            None,
+            None,
+            f"{result.seconds:.0f} s; "
+            + ", ".join(f"{k} {n}" for k, n in sorted(result.outcomes.items())),
+        )
+    )

@@ -21,12 +21,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.runtime import protocol as p
-from pdserve.common.errors import PdserveError
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.runtime.sockets import make_socket
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.errors import PdserveError
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.router.client import _Inbox
 
 UNIONS = {
@@ -39,7 +39,9 @@ DECODERS = {name: p.Decoder(union) for name, union in UNIONS.items()}
 # Typed decoders outside the unions: the step plan broadcast to ranks, a handle alone.
 OTHER_DECODERS = [msgspec.msgpack.Decoder(StepPlan), msgspec.msgpack.Decoder(p.KVHandle)]
 
-LAYOUT = KVLayout(num_blocks=64, num_layers=2, num_kv_heads=2, block_size=64, head_dim=32, dtype="float32")
+LAYOUT = KVLayout(
+    num_blocks=64, num_layers=2, num_kv_heads=2, block_size=64, head_dim=32, dtype="float32"
+)
 SAMPLING = SamplingParams(max_tokens=1, temperature=0.5, top_p=0.9, seed=7, stop=("x",))
 HANDLE = p.KVHandle(
     engine_id="fuzz-engine", epoch=1, layout=LAYOUT, block_ids=[0, 1], num_tokens=70,
@@ -91,7 +93,9 @@ SAMPLES: dict[str, list[p.Message]] = {
 FRAMES = [p.encode(m) for msgs in SAMPLES.values() for m in msgs]
 OTHER_FRAMES = [msgspec.msgpack.encode(StepPlan(seqs=[ScheduledSeq("r", [1, 2], 0, [0], True)])),
                 msgspec.msgpack.encode(HANDLE)]  # fmt: skip
-MESSAGE_TYPES = sorted({t for union in UNIONS.values() for t in union.__args__}, key=lambda t: t.__name__)
+MESSAGE_TYPES = sorted(
+    {t for union in UNIONS.values() for t in union.__args__}, key=lambda t: t.__name__
+)
 
 
 def mutate(rng: random.Random, frame: bytes) -> bytes:
@@ -104,7 +108,9 @@ def mutate(rng: random.Random, frame: bytes) -> bytes:
         if op == 0 and out:
             out[min(at, len(out) - 1)] ^= 1 << rng.randrange(8)
         elif op == 1 and out:
-            out[min(at, len(out) - 1)] = rng.choice([0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xCF, 0xD3, 0xDC, 0xDD, 0xFF])
+            out[min(at, len(out) - 1)] = rng.choice(
+                [0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xCF, 0xD3, 0xDC, 0xDD, 0xFF]
+            )
         elif op == 2:
             out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
         elif op == 3:
@@ -132,7 +138,9 @@ def structured(draw: st.DrawFn) -> bytes:
     """A map tagged with a real message type whose fields hold arbitrary values (past the
     msgpack layer, into validation), sometimes with a valid message's field values."""
     kind = draw(st.sampled_from(MESSAGE_TYPES))
-    valid = next((msgspec.to_builtins(m) for msgs in SAMPLES.values() for m in msgs if type(m) is kind), {})
+    valid = next(
+        (msgspec.to_builtins(m) for msgs in SAMPLES.values() for m in msgs if type(m) is kind), {}
+    )
     fields = {}
     for name in kind.__struct_fields__:
         choice = draw(st.integers(0, 2))
@@ -222,7 +230,9 @@ def test_oversized_frames_cost_the_sender_its_connection() -> None:
 def test_sdk_reply_routing_never_raises(frames: list[bytes]) -> None:
     queues: dict[str, Any] = {"r": deque(), "fuzz-g": deque()}
     _Inbox().route(frames, queues)
-    assert all(isinstance(e, p.TokenChunk | p.Finished | p.Failed) for q in queues.values() for e in q)
+    assert all(
+        isinstance(e, p.TokenChunk | p.Finished | p.Failed) for q in queues.values() for e in q
+    )
 
 
 # -- live services ------------------------------------------------------------------------------
@@ -233,7 +243,9 @@ def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[A
     from tests.e2e import deployment
 
     # drain_seconds: fuzzed requests may still be in flight at the end; no need to wait.
-    with deployment(tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": 128}, drain_seconds=1.0) as d:
+    with deployment(
+        tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": 128}, drain_seconds=1.0
+    ) as d:
         yield d
 
 
@@ -290,14 +302,25 @@ def test_live_sockets_count_garbage_and_keep_answering(dep: Any) -> None:
                                     sampling=SamplingParams(max_tokens=20))  # fmt: skip
             sock.send(p.encode(twice))
             sock.send(p.encode(twice))
-            replies = [ask(sock, None, DECODERS["DecodeToRouter"], (p.Failed, p.Finished)) for _ in range(2)]
+            replies = [
+                ask(sock, None, DECODERS["DecodeToRouter"], (p.Failed, p.Finished))
+                for _ in range(2)
+            ]
             assert [type(r) for r in replies] == [p.Failed, p.Finished], replies
             assert "already in use" in replies[0].message
         if union in ("RouterToPrefill", "RouterToDecode"):
-            answer = ask(sock, p.Ping(sent_at=2.0), DECODERS["PrefillToRouter" if "Prefill" in union else "DecodeToRouter"])
+            answer = ask(
+                sock,
+                p.Ping(sent_at=2.0),
+                DECODERS["PrefillToRouter" if "Prefill" in union else "DecodeToRouter"],
+            )
             assert isinstance(answer, p.Pong), address
         elif union == "ToSideChannel":
-            answer = ask(sock, p.Handshake(engine_id="nobody", epoch=0, consumer="fuzz"), DECODERS["FromSideChannel"])
+            answer = ask(
+                sock,
+                p.Handshake(engine_id="nobody", epoch=0, consumer="fuzz"),
+                DECODERS["FromSideChannel"],
+            )
             assert isinstance(answer, p.SideReply) and not answer.ok, address
         sock.close()
     side.close()
@@ -351,7 +374,9 @@ def test_http_api_under_schemathesis(http_server: Any) -> None:
     cases = st.one_of(schema.as_strategy(modes.POSITIVE), schema.as_strategy(modes.NEGATIVE))
     session = requests.Session()
 
-    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=cases)
     def check(case: Any) -> None:
         response = case.call(base_url=base, session=session, timeout=30)
@@ -362,13 +387,14 @@ def test_http_api_under_schemathesis(http_server: Any) -> None:
     check()
 
 
-
 def test_http_bodies_nested_too_deeply_are_400(http_server: Any) -> None:
     from tests.test_http_api import request
 
     deep = b"[" * 100_000 + b"]" * 100_000
     bodies = {
-        "/v1/chat/completions": b'{"messages":[{"role":"user","content":"x"}],"tools":' + deep + b"}",
+        "/v1/chat/completions": b'{"messages":[{"role":"user","content":"x"}],"tools":'
+        + deep
+        + b"}",
         "/v1/completions": b'{"prompt":"x","max_tokens":2.0,"unknown":' + deep + b"}",
     }
     for path, body in bodies.items():
@@ -386,7 +412,12 @@ def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
     group = object.__new__(RankProcesses)  # only its pipe: no rank processes
     ours, theirs = Pipe()
     group.conns, group.procs = [ours], [None]
-    for raw in (b"\xc1", b"\x91" * 100_000 + b"\xc0", msgspec.msgpack.encode(5), msgspec.msgpack.encode([])):
+    for raw in (
+        b"\xc1",
+        b"\x91" * 100_000 + b"\xc0",
+        msgspec.msgpack.encode(5),
+        msgspec.msgpack.encode([]),
+    ):
         theirs.send_bytes(raw)
         with pytest.raises(RankFailed, match="rank 0"):
             group._recv(0)

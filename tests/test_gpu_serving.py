@@ -9,7 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +20,13 @@ def random_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> P
     from pdserve.common.model.random import save_random_llama
 
     return save_random_llama(
-        tmp_path_factory.mktemp("m") / "llama", num_layers=4, hidden_size=512, num_heads=8,
-        num_kv_heads=4, intermediate_size=1024, tokenizer_from=model_dir,
+        tmp_path_factory.mktemp("m") / "llama",
+        num_layers=4,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1024,
+        tokenizer_from=model_dir,
     )
 
 
@@ -29,14 +37,26 @@ def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Pa
     from pdserve.services.router.client import Client
     from tests.e2e import deployment
 
-    prompts = [[(i * 31 + j * 7) % 40000 + 5 for j in range(n)] for i, n in enumerate([1, 63, 64, 65, 300, 1000])]
-    mono = LLMEngine(EngineConfig(model=str(random_model), device="cuda", gpu_memory_utilization=0.2))
-    want = [c.token_ids for c in mono.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    prompts = [
+        [(i * 31 + j * 7) % 40000 + 5 for j in range(n)]
+        for i, n in enumerate([1, 63, 64, 65, 300, 1000])
+    ]
+    mono = LLMEngine(
+        EngineConfig(model=str(random_model), device="cuda", gpu_memory_utilization=0.2)
+    )
+    want = [
+        c.token_ids for c in mono.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    ]
     del mono
     torch.cuda.empty_cache()
     dep = deployment(tmp_path, random_model, device="cuda", engine={"gpu_memory_utilization": 0.25})
     with dep, Client(dep.cfg.front_address) as client:
-        got = [client.generate(prompt_token_ids=p, max_tokens=12, ignore_eos=True, temperature=0.0).token_ids for p in prompts]
+        got = [
+            client.generate(
+                prompt_token_ids=p, max_tokens=12, ignore_eos=True, temperature=0.0
+            ).token_ids
+            for p in prompts
+        ]
     assert got == want
 
 
@@ -44,19 +64,29 @@ def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     """A decode step replayed from a captured graph (5 sequences padded to 8) gives the
     logits of the same step run kernel by kernel, and writes the same KV."""
     from pdserve.common.engine.config import EngineConfig
-    from pdserve.common.model.config import ModelConfig
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+    from pdserve.common.model.config import ModelConfig
 
-    config = EngineConfig(model=str(random_model), device="cuda", num_kv_blocks=64, block_size=16,
-                          max_num_seqs=8, cuda_graph_max_batch=8)
+    config = EngineConfig(
+        model=str(random_model),
+        device="cuda",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_seqs=8,
+        cuda_graph_max_batch=8,
+    )
     runner = ModelRunner.from_config(ModelConfig.from_dir(random_model), random_model, config)
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
     lens = [1, 15, 16, 17, 40]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(lens))]
     prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(n)] for i, n in enumerate(lens)]
-    runner.execute(StepPlan(seqs=[ScheduledSeq(f"r{i}", p, 0, tables[i], True) for i, p in enumerate(prompts)]))
-    step = StepPlan(seqs=[ScheduledSeq(f"r{i}", [11 + i], n, tables[i], True) for i, n in enumerate(lens)])
+    runner.execute(
+        StepPlan(seqs=[ScheduledSeq(f"r{i}", p, 0, tables[i], True) for i, p in enumerate(prompts)])
+    )
+    step = StepPlan(
+        seqs=[ScheduledSeq(f"r{i}", [11 + i], n, tables[i], True) for i, n in enumerate(lens)]
+    )
     kv_before = runner.kv_cache.clone()
     graphed = runner.execute(step).clone()
     kv_graphed = runner.kv_cache.clone()

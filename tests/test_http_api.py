@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from pdserve.common.errors import RequestError
-from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
 from pdserve.services.router import openapi
 from pdserve.services.router.core_api import Event, RouterCore
 from pdserve.services.router.http_api import make_app
@@ -45,7 +45,9 @@ class FakeCore:
         self.reset()
 
     def reset(self) -> None:
-        self.mode = "echo"  # echo | slow | overloaded | peer_down | draining | fail_mid | crash | reject
+        self.mode = (
+            "echo"  # echo | slow | overloaded | peer_down | draining | fail_mid | crash | reject
+        )
         self.ready = True
         self.submitted: list[Generate] = []
         self.closed: list[str] = []  # requests whose iterator was closed before the end
@@ -462,8 +464,9 @@ def test_openapi_is_served_and_current(port: int, core: FakeCore) -> None:
     served = json.loads(data)
     assert set(served["paths"]) >= {"/v1/models", "/v1/completions", "/v1/chat/completions",
                                      "/health", "/metrics"}  # fmt: skip
-    assert served == json.loads(json.dumps(openapi.openapi(
-        MODEL, FakeCore.max_model_len, core.tokenizer.vocab_size)))
+    assert served == json.loads(
+        json.dumps(openapi.openapi(MODEL, FakeCore.max_model_len, core.tokenizer.vocab_size))
+    )
     request_fields = served["components"]["schemas"]["CompletionRequest"]["properties"]
     assert request_fields["model"]["anyOf"][0] == {"enum": [MODEL]}
     # Regenerate: python -m pdserve.services.router.openapi > services/router/openapi.json

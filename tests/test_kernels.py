@@ -36,15 +36,23 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
 NAN = float("nan")
 
 TRITON_DEVICES = [
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET=1 would interpret the GPU run"),
-    ]),
-    pytest.param("cpu", id="interp", marks=[
-        pytest.mark.interp,
-        pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to interpret on CPU"),
-    ]),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET=1 would interpret the GPU run"),
+        ],
+    ),
+    pytest.param(
+        "cpu",
+        id="interp",
+        marks=[
+            pytest.mark.interp,
+            pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to interpret on CPU"),
+        ],
+    ),
 ]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 WINDOWS = [pytest.param(None, id="full"), pytest.param(24, id="win24")]
@@ -249,7 +257,7 @@ def naive_attention(q, k, v, scale, window):
         pos = ctx - q_len + i
         lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(num_heads):
-            keys, values = k[lo:pos + 1, h // group], v[lo:pos + 1, h // group]  # [n, D]
+            keys, values = k[lo : pos + 1, h // group], v[lo : pos + 1, h // group]  # [n, D]
             weights = torch.softmax(keys @ q[i, h] * scale, dim=0)  # [n]
             out[i, h] = weights @ values
     return out
@@ -282,11 +290,12 @@ def test_reference_decode_matches_naive(gen, window):
     ctx_lens = [1, 15, 16, 17, 90]
     paged = Paged(ctx_lens, 2, 16, 16, torch.float64, "cpu", gen)
     q = torch.randn(len(ctx_lens), 8, 16, generator=gen, dtype=torch.float64)
-    out = reference.decode_attention(q, paged.layer, paged.context_lens, paged.block_tables,
-                                     0.25, window)
+    out = reference.decode_attention(
+        q, paged.layer, paged.context_lens, paged.block_tables, 0.25, window
+    )
     for s in range(len(ctx_lens)):
-        expected = naive_attention(q[s:s + 1], paged.keys[s], paged.values[s], 0.25, window)
-        torch.testing.assert_close(out[s:s + 1], expected, rtol=1e-10, atol=1e-12)
+        expected = naive_attention(q[s : s + 1], paged.keys[s], paged.values[s], 0.25, window)
+        torch.testing.assert_close(out[s : s + 1], expected, rtol=1e-10, atol=1e-12)
 
 
 def test_reference_gather_roundtrip(gen):
@@ -386,7 +395,9 @@ def test_rotary_in_place_on_packed_qkv(pointwise, device, gen, dtype, head_dim):
     tol = 1e-6 if dtype == torch.float32 else (4e-3 if device == "cuda" else TOL[dtype])
     assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol
     assert torch.equal(split(packed)[0].cpu(), got_q.cpu())  # in place, v untouched
-    assert torch.equal(packed[:, (heads + kv_heads) * head_dim:].cpu(), qkv[:, (heads + kv_heads) * head_dim:])
+    assert torch.equal(
+        packed[:, (heads + kv_heads) * head_dim :].cpu(), qkv[:, (heads + kv_heads) * head_dim :]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,15 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.kv_cache import new_cache, storage_of
+from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.runtime.service_config import DeploymentConfig
 
 
 @pytest.mark.parametrize("order", ["head", "block"])
 def test_unit_offsets_match_the_logical_view(order: str) -> None:
-    layout = KVLayout(num_blocks=5, num_layers=3, num_kv_heads=4, block_size=2, head_dim=8,
-                      dtype="float32", order=order)
+    layout = KVLayout(
+        num_blocks=5,
+        num_layers=3,
+        num_kv_heads=4,
+        block_size=2,
+        head_dim=8,
+        dtype="float32",
+        order=order,
+    )
     cache = new_cache(layout)
     assert tuple(cache.shape) == layout.shape
     storage = storage_of(cache, layout)
@@ -26,10 +33,12 @@ def test_unit_offsets_match_the_logical_view(order: str) -> None:
         for block in range(layout.num_blocks):
             start = layout.unit_index(head, block) * unit
             # one unit: every layer's K and V of one head of one block, in that order
-            assert torch.equal(flat[start:start + unit], cache[block, :, :, head].reshape(-1))
+            assert torch.equal(flat[start : start + unit], cache[block, :, :, head].reshape(-1))
     if order == "head":
-        assert layout.head_run(2, 1, 3) == (layout.unit_index(2, 1) * layout.head_block_bytes,
-                                            3 * layout.head_block_bytes)
+        assert layout.head_run(2, 1, 3) == (
+            layout.unit_index(2, 1) * layout.head_block_bytes,
+            3 * layout.head_block_bytes,
+        )
     else:
         # a block's heads are adjacent: a run of blocks with every head is one range
         assert layout.unit_index(0, 3) == layout.unit_index(layout.num_kv_heads - 1, 2) + 1
@@ -50,5 +59,8 @@ def test_a_bad_order_is_refused() -> None:
     import msgspec
 
     with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(b'{"num_blocks":1,"num_layers":1,"num_kv_heads":1,"block_size":1,'
-                            b'"head_dim":1,"dtype":"float32","order":"diagonal"}', type=KVLayout)
+        msgspec.json.decode(
+            b'{"num_blocks":1,"num_layers":1,"num_kv_heads":1,"block_size":1,'
+            b'"head_dim":1,"dtype":"float32","order":"diagonal"}',
+            type=KVLayout,
+        )

@@ -20,11 +20,8 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.transfer.kv_consumer import KVConsumer
-from pdserve.common.transfer.kv_descs import coalesce
 from pdserve.common.engine.kv_cache import new_cache
-from pdserve.common.transfer.kv_transfer import KVTransferError
+from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.runtime.protocol import (
     Decoder,
     HandshakeReply,
@@ -34,6 +31,9 @@ from pdserve.common.runtime.protocol import (
     Replica,
     encode,
 )
+from pdserve.common.transfer.kv_consumer import KVConsumer
+from pdserve.common.transfer.kv_descs import coalesce
+from pdserve.common.transfer.kv_transfer import KVTransferError
 
 pytest.importorskip("nixl")
 
@@ -62,8 +62,14 @@ def _producer_main(conn: Connection, agent_name: str, engine_id: str = ENGINE) -
     torch.set_num_threads(1)
     from pdserve.common.transfer.kv_transfer import KVProducer
 
-    producer = KVProducer(engine_id=engine_id, epoch=EPOCH, agent_name=agent_name,
-                          kv_cache=seeded_cache(LAYOUT, SEED), layout=LAYOUT, compat=COMPAT)
+    producer = KVProducer(
+        engine_id=engine_id,
+        epoch=EPOCH,
+        agent_name=agent_name,
+        kv_cache=seeded_cache(LAYOUT, SEED),
+        layout=LAYOUT,
+        compat=COMPAT,
+    )
     releases: list[bytes] = []
     try:
         conn.send_bytes(encode(producer.handshake_reply))
@@ -149,8 +155,13 @@ def producers(all_producers: list[ProducerProc]) -> list[ProducerProc]:
 
 @pytest.fixture
 def consumer() -> Iterator[KVConsumer]:
-    c = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(LAYOUT),
-                   layout=LAYOUT, compat=COMPAT, capture_telemetry=True)
+    c = KVConsumer(
+        agent_name=f"decode-{uuid.uuid4().hex[:8]}",
+        kv_cache=new_cache(LAYOUT),
+        layout=LAYOUT,
+        compat=COMPAT,
+        capture_telemetry=True,
+    )
     try:
         yield c
     finally:
@@ -160,10 +171,15 @@ def consumer() -> Iterator[KVConsumer]:
 def make_handle(
     block_ids: list[int], agents: tuple[str, ...] = AGENTS, epoch: int = EPOCH, engine: str = ENGINE
 ) -> KVHandle:
-    return KVHandle(engine_id=engine, epoch=epoch, layout=LAYOUT, block_ids=block_ids,
-                    num_tokens=len(block_ids) * LAYOUT.block_size,
-                    replicas=[Replica(agent_name=a, side_channel="") for a in agents],
-                    lease_deadline=time.time() + 30)
+    return KVHandle(
+        engine_id=engine,
+        epoch=epoch,
+        layout=LAYOUT,
+        block_ids=block_ids,
+        num_tokens=len(block_ids) * LAYOUT.block_size,
+        replicas=[Replica(agent_name=a, side_channel="") for a in agents],
+        lease_deadline=time.time() + 30,
+    )
 
 
 def wait_pull(consumer: KVConsumer, pull: Any) -> None:
@@ -214,12 +230,19 @@ def test_pull_head_slice_into_a_smaller_tp_layout(producers: list[ProducerProc])
     """A consumer holding one KV head (TP 2 over 2 heads) reads head 1 of a TP-1 producer:
     one descriptor per run of blocks, and exactly that head's bytes."""
     half = msgspec.structs.replace(LAYOUT, num_kv_heads=1)
-    consumer = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(half),
-                          layout=half, compat=COMPAT, capture_telemetry=True)
+    consumer = KVConsumer(
+        agent_name=f"decode-{uuid.uuid4().hex[:8]}",
+        kv_cache=new_cache(half),
+        layout=half,
+        compat=COMPAT,
+        capture_telemetry=True,
+    )
     try:
         connect_all(consumer, producers)
         remote, local = [8, 9, 10, 11, 20], [0, 1, 2, 3, 9]
-        pull = consumer.start_pull("req-slice", make_handle(remote), local, replica=0, heads=[(1, 0, 1)])
+        pull = consumer.start_pull(
+            "req-slice", make_handle(remote), local, replica=0, heads=[(1, 0, 1)]
+        )
         wait_pull(consumer, pull)
         assert pull.num_descriptors == pull.nixl_descriptors == 2
         assert pull.num_bytes == len(remote) * half.block_bytes
@@ -235,8 +258,13 @@ def test_block_order_consumer_reads_head_order_producer(producers: list[Producer
     """The two sides' storage orders may differ: the bytes land right, and only units
     contiguous on both sides merge (here one per (head, block) where heads meet)."""
     blocky = msgspec.structs.replace(LAYOUT, order="block")
-    consumer = KVConsumer(agent_name=f"decode-{uuid.uuid4().hex[:8]}", kv_cache=new_cache(blocky),
-                          layout=blocky, compat=COMPAT, capture_telemetry=True)
+    consumer = KVConsumer(
+        agent_name=f"decode-{uuid.uuid4().hex[:8]}",
+        kv_cache=new_cache(blocky),
+        layout=blocky,
+        compat=COMPAT,
+        capture_telemetry=True,
+    )
     try:
         connect_all(consumer, producers)
         remote, local = [4, 5, 6, 17], [0, 1, 2, 9]
@@ -258,8 +286,12 @@ def test_release_reaches_every_replica(producers: list[ProducerProc], consumer: 
     assert consumer.release(handle, "req-rel", trace_id="t-1") == []
 
     for index, p in enumerate(producers):  # replica 1 was not read from and is released too
-        want = Release(request_id="req-rel", trace_id="t-1", engine_id=ENGINE, epoch=EPOCH, rank=index)
-        releases, _ = wait_producer(p, lambda rs, _: any(r.request_id == "req-rel" for r in rs), consumer)
+        want = Release(
+            request_id="req-rel", trace_id="t-1", engine_id=ENGINE, epoch=EPOCH, rank=index
+        )
+        releases, _ = wait_producer(
+            p, lambda rs, _: any(r.request_id == "req-rel" for r in rs), consumer
+        )
         time.sleep(0.05)
         releases, _ = p.state()
         assert [r for r in releases if r.request_id == "req-rel"] == [want]
@@ -273,7 +305,8 @@ def test_incompatible_handshake_refused(
 ) -> None:
     reply = producers[0].read_reply()
     bad = msgspec.structs.replace(
-        reply, compat={**COMPAT, "model": "other-model"},
+        reply,
+        compat={**COMPAT, "model": "other-model"},
         layout=msgspec.structs.replace(LAYOUT, block_size=16),
     )
     with pytest.raises(KVTransferError) as err:

@@ -28,9 +28,9 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.ports import free_port_block
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime.service_config import DeploymentConfig, load_config
 from pdserve.services.router.client import Client, GenerationFailed
 
@@ -63,7 +63,9 @@ class Notifications(threading.Thread):
             for field in datagram.split("\n"):
                 self.fields.put(field)
 
-    def wait_for(self, field: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> list[str]:
+    def wait_for(
+        self, field: str, proc: subprocess.Popen[bytes], timeout: float = 300.0
+    ) -> list[str]:
         """Every field received since the last call, up to and including ``field``."""
         deadline = time.monotonic() + timeout
         start = len(self.seen)
@@ -83,11 +85,19 @@ class Notifications(threading.Thread):
         self.sock.close()
 
 
-def start(tmp: Path, role: str, cfg: DeploymentConfig, notifications: Notifications, watchdog_usec: int = 0) -> subprocess.Popen[bytes]:
+def start(
+    tmp: Path,
+    role: str,
+    cfg: DeploymentConfig,
+    notifications: Notifications,
+    watchdog_usec: int = 0,
+) -> subprocess.Popen[bytes]:
     config = tmp / f"{role}.json"
     config.write_bytes(json.dumps(msgspec.to_builtins(cfg)).encode())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "WATCHDOG_"))}
-    env.update({k: v for k, v in os.environ.items() if k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")})
+    env.update(
+        {k: v for k, v in os.environ.items() if k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")}
+    )
     env["NOTIFY_SOCKET"] = notifications.address
     if watchdog_usec:
         env["WATCHDOG_USEC"] = str(watchdog_usec)
@@ -100,8 +110,14 @@ def start(tmp: Path, role: str, cfg: DeploymentConfig, notifications: Notificati
 def config(model_dir: Path, **flags: Any) -> DeploymentConfig:
     base = free_port_block(100)
     return load_config(
-        None, model=str(model_dir), base_port=base, http_port=base + 99, torch_threads=1, colocated=True,
-        engine={"kv_cache_memory_gb": 0.1, "max_model_len": 512}, **flags,
+        None,
+        model=str(model_dir),
+        base_port=base,
+        http_port=base + 99,
+        torch_threads=1,
+        colocated=True,
+        engine={"kv_cache_memory_gb": 0.1, "max_model_len": 512},
+        **flags,
     )
 
 
@@ -131,11 +147,22 @@ class FakeRouter:
 
     def decode(self, rid: str, max_tokens: int) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.sock.send(p.encode(p.DecodeRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=PROMPT, sampling=sampling)))
+        self.sock.send(
+            p.encode(
+                p.DecodeRequest(
+                    request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=PROMPT, sampling=sampling
+                )
+            )
+        )
 
     def prefill(self, rid: str, num_tokens: int) -> None:
         prompt = (PROMPT * (num_tokens // len(PROMPT) + 1))[:num_tokens]
-        msg = p.PrefillRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4))
+        msg = p.PrefillRequest(
+            request_id=rid,
+            trace_id=f"t-{rid}",
+            prompt_token_ids=prompt,
+            sampling=SamplingParams(max_tokens=4),
+        )
         self.sock.send(p.encode(msg))
 
     def abort(self, rid: str) -> None:
@@ -153,7 +180,9 @@ class FakeRouter:
     def until(self, done: Any, timeout: float = 120.0) -> Any:
         deadline = time.monotonic() + timeout
         while not done():
-            assert self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no reply in time"
+            assert self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), (
+                "no reply in time"
+            )
             msg = self.decoder.decode(self.sock.recv())
             if isinstance(msg, p.Pong):
                 self.pong = msg
@@ -162,7 +191,12 @@ class FakeRouter:
         return done()
 
     def terminal(self, rid: str) -> Any:
-        self.until(lambda: any(isinstance(m, p.Finished | p.Failed | p.PrefillDone) for m in self.replies.get(rid, [])))
+        self.until(
+            lambda: any(
+                isinstance(m, p.Finished | p.Failed | p.PrefillDone)
+                for m in self.replies.get(rid, [])
+            )
+        )
         return self.replies[rid][-1]
 
     def first_chunk(self, rid: str) -> None:
@@ -183,7 +217,9 @@ def notifications() -> Iterator[Notifications]:
     n.close()
 
 
-def test_decode_ready_watchdog_admission_and_drain(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+def test_decode_ready_watchdog_admission_and_drain(
+    tmp_path: Path, model_dir: Path, notifications: Notifications
+) -> None:
     cfg = config(model_dir, max_queued_requests=2, drain_seconds=120)
     proc = start(tmp_path, "decode", cfg, notifications, watchdog_usec=1_000_000)
     router = FakeRouter(cfg.decode_addresses[0].address)
@@ -217,7 +253,9 @@ def test_decode_ready_watchdog_admission_and_drain(tmp_path: Path, model_dir: Pa
         stopped(proc, 0.1)
 
 
-def test_decode_drain_deadline_fails_what_is_left(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+def test_decode_drain_deadline_fails_what_is_left(
+    tmp_path: Path, model_dir: Path, notifications: Notifications
+) -> None:
     cfg = config(model_dir, drain_seconds=0)
     proc = start(tmp_path, "decode", cfg, notifications)
     router = FakeRouter(cfg.decode_addresses[0].address)
@@ -236,7 +274,9 @@ def test_decode_drain_deadline_fails_what_is_left(tmp_path: Path, model_dir: Pat
         stopped(proc, 0.1)
 
 
-def test_prefill_admission_and_drain(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+def test_prefill_admission_and_drain(
+    tmp_path: Path, model_dir: Path, notifications: Notifications
+) -> None:
     cfg = config(model_dir, max_queued_requests=1, drain_seconds=120)
     proc = start(tmp_path, "prefill", cfg, notifications)
     router = FakeRouter(cfg.prefill_addresses[0].address, p.PrefillToRouter)
@@ -269,7 +309,9 @@ def test_prefill_admission_and_drain(tmp_path: Path, model_dir: Path, notificati
         stopped(proc, 0.1)
 
 
-def test_sigterm_while_loading_exits_0_at_once(tmp_path: Path, model_dir: Path, notifications: Notifications) -> None:
+def test_sigterm_while_loading_exits_0_at_once(
+    tmp_path: Path, model_dir: Path, notifications: Notifications
+) -> None:
     proc = start(tmp_path, "decode", config(model_dir), notifications)
     try:
         notifications.wait_for("STATUS=loading the model (decode 0)", proc, timeout=60)
@@ -323,9 +365,20 @@ class ScriptedDecode(threading.Thread):
         ctx.term()
 
     def answer(self, req: p.DecodeRequest, text: str) -> None:
-        self.outbox.put(p.TokenChunk(request_id=req.request_id, trace_id=req.trace_id, token_ids=[42], text=text))
+        self.outbox.put(
+            p.TokenChunk(
+                request_id=req.request_id, trace_id=req.trace_id, token_ids=[42], text=text
+            )
+        )
         usage = p.Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=1)
-        self.outbox.put(p.Finished(request_id=req.request_id, trace_id=req.trace_id, finish_reason="length", usage=usage))
+        self.outbox.put(
+            p.Finished(
+                request_id=req.request_id,
+                trace_id=req.trace_id,
+                finish_reason="length",
+                usage=usage,
+            )
+        )
 
 
 @pytest.fixture
@@ -340,7 +393,9 @@ def scripted(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DeploymentConfig
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
@@ -368,7 +423,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise AssertionError("the router never became healthy")
 
 
-def test_router_admission_and_drain(tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications) -> None:
+def test_router_admission_and_drain(
+    tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications
+) -> None:
     cfg, decode = scripted
     url = f"http://{cfg.host}:{cfg.http_port}"
     proc = start(tmp_path, "router", cfg, notifications, watchdog_usec=1_000_000)
@@ -422,7 +479,9 @@ def generate_in_background(client: Client) -> tuple[threading.Thread, list[BaseE
     return waiter, outcome
 
 
-def test_router_drain_deadline_fails_and_aborts(tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications) -> None:
+def test_router_drain_deadline_fails_and_aborts(
+    tmp_path: Path, scripted: tuple[DeploymentConfig, ScriptedDecode], notifications: Notifications
+) -> None:
     cfg, decode = scripted
     cfg = msgspec.structs.replace(cfg, drain_seconds=0.0)
     proc = start(tmp_path, "router", cfg, notifications)

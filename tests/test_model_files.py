@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pdserve.common.model import files as model_files
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.model import files as model_files
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import default_model_path, gguf_architecture, resolve_model
 from pdserve.common.model.random import save_random_llama

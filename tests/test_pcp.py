@@ -7,7 +7,6 @@ equal KV replica; every replica rank is released (or expires) on its own.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,10 @@ import torch
 
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
-from pdserve.common.model.config import ModelConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.model.config import ModelConfig
 from pdserve.services.prefill.rank_group import RankGroup
 from tests.e2e import deployment
 from tests.test_serving import assert_pools_full, metrics, total
@@ -29,7 +28,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def mono(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gb=0.25, max_num_batched_tokens=1024))
+    return LLMEngine(
+        EngineConfig(model=str(model_dir), kv_cache_memory_gb=0.25, max_num_batched_tokens=1024)
+    )
 
 
 def prompts(mono: LLMEngine) -> list[list[int]]:
@@ -49,9 +50,16 @@ def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: in
     ref = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, cfg)
     group = RankGroup(cfg, num_ranks, "prefill-test", 1)
     try:
-        ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(num_ranks)).tolist()
+        ids = torch.randint(
+            0, 49152, (200,), generator=torch.Generator().manual_seed(num_ranks)
+        ).tolist()
         steps = [  # a 1-token prompt, then a 200-token prompt in two chunks (the second over a cached prefix)
-            StepPlan([ScheduledSeq("one", [7], 0, [9], True), ScheduledSeq("long", ids[:130], 0, [2, 3, 4, 5], False)]),
+            StepPlan(
+                [
+                    ScheduledSeq("one", [7], 0, [9], True),
+                    ScheduledSeq("long", ids[:130], 0, [2, 3, 4, 5], False),
+                ]
+            ),
             StepPlan([ScheduledSeq("long", ids[130:], 130, [2, 3, 4, 5], True)]),
         ]
         for plan in steps:
@@ -60,60 +68,99 @@ def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: in
         replicas = [group.cache_blocks(r, blocks) for r in range(num_ranks)]
         for replica in replicas[1:]:
             assert np.array_equal(replica, replicas[0])
-        np.testing.assert_allclose(replicas[0], ref.kv_cache[blocks].float().numpy().ravel(), atol=1e-4)
+        np.testing.assert_allclose(
+            replicas[0], ref.kv_cache[blocks].float().numpy().ravel(), atol=1e-4
+        )
     finally:
         group.close()
 
 
 @pytest.mark.parametrize("pcp, pull_from", [(2, "first"), (2, "striped"), (4, "striped")])
-def test_pcp_serving_matches_the_monolithic_engine(tmp_path: Path, model_dir: Path, mono: LLMEngine, pcp: int, pull_from: str) -> None:
+def test_pcp_serving_matches_the_monolithic_engine(
+    tmp_path: Path, model_dir: Path, mono: LLMEngine, pcp: int, pull_from: str
+) -> None:
     from pdserve.services.router.client import AsyncClient
 
     cases = prompts(mono)
     want = [c.token_ids for c in mono.generate(cases, SamplingParams(max_tokens=8))]
-    with deployment(tmp_path, model_dir, pcp=pcp, pull_from=pull_from, engine={"max_num_batched_tokens": 1024}) as dep:
+    with deployment(
+        tmp_path, model_dir, pcp=pcp, pull_from=pull_from, engine={"max_num_batched_tokens": 1024}
+    ) as dep:
+
         async def run() -> list[list[int]]:
             async with AsyncClient(dep.cfg.front_address) as client:
-                results = await asyncio.gather(*(client.generate(prompt_token_ids=c, max_tokens=8, temperature=0.0) for c in cases))
+                results = await asyncio.gather(
+                    *(
+                        client.generate(prompt_token_ids=c, max_tokens=8, temperature=0.0)
+                        for c in cases
+                    )
+                )
             return [r.token_ids for r in results]
 
         assert asyncio.run(run()) == want
         snap = metrics(dep.url)
         for rank in range(pcp):
-            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == len(cases)
+            assert snap[
+                f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"
+            ] == len(cases)
         assert_pools_full(dep.url)
 
 
 @pytest.mark.parametrize("pcp", [2, 4])
-def test_64_concurrent_requests_release_every_replica(tmp_path: Path, model_dir: Path, pcp: int) -> None:
+def test_64_concurrent_requests_release_every_replica(
+    tmp_path: Path, model_dir: Path, pcp: int
+) -> None:
     from pdserve.services.router.client import AsyncClient
 
     with deployment(tmp_path, model_dir, pcp=pcp) as dep:
+
         async def run() -> list[str]:
             async with AsyncClient(dep.cfg.front_address, timeout=600) as client:
-                results = await asyncio.gather(*(
-                    client.generate(prompt_token_ids=[(i * 11 + j) % 30000 + 100 for j in range(1 + (i * 29) % 200)], max_tokens=2 + i % 5)
-                    for i in range(64)
-                ))
+                results = await asyncio.gather(
+                    *(
+                        client.generate(
+                            prompt_token_ids=[
+                                (i * 11 + j) % 30000 + 100 for j in range(1 + (i * 29) % 200)
+                            ],
+                            max_tokens=2 + i % 5,
+                        )
+                        for i in range(64)
+                    )
+                )
             return [r.finish_reason for r in results]
 
         assert len(asyncio.run(run())) == 64
         snap = metrics(dep.url)
         for rank in range(pcp):
-            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == 64
-            assert snap[f"pdserve:kv_expired_requests_total{{service=prefill,instance=0,rank={rank}}}"] == 0
+            assert (
+                snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"]
+                == 64
+            )
+            assert (
+                snap[f"pdserve:kv_expired_requests_total{{service=prefill,instance=0,rank={rank}}}"]
+                == 0
+            )
         assert total(snap, "pdserve:kv_transfers_total") == 64
         assert_pools_full(dep.url)
 
 
 def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model_dir: Path) -> None:
-    from pdserve.services.router.client import Client
     from pdserve.services.prefill.rank import DROP_RELEASES_ENV
+    from pdserve.services.router.client import Client
 
-    with deployment(tmp_path, model_dir, pcp=2, lease_seconds=3.0, heartbeat_seconds=1.0, env={DROP_RELEASES_ENV: "1"}) as dep:
+    with deployment(
+        tmp_path,
+        model_dir,
+        pcp=2,
+        lease_seconds=3.0,
+        heartbeat_seconds=1.0,
+        env={DROP_RELEASES_ENV: "1"},
+    ) as dep:
         with Client(dep.cfg.front_address) as client:
             for i in range(3):
-                assert client.generate(prompt_token_ids=list(range(500 + i, 600 + i)), max_tokens=3).token_ids
+                assert client.generate(
+                    prompt_token_ids=list(range(500 + i, 600 + i)), max_tokens=3
+                ).token_ids
         deadline = 30.0
         import time
 

@@ -12,13 +12,21 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 VARIANTS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
     "yarn-mscale": {
-        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "beta_fast": 32,
+        "beta_slow": 1,
     },
 }
 
@@ -28,7 +36,9 @@ def test_scaled_frequencies_match_transformers(name: str) -> None:
     scaling = dict(VARIANTS[name])
     theta, head_dim, max_pos = 500000.0, 128, 131072
     cfg = LlamaConfig(
-        hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_pos,
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        max_position_embeddings=max_pos,
         rope_parameters={"rope_theta": theta, **scaling},
     )
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")

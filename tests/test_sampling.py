@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pdserve.common.errors import RequestError
 from pdserve.common.engine.sampling import Sampler, SamplingParams, sample_row
+from pdserve.common.errors import RequestError
 
 
 def test_greedy_is_argmax_per_row() -> None:
@@ -17,7 +17,9 @@ def test_same_seed_same_tokens_regardless_of_batch_neighbours() -> None:
     logits = torch.randn(3, 100)
     p = SamplingParams(temperature=1.0, seed=7)
     alone = Sampler()(logits[1:2], [p], [3])[0]
-    batched = Sampler()(logits, [SamplingParams(temperature=0.5, seed=1), p, SamplingParams()], [0, 3, 5])
+    batched = Sampler()(
+        logits, [SamplingParams(temperature=0.5, seed=1), p, SamplingParams()], [0, 3, 5]
+    )
     assert batched[1] == alone
 
 

@@ -74,7 +74,10 @@ def test_prefix_hit_skips_cached_blocks_but_always_computes_the_last_token() -> 
 def test_preemption_under_block_pressure_finishes_everything() -> None:
     s = make(num_blocks=10, max_seqs=8, budget=64)
     rng = random.Random(0)
-    reqs = [Request(str(i), [rng.randrange(50) for _ in range(rng.randint(1, 12))], SamplingParams(), i) for i in range(8)]
+    reqs = [
+        Request(str(i), [rng.randrange(50) for _ in range(rng.randint(1, 12))], SamplingParams(), i)
+        for i in range(8)
+    ]
     for r in reqs:
         s.add(r)
     run_to_end(s, reqs, max_tokens=20)

@@ -24,8 +24,14 @@ def _listener(address: str) -> socket.socket:
 
 
 @pytest.fixture(params=["path", "abstract"])
-def listener(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
-    address = str(tmp_path / "notify.sock") if request.param == "path" else f"@pdserve-test-{uuid.uuid4().hex}"
+def listener(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[socket.socket]:
+    address = (
+        str(tmp_path / "notify.sock")
+        if request.param == "path"
+        else f"@pdserve-test-{uuid.uuid4().hex}"
+    )
     sock = _listener(address)
     monkeypatch.setenv("NOTIFY_SOCKET", address)
     yield sock
@@ -54,7 +60,9 @@ def test_without_systemd_notify_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> N
     assert not notify("READY=1")
 
 
-def test_a_vanished_socket_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_vanished_socket_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
     assert not notify("WATCHDOG=1")
 
@@ -105,7 +113,9 @@ def test_from_env_is_none_without_a_watchdog(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_manager_that_stops_reading_never_blocks_the_sender(listener: socket.socket) -> None:
     # The kernel queues ~10 datagrams per socket; a blocking send would hang the 11th.
     sent: list[bool] = []
-    sender = threading.Thread(target=lambda: sent.extend(notify("WATCHDOG=1") for _ in range(200)), daemon=True)
+    sender = threading.Thread(
+        target=lambda: sent.extend(notify("WATCHDOG=1") for _ in range(200)), daemon=True
+    )
     sender.start()
     sender.join(60)
     assert not sender.is_alive() and len(sent) == 200

@@ -53,7 +53,9 @@ def test_keys_command_makes_usable_keys(keys: Path) -> None:
     assert (keys / "server.key_secret").read_bytes() == before
     assert main(["keys", "--dir", str(keys), "--client", "../evil"]) == 2
     security = WireSecurity.from_dir(str(keys))
-    assert security.server is not None and security.front is not None and security.client is not None
+    assert (
+        security.server is not None and security.front is not None and security.client is not None
+    )
     assert CurveKeys.client(keys, "alice").server_key == security.server.public_key
 
 
@@ -62,7 +64,11 @@ def test_curve_sockets_let_in_only_authorized_keys(keys: Path, stranger: Path) -
     internal socket, and what is counted."""
     refused: list[int] = []
     front, internal = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    own, alice, foreign = CurveKeys.client(keys), CurveKeys.client(keys, "alice"), CurveKeys.client(stranger)
+    own, alice, foreign = (
+        CurveKeys.client(keys),
+        CurveKeys.client(keys, "alice"),
+        CurveKeys.client(stranger),
+    )
     unauthorized = CurveKeys(public_key=foreign.public_key, secret_key=foreign.secret_key,
                              server_key=alice.server_key)  # fmt: skip
     cases = [  # (address, client keys, answered)
@@ -103,11 +109,18 @@ def test_handshake_log_counts_a_servers_refusals_and_ignores_other_events(keys: 
     refused: list[int] = []
     server = HandshakeLog("tcp://x:1", CurveKeys.server(keys, lambda: refused.append(1)))
     client = HandshakeLog("tcp://x:1", CurveKeys.client(keys))
-    for event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+    for event in (
+        zmq.EVENT_DISCONNECTED,
+        zmq.EVENT_HANDSHAKE_SUCCEEDED,
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    ):
         server(event)
         client(event)  # logged, not counted: the refusal is the server's to count
     assert refused == [1]
-    assert client.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH and not server.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    assert (
+        client.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        and not server.events & zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
 
 
 def test_authorized_keys_are_reread_without_a_restart(tmp_path: Path) -> None:
@@ -118,7 +131,9 @@ def test_authorized_keys_are_reread_without_a_restart(tmp_path: Path) -> None:
 
     async def run() -> list[bool]:
         ctx = zmq.asyncio.Context()
-        server = make_socket(ctx, zmq.ROUTER, bind=address, curve=CurveKeys.server(tmp_path, front=True))
+        server = make_socket(
+            ctx, zmq.ROUTER, bind=address, curve=CurveKeys.server(tmp_path, front=True)
+        )
 
         async def echo() -> None:
             while True:
@@ -143,28 +158,42 @@ def test_authorized_keys_are_reread_without_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, keys: Path) -> Iterator[Deployment]:
+def dep(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, keys: Path
+) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("dep")
-    with deployment(tmp, model_dir, engine={"max_model_len": 256}, security={"curve_keys_dir": str(keys)}) as d:
+    with deployment(
+        tmp, model_dir, engine={"max_model_len": 256}, security={"curve_keys_dir": str(keys)}
+    ) as d:
         yield d
 
 
 @pytest.mark.slow
 def test_authenticated_sdk_clients_are_served(dep: Deployment, keys: Path) -> None:
     # Router -> prefill -> decode, the decode -> prefill side channel: all over CURVE.
-    with Client(dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT) as c:
+    with Client(
+        dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT
+    ) as c:
         result = c.generate(prompt="The capital of France is", max_tokens=4, temperature=0.0)
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
 
     async def streamed() -> list[int]:
-        async with AsyncClient(dep.cfg.front_address, curve=CurveKeys.client(keys), timeout=SAFETY_TIMEOUT) as ac:
-            return [t async for chunk in ac.stream(prompt="The capital of France is", max_tokens=4) for t in chunk.token_ids]
+        async with AsyncClient(
+            dep.cfg.front_address, curve=CurveKeys.client(keys), timeout=SAFETY_TIMEOUT
+        ) as ac:
+            return [
+                t
+                async for chunk in ac.stream(prompt="The capital of France is", max_tokens=4)
+                for t in chunk.token_ids
+            ]
 
     assert asyncio.run(streamed()) == result.token_ids
 
 
 @pytest.mark.slow
-def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Path, stranger: Path) -> None:
+def test_unauthenticated_clients_are_refused_and_told(
+    dep: Deployment, keys: Path, stranger: Path
+) -> None:
     before = total(metrics(dep.url), "pdserve:auth_failures_total", "router")
     foreign = CurveKeys.client(stranger)
     unauthorized = CurveKeys(public_key=foreign.public_key, secret_key=foreign.secret_key,
@@ -173,8 +202,13 @@ def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Pat
         with Client(dep.cfg.front_address, curve=curve, timeout=SAFETY_TIMEOUT) as c:
             with pytest.raises(GenerationFailed) as failed:
                 c.generate(prompt="hello", max_tokens=2)
-            assert failed.value.reason == "unauthenticated" and dep.cfg.front_address in failed.value.message
-            with pytest.raises(GenerationFailed, match="refused the connection"):  # later ones at once
+            assert (
+                failed.value.reason == "unauthenticated"
+                and dep.cfg.front_address in failed.value.message
+            )
+            with pytest.raises(
+                GenerationFailed, match="refused the connection"
+            ):  # later ones at once
                 c.generate(prompt="hello", max_tokens=2)
 
     async def refused_async() -> str:
@@ -196,7 +230,9 @@ def test_unauthenticated_clients_are_refused_and_told(dep: Deployment, keys: Pat
             assert not sock.poll(500), f"{address} answered {curve.public_key!r}"
             sock.close()
     ctx.term()
-    with Client(dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT) as c:
+    with Client(
+        dep.cfg.front_address, curve=CurveKeys.client(keys, "alice"), timeout=SAFETY_TIMEOUT
+    ) as c:
         assert c.generate(prompt="hello", max_tokens=2).token_ids
     snap = metrics(dep.url)
     assert total(snap, "pdserve:auth_failures_total", "router") >= before + 4
@@ -215,13 +251,17 @@ def test_every_zmq_socket_comes_from_the_factory_with_curve() -> None:
         assert not re.search(r"\.socket\(zmq\.|ctx\.socket\(", text), f"{path}: use make_socket"
         # One monitor per socket: asked for through make_socket(monitor_events=), which
         # adds the CURVE handshake events (a second request would get the first's).
-        assert not re.search(r"get_monitor_socket\([^)]", text), f"{path}: make_socket(monitor_events=)"
+        assert not re.search(r"get_monitor_socket\([^)]", text), (
+            f"{path}: make_socket(monitor_events=)"
+        )
         for start in (m.end() for m in re.finditer(r"\bmake_socket\(", text)):
             depth, end = 1, start
             while depth:
                 depth += {"(": 1, ")": -1}.get(text[end], 0)
                 end += 1
-            assert "curve=" in text[start:end], f"{path}: make_socket({text[start:end]} has no curve="
+            assert "curve=" in text[start:end], (
+                f"{path}: make_socket({text[start:end]} has no curve="
+            )
 
 
 def test_wrong_keys_dir_is_one_clear_error(tmp_path: Path) -> None:
@@ -229,4 +269,3 @@ def test_wrong_keys_dir_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "k" / f"{SERVER}.key_secret").unlink()
     with pytest.raises(Exception, match="CURVE key .*server.key_secret does not exist"):
         WireSecurity.from_dir(str(tmp_path / "k"))
-

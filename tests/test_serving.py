@@ -37,13 +37,17 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": MAX_MODEL_LEN}) as d:
+    with deployment(
+        tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": MAX_MODEL_LEN}
+    ) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def mono(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.25))
+    return LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.25)
+    )
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -54,13 +58,24 @@ def metrics(url: str) -> dict[str, float]:
         m = re.match(r"^([a-z_:]+)\{(.*)\} (\S+)$", line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            key = m.group(1) + "{" + ",".join(f"{k}={labels[k]}" for k in ("service", "instance", "rank") if k in labels) + "}"
+            key = (
+                m.group(1)
+                + "{"
+                + ",".join(
+                    f"{k}={labels[k]}" for k in ("service", "instance", "rank") if k in labels
+                )
+                + "}"
+            )
             out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
 
 
 def total(snapshot: dict[str, float], name: str, service: str | None = None) -> float:
-    return sum(v for k, v in snapshot.items() if k.startswith(name + "{") and (service is None or f"service={service}" in k))
+    return sum(
+        v
+        for k, v in snapshot.items()
+        if k.startswith(name + "{") and (service is None or f"service={service}" in k)
+    )
 
 
 def post(url: str, path: str, body: Any, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
@@ -76,7 +91,11 @@ def post(url: str, path: str, body: Any, raw: bytes | None = None) -> tuple[int,
 def assert_pools_full(url: str) -> None:
     snap = metrics(url)
     for service in ("prefill", "decode"):
-        assert total(snap, "pdserve:kv_blocks_free", service) == total(snap, "pdserve:kv_blocks_total", service) > 0
+        assert (
+            total(snap, "pdserve:kv_blocks_free", service)
+            == total(snap, "pdserve:kv_blocks_total", service)
+            > 0
+        )
 
 
 def test_openai_sdk_matches_the_monolithic_engine(dep: Deployment, mono: LLMEngine) -> None:
@@ -84,18 +103,36 @@ def test_openai_sdk_matches_the_monolithic_engine(dep: Deployment, mono: LLMEngi
     client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="none")
     tok = mono.tokenizer
     for prompt in PROMPTS:
-        want_chat = mono.generate([tok.encode_chat([{"role": "user", "content": prompt}])], SamplingParams(max_tokens=24))[0]
-        chat = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+        want_chat = mono.generate(
+            [tok.encode_chat([{"role": "user", "content": prompt}])], SamplingParams(max_tokens=24)
+        )[0]
+        chat = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=24,
+            temperature=0,
+        )
         assert chat.choices[0].message.content == want_chat.text
         assert chat.usage.completion_tokens == len(want_chat.token_ids)
         streamed = client.chat.completions.create(
-            model=chat.model, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=True,
+            model=chat.model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
         )
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want_chat.text
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+            == want_chat.text
+        )
         want_raw = mono.generate([tok.encode(prompt)], SamplingParams(max_tokens=16))[0]
-        comp = client.completions.create(model=chat.model, prompt=prompt, max_tokens=16, temperature=0)
+        comp = client.completions.create(
+            model=chat.model, prompt=prompt, max_tokens=16, temperature=0
+        )
         assert comp.choices[0].text == want_raw.text
-        streamed = client.completions.create(model=chat.model, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        streamed = client.completions.create(
+            model=chat.model, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want_raw.text
 
 
@@ -113,14 +150,18 @@ def test_zmq_sdk_gives_the_same_token_ids(dep: Deployment, mono: LLMEngine) -> N
             assert [t for c in chunks for t in c.token_ids] == want.token_ids
 
 
-def test_seeded_sampling_matches_across_prefill_and_decode(dep: Deployment, mono: LLMEngine) -> None:
+def test_seeded_sampling_matches_across_prefill_and_decode(
+    dep: Deployment, mono: LLMEngine
+) -> None:
     from pdserve.services.router.client import Client
 
     ids = mono.tokenizer.encode("Tell me a story about a dragon.")
     p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=42)
     want = mono.generate([ids], p)[0]
     with Client(dep.cfg.front_address) as client:
-        got = client.generate(prompt_token_ids=ids, max_tokens=16, temperature=0.8, top_p=0.9, seed=42)
+        got = client.generate(
+            prompt_token_ids=ids, max_tokens=16, temperature=0.8, top_p=0.9, seed=42
+        )
     assert got.token_ids == want.token_ids
 
 
@@ -137,7 +178,14 @@ def test_block_edges_context_limit_and_prefix_hits(dep: Deployment, mono: LLMEng
             want = mono.generate([ids], SamplingParams(max_tokens=8))[0]
             got = client.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0)
             assert got.token_ids == want.token_ids, name
-        assert len(client.generate(prompt_token_ids=cases["at the context limit"], max_tokens=8).token_ids) == 1
+        assert (
+            len(
+                client.generate(
+                    prompt_token_ids=cases["at the context limit"], max_tokens=8
+                ).token_ids
+            )
+            == 1
+        )
         cached = [(i * 13) % 4000 + 20 for i in range(3 * 64 + 5)]
         first = client.generate(prompt_token_ids=cached, max_tokens=6, temperature=0.0)
         again = client.generate(prompt_token_ids=cached, max_tokens=6, temperature=0.0)
@@ -153,18 +201,33 @@ def test_64_concurrent_requests_complete_and_free_everything(dep: Deployment) ->
     async def run() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=f"{dep.url}/v1", api_key="none", timeout=600)
         words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-        prompts = [" ".join(words[(i + j) % 10] for j in range(3 + (i * 37) % 150)) for i in range(64)]
+        prompts = [
+            " ".join(words[(i + j) % 10] for j in range(3 + (i * 37) % 150)) for i in range(64)
+        ]
         model = (await client.models.list()).data[0].id
-        return await asyncio.gather(*(
-            client.completions.create(model=model, prompt=p, max_tokens=4 + i % 12, temperature=0)
-            for i, p in enumerate(prompts)
-        ))
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=model, prompt=p, max_tokens=4 + i % 12, temperature=0
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
 
     results = asyncio.run(run())
-    assert len(results) == 64 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert len(results) == 64 and all(
+        r.choices[0].finish_reason in ("stop", "length") for r in results
+    )
     after = metrics(dep.url)
-    assert total(after, "pdserve:kv_transfers_total") - total(before, "pdserve:kv_transfers_total") == 64
-    assert total(after, "pdserve:kv_replica_releases_total") - total(before, "pdserve:kv_replica_releases_total") == 64
+    assert (
+        total(after, "pdserve:kv_transfers_total") - total(before, "pdserve:kv_transfers_total")
+        == 64
+    )
+    assert (
+        total(after, "pdserve:kv_replica_releases_total")
+        - total(before, "pdserve:kv_replica_releases_total")
+        == 64
+    )
     assert total(after, "pdserve:kv_transfer_failures_total") == 0
     assert total(after, "pdserve:kv_notification_failures_total") == 0
     assert total(after, "pdserve:kv_expired_requests_total") == 0
@@ -182,7 +245,9 @@ def test_bad_requests_get_clear_errors_and_the_services_keep_serving(dep: Deploy
     assert status == 400 and "max_model_len" in body["error"]["message"]
     # Garbage frames straight at the router's front door and at each service's socket.
     ctx = zmq.Context()
-    targets = [dep.cfg.front_address] + [a.address for a in dep.cfg.prefill_addresses + dep.cfg.decode_addresses]
+    targets = [dep.cfg.front_address] + [
+        a.address for a in dep.cfg.prefill_addresses + dep.cfg.decode_addresses
+    ]
     targets += [a.side_channel for a in dep.cfg.prefill_addresses]
     for address in targets:
         sock = ctx.socket(zmq.DEALER)
@@ -193,25 +258,44 @@ def test_bad_requests_get_clear_errors_and_the_services_keep_serving(dep: Deploy
         assert sock.poll(10_000), f"no answer from {address}"
         sock.close()
     ctx.term()
-    status, body = post(dep.url, "/v1/completions", {"prompt": "Monday, Tuesday,", "max_tokens": 4, "temperature": 0})
+    status, body = post(
+        dep.url,
+        "/v1/completions",
+        {"prompt": "Monday, Tuesday,", "max_tokens": 4, "temperature": 0},
+    )
     assert status == 200 and body["choices"][0]["text"]
     assert total(metrics(dep.url), "pdserve:bad_messages_total") >= len(targets)
 
 
-def test_two_prefill_and_two_decode_instances_share_the_load(tmp_path: Path, model_dir: Path) -> None:
+def test_two_prefill_and_two_decode_instances_share_the_load(
+    tmp_path: Path, model_dir: Path
+) -> None:
     from pdserve.services.router.client import Client
 
     with deployment(tmp_path, model_dir, prefill_instances=2, decode_instances=2) as d:
         with Client(d.cfg.front_address) as client:
+
             async def many() -> None:
                 from pdserve.services.router.client import AsyncClient
 
                 async with AsyncClient(d.cfg.front_address) as ac:
-                    await asyncio.gather(*(ac.generate(prompt_token_ids=[i % 50 + 1000 + j for j in range(20 + i)], max_tokens=8) for i in range(16)))
+                    await asyncio.gather(
+                        *(
+                            ac.generate(
+                                prompt_token_ids=[i % 50 + 1000 + j for j in range(20 + i)],
+                                max_tokens=8,
+                            )
+                            for i in range(16)
+                        )
+                    )
+
             asyncio.run(many())
             assert client.generate(prompt="hi", max_tokens=2).text
         snap = metrics(d.url)
         for i in range(2):
             assert snap[f"pdserve:kv_transfers_total{{service=decode,instance={i},rank=0}}"] > 0
-            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance={i},rank=0}}"] > 0
+            assert (
+                snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance={i},rank=0}}"]
+                > 0
+            )
         assert_pools_full(d.url)

@@ -17,7 +17,9 @@ from pdserve.common.runtime.service_config import DeploymentConfig, load_config
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNITS = DEPLOY / "systemd"
 SERVICES = ["pdserve-router.service", "pdserve-prefill@.service", "pdserve-decode@.service"]
-INSTALLED = "/opt/pdserve/.venv/bin/pdserve"  # a checkout at /opt/pdserve set up by scripts/setup.sh
+INSTALLED = (
+    "/opt/pdserve/.venv/bin/pdserve"  # a checkout at /opt/pdserve set up by scripts/setup.sh
+)
 
 
 def parse(name: str) -> dict[str, dict[str, list[str]]]:
@@ -84,7 +86,12 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     program.chmod(0o755)
     for unit in UNITS.iterdir():
         (tmp_path / unit.name).write_text(unit.read_text().replace(INSTALLED, str(program)))
-    names = ["pdserve.target", "pdserve-router.service", "pdserve-prefill@0.service", "pdserve-decode@1.service"]
+    names = [
+        "pdserve.target",
+        "pdserve-router.service",
+        "pdserve-prefill@0.service",
+        "pdserve-decode@1.service",
+    ]
     done = subprocess.run([analyze, "verify", "--man=no", *names], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, check=False)  # fmt: skip
     # Unknown keys and unparsable values are only warnings: any line naming our units fails.
@@ -92,12 +99,17 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     assert done.returncode == 0 and not complaints, done.stdout + done.stderr
 
 
-def test_the_example_config_is_a_valid_two_machine_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_example_config_is_a_valid_two_machine_deployment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for key in [k for k in os.environ if k.startswith("PDSERVE_")]:
         monkeypatch.delenv(key)
     cfg = load_config(DEPLOY / "deploy.example.toml")
     assert [a.address for a in cfg.prefill_addresses] == ["tcp://10.0.0.1:5610"]
-    assert [a.address for a in cfg.decode_addresses] == ["tcp://10.0.0.2:5620", "tcp://10.0.0.2:5630"]
+    assert [a.address for a in cfg.decode_addresses] == [
+        "tcp://10.0.0.2:5620",
+        "tcp://10.0.0.2:5630",
+    ]
     assert cfg.front_address == "tcp://10.0.0.1:5600"
     timeout_stop = min(seconds(parse(name)["Service"]["TimeoutStopSec"][0]) for name in SERVICES)
     assert cfg.drain_seconds + 15 <= timeout_stop

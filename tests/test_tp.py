@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.runtime.protocol import KVHandle, Replica
 from pdserve.common.parallel.tp import check_tp, kv_heads_of, pull_plan
+from pdserve.common.runtime.protocol import KVHandle, Replica
 from pdserve.services.decode.pullers import plan_pulls
 
 SIZES = [(8, 4), (8, 8), (8, 2), (9, 3), (32, 8), (8, 1)]  # (heads, KV heads)
@@ -24,7 +24,9 @@ def valid_tps(heads: int, kv_heads: int) -> list[int]:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), SIZES)
-def test_every_consumer_head_comes_from_a_producer_rank_holding_it(heads: int, kv_heads: int) -> None:
+def test_every_consumer_head_comes_from_a_producer_rank_holding_it(
+    heads: int, kv_heads: int
+) -> None:
     tps = valid_tps(heads, kv_heads)
     for ptp, dtp in itertools.product(tps, tps):
         for rank in range(dtp):
@@ -41,7 +43,12 @@ def test_pull_plan_ratios() -> None:
     # decode TP > prefill TP: one slice of one producer rank
     assert [tuple(s) for s in pull_plan(4, 2, 4, 3)] == [(1, 1, 0, 1)]
     # decode TP < prefill TP: slices of several producer ranks
-    assert [tuple(s) for s in pull_plan(4, 4, 1, 0)] == [(0, 0, 0, 1), (1, 0, 1, 1), (2, 0, 2, 1), (3, 0, 3, 1)]
+    assert [tuple(s) for s in pull_plan(4, 4, 1, 0)] == [
+        (0, 0, 0, 1),
+        (1, 0, 1, 1),
+        (2, 0, 2, 1),
+        (3, 0, 3, 1),
+    ]
     # equal: everything of the same rank, one slice
     assert [tuple(s) for s in pull_plan(4, 2, 2, 1)] == [(1, 0, 0, 2)]
     # producer replicates 2 KV heads on 4 ranks: decode ranks spread over the copies
@@ -55,16 +62,43 @@ def test_unmappable_tp_sizes_are_refused_with_both_numbers() -> None:
 
 
 def _handle(block_ids: list[int], ptp: int, pcp: int) -> KVHandle:
-    layout = KVLayout(num_blocks=64, num_layers=2, num_kv_heads=max(1, 4 // ptp), block_size=4, head_dim=8, dtype="float32")
-    replicas = [Replica(agent_name=f"a{r}", side_channel="", tp_rank=r % ptp, pcp_rank=r // ptp) for r in range(ptp * pcp)]
-    return KVHandle(engine_id="e", epoch=1, layout=layout, block_ids=block_ids, num_tokens=4 * len(block_ids),
-                    replicas=replicas, lease_deadline=0.0)
+    layout = KVLayout(
+        num_blocks=64,
+        num_layers=2,
+        num_kv_heads=max(1, 4 // ptp),
+        block_size=4,
+        head_dim=8,
+        dtype="float32",
+    )
+    replicas = [
+        Replica(agent_name=f"a{r}", side_channel="", tp_rank=r % ptp, pcp_rank=r // ptp)
+        for r in range(ptp * pcp)
+    ]
+    return KVHandle(
+        engine_id="e",
+        epoch=1,
+        layout=layout,
+        block_ids=block_ids,
+        num_tokens=4 * len(block_ids),
+        replicas=replicas,
+        lease_deadline=0.0,
+    )
 
 
-@pytest.mark.parametrize(("ptp", "pcp", "dtp", "striped"), [
-    (1, 1, 1, False), (2, 2, 4, True), (2, 2, 1, False), (4, 1, 2, False), (1, 2, 4, True), (2, 1, 8, False),
-])
-def test_plan_reads_each_local_head_of_each_block_once(ptp: int, pcp: int, dtp: int, striped: bool) -> None:
+@pytest.mark.parametrize(
+    ("ptp", "pcp", "dtp", "striped"),
+    [
+        (1, 1, 1, False),
+        (2, 2, 4, True),
+        (2, 2, 1, False),
+        (4, 1, 2, False),
+        (1, 2, 4, True),
+        (2, 1, 8, False),
+    ],
+)
+def test_plan_reads_each_local_head_of_each_block_once(
+    ptp: int, pcp: int, dtp: int, striped: bool
+) -> None:
     remote = [3, 4, 5, 6, 7, 20, 21, 40]
     local = [0, 1, 2, 3, 9, 10, 11, 12]
     plan = plan_pulls(_handle(remote, ptp, pcp), local, 4, dtp, striped)
@@ -97,8 +131,15 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
     pytest.importorskip("transformers")
     from pdserve.common.model.random import save_random_llama
 
-    return save_random_llama(tmp_path_factory.mktemp("tp-model"), num_heads=8, num_kv_heads=4,
-                             hidden_size=128, intermediate_size=256, num_layers=2, tokenizer_from=model_dir)
+    return save_random_llama(
+        tmp_path_factory.mktemp("tp-model"),
+        num_heads=8,
+        num_kv_heads=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        tokenizer_from=model_dir,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +149,9 @@ def reference(tp_model: Path) -> dict[str, list[int]]:
     from pdserve.common.engine.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tp_model), kv_cache_memory_gb=0.05))
-    outs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=12))
+    outs = engine.generate(
+        [engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=12)
+    )
     return {p: o.token_ids for p, o in zip(PROMPTS, outs, strict=True)}
 
 
@@ -127,11 +170,23 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
     from tests.test_serving import assert_pools_full, metrics
 
     striped = "striped" if pcp > 1 else "first"
-    with deployment(tmp_path, tp_model, prefill_tp=prefill_tp, pcp=pcp, decode_instances=3,
-                    decode_tp=[1, 2, 4], pull_from=striped, engine={"kv_cache_memory_gb": 0.05}) as d:
+    with deployment(
+        tmp_path,
+        tp_model,
+        prefill_tp=prefill_tp,
+        pcp=pcp,
+        decode_instances=3,
+        decode_tp=[1, 2, 4],
+        pull_from=striped,
+        engine={"kv_cache_memory_gb": 0.05},
+    ) as d:
+
         async def run() -> list[tuple[str, list[int]]]:
             async with AsyncClient(d.cfg.front_address) as client:
-                jobs = [(p, client.generate(prompt=p, max_tokens=12, temperature=0.0)) for p in PROMPTS * 3]
+                jobs = [
+                    (p, client.generate(prompt=p, max_tokens=12, temperature=0.0))
+                    for p in PROMPTS * 3
+                ]
                 results = await asyncio.gather(*(job for _, job in jobs))
                 return [(p, r.token_ids) for (p, _), r in zip(jobs, results, strict=True)]
 
@@ -148,7 +203,10 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
             per_pull = snap[f"pdserve:kv_transfer_descriptors_total{key}"] / transfers
             assert 0 < per_pull <= 4 * 2
         for rank in range(prefill_tp * pcp):  # every producer rank released every request
-            assert snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"] == 9
+            assert (
+                snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"]
+                == 9
+            )
         assert_pools_full(d.url)
 
 
@@ -157,12 +215,19 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     pytest.importorskip("transformers")
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.model.random import save_random_llama
     from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.model.random import save_random_llama
     from pdserve.services.decode.rank_group import DecodeRankGroup
 
-    model = save_random_llama(tmp_path / "m", num_heads=8, num_kv_heads=2, hidden_size=128,
-                              intermediate_size=256, num_layers=2, tokenizer_from=model_dir)
+    model = save_random_llama(
+        tmp_path / "m",
+        num_heads=8,
+        num_kv_heads=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        tokenizer_from=model_dir,
+    )
     cfg = EngineConfig(model=str(model), kv_cache_memory_gb=0.02)
     mono = LLMEngine(cfg)
     prompts = [mono.tokenizer.encode(p) for p in PROMPTS]
@@ -171,6 +236,8 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     try:
         assert ranks.layout.num_kv_heads == 1
         engine = LLMEngine(cfg, runner=ranks)
-        assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=10))] == want
+        assert [
+            o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=10))
+        ] == want
     finally:
         ranks.close()

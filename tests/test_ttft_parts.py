@@ -20,7 +20,12 @@ def test_parts_telescope_to_the_router_ttft() -> None:
 
 def test_missing_marks_drop_only_their_parts_and_skew_is_clamped() -> None:
     # colocated: no prefill or pull marks; a decode host whose clock runs behind
-    marks = {"arrived": 10.0, "decode_received": 9.9, "first_chunk": 10.2, "router_first_chunk": 10.3}
+    marks = {
+        "arrived": 10.0,
+        "decode_received": 9.9,
+        "first_chunk": 10.2,
+        "router_first_chunk": 10.3,
+    }
     assert ttft_parts(marks) == pytest.approx({"return": 0.1})
     marks.update(handshake_done=9.9, pull_started=9.95, pull_done=10.05)
     parts = ttft_parts(marks)

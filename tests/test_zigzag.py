@@ -7,8 +7,15 @@ from pdserve.common.parallel.zigzag import piece_bounds, rank_pieces
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 8, 9, 64, 1000, 4097])
-def test_pieces_partition_the_tokens_and_rank_0_holds_the_last(num_tokens: int, num_ranks: int) -> None:
-    covered = sorted(p for r in range(num_ranks) for piece in rank_pieces(num_tokens, num_ranks, r) for p in range(*piece))
+def test_pieces_partition_the_tokens_and_rank_0_holds_the_last(
+    num_tokens: int, num_ranks: int
+) -> None:
+    covered = sorted(
+        p
+        for r in range(num_ranks)
+        for piece in rank_pieces(num_tokens, num_ranks, r)
+        for p in range(*piece)
+    )
     assert covered == list(range(num_tokens))
     assert any(end == num_tokens for _, end in rank_pieces(num_tokens, num_ranks, 0))
     sizes = [e - s for s, e in piece_bounds(num_tokens, num_ranks)]

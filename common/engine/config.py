@@ -33,7 +33,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise PdserveError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+            raise PdserveError(
+                f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}"
+            )
         if self.dtype not in DTYPES:
             raise PdserveError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -21,8 +21,8 @@ import time
 import structlog
 import torch
 
-from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.model.attention import AttentionMetadata
 
 log = structlog.get_logger("pdserve.cuda_graphs")
 
@@ -40,7 +40,11 @@ def is_decode_step(plan: StepPlan) -> bool:
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, max_batch: int,
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        max_batch: int,
         max_blocks: int,
     ) -> None:
         started = time.perf_counter()
@@ -66,7 +70,13 @@ class DecodeGraphs:
                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
             )  # fmt: skip
             self._keep.append(meta)
-            args = (self._inputs[0, :size], self._inputs[1, :size], kv_cache, meta, self._rows[:size])
+            args = (
+                self._inputs[0, :size],
+                self._inputs[1, :size],
+                kv_cache,
+                meta,
+                self._rows[:size],
+            )
             with torch.inference_mode():
                 model(*args)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize(device)
@@ -98,8 +108,9 @@ class DecodeGraphs:
             slots + [-1] * pad,
             [p + 1 for p in positions] + [0] * pad,
         ], dtype=torch.int64)  # fmt: skip
-        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in plan.seqs],
-                              dtype=torch.int32)
+        tables = torch.tensor(
+            [s.block_ids + [0] * (width - len(s.block_ids)) for s in plan.seqs], dtype=torch.int32
+        )
         self._inputs[:, :size].copy_(host, non_blocking=True)
         self._tables[:n, :width].copy_(tables, non_blocking=True)
         graph, logits = self._graphs[size]

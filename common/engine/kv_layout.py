@@ -50,7 +50,14 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
         """Logical shape, as the model indexes it: [N, L, 2, H_kv, B, D]."""
-        return (self.num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return (
+            self.num_blocks,
+            self.num_layers,
+            2,
+            self.num_kv_heads,
+            self.block_size,
+            self.head_dim,
+        )
 
     @property
     def storage_shape(self) -> tuple[int, int, int, int, int, int]:
@@ -106,7 +113,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         (head order; in block order only a single block is one range)."""
         if self.order == "block" and num_blocks != 1:
             raise ValueError("in block order one head of several blocks is not one byte range")
-        return self.unit_index(head, first_block) * self.head_block_bytes, num_blocks * self.head_block_bytes
+        return self.unit_index(
+            head, first_block
+        ) * self.head_block_bytes, num_blocks * self.head_block_bytes
 
     @staticmethod
     def runs(block_ids: list[int]) -> list[tuple[int, int]]:

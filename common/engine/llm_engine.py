@@ -14,16 +14,16 @@ import torch
 
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.errors import RequestError
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import resolve_model
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import Sampler, SamplingParams
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.errors import RequestError
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.files import resolve_model
 from pdserve.common.model.tokenizer import Tokenizer
 
 log = structlog.get_logger("pdserve.engine")
@@ -39,6 +39,7 @@ class StepRunner(Protocol):
 
 class LLMEngine:
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
+
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
         """``runner`` replaces the in-process ModelRunner (prefill's PCP rank group)."""
         if config.device == "cuda":
@@ -49,13 +50,17 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner: StepRunner = runner or ModelRunner.from_config(self.model_config, self.model_dir, config)
+        self.runner: StepRunner = runner or ModelRunner.from_config(
+            self.model_config, self.model_dir, config
+        )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.model_config.eos_token_ids
+        )
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self._arrivals = itertools.count()
@@ -83,10 +88,14 @@ class LLMEngine:
                 f"{self.pool.num_blocks}; shorten it or give the cache more memory"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> None:
         self._track(self._new_request(request_id, prompt_token_ids, sampling))
 
-    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> Request:
+    def _new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Request:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
@@ -144,11 +153,17 @@ class LLMEngine:
         del self._requests[req.request_id]
         return self._output(req, [token_id], text, reason)
 
-    def _output(self, req: Request, tokens: list[int], text: str, reason: str | None) -> RequestOutput:
+    def _output(
+        self, req: Request, tokens: list[int], text: str, reason: str | None
+    ) -> RequestOutput:
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, text=text,
-            finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(req.output_token_ids),
         )
 
@@ -159,7 +174,9 @@ class LLMEngine:
     ) -> list[Completion]:
         """Run prompts (token ids) to completion together; results in prompt order."""
         prompts = list(prompts)
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        params = (
+            [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        )
         ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
             self.add_request(rid, prompt, p)
@@ -178,8 +195,11 @@ class LLMEngine:
                     done[out.request_id] = out
         return [
             Completion(
-                request_id=rid, text="".join(texts[rid]), token_ids=tokens[rid],
-                finish_reason=done[rid].finish_reason, num_prompt_tokens=done[rid].num_prompt_tokens,
+                request_id=rid,
+                text="".join(texts[rid]),
+                token_ids=tokens[rid],
+                finish_reason=done[rid].finish_reason,
+                num_prompt_tokens=done[rid].num_prompt_tokens,
                 num_cached_tokens=done[rid].num_cached_tokens,
             )
             for rid in ids

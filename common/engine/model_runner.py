@@ -13,17 +13,17 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve import kernels
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.engine.cuda_graphs import DecodeGraphs
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.errors import ModelLoadError
-from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.cuda_graphs import DecodeGraphs
 from pdserve.common.engine.kv_cache import new_cache
-from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.parallel.context import ParallelContext
-from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
 from pdserve.common.parallel.zigzag import rank_pieces
 
@@ -31,7 +31,10 @@ log = structlog.get_logger("pdserve.model_runner")
 
 
 def load_model(
-    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+    cfg: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
     parallel: ParallelContext | None = None,
 ) -> LlamaForCausalLM:
     par = parallel or ParallelContext()
@@ -92,19 +95,31 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
         started = time.perf_counter()
-        reason = check_tp(self.parallel.tp_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        reason = check_tp(
+            self.parallel.tp_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+        )
         if reason:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
         self.load_seconds = time.perf_counter() - started
         probe = KVLayout(
-            num_blocks=1, num_layers=cfg.num_hidden_layers,
-            num_kv_heads=kv_heads_of(cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank)[1],
-            block_size=block_size, head_dim=cfg.head_dim, dtype=dtype,
+            num_blocks=1,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=kv_heads_of(
+                cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank
+            )[1],
+            block_size=block_size,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
             order="block" if kv_order == "block" else "head",
         )
         if num_blocks is None:
-            num_blocks = self._blocks_for_memory(probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization)
+            num_blocks = self._blocks_for_memory(
+                probe.block_bytes, kv_cache_memory_gb, gpu_memory_utilization
+            )
         self.layout = msgspec.structs.replace(probe, num_blocks=num_blocks)
         # logical [N, L, 2, H_kv, B, D] over head-major storage (common/engine/kv_layout.py)
         self.kv_cache = new_cache(self.layout, self.device)
@@ -113,8 +128,12 @@ class ModelRunner:
         self._max_model_len = max_model_len or cfg.max_position_embeddings
         self._capture_graphs()
         log.info(
-            "model_loaded", model=str(model_dir), device=device, dtype=dtype,
-            load_seconds=round(self.load_seconds, 2), num_kv_blocks=num_blocks,
+            "model_loaded",
+            model=str(model_dir),
+            device=device,
+            dtype=dtype,
+            load_seconds=round(self.load_seconds, 2),
+            num_kv_blocks=num_blocks,
             kv_cache_mib=round(self.layout.total_bytes / 2**20),
         )
 
@@ -129,12 +148,18 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps (common/engine/cuda_graphs.py), where they can run."""
         par = self.parallel
-        if (self._graph_max_batch < 1 or self.device.type != "cuda" or par.tp_size > 1 or par.pcp_size > 1
-                or kernels.backend_name(self.device) != "triton"):
+        if (
+            self._graph_max_batch < 1
+            or self.device.type != "cuda"
+            or par.tp_size > 1
+            or par.pcp_size > 1
+            or kernels.backend_name(self.device) != "triton"
+        ):
             return
         max_blocks = min(self.layout.num_blocks, -(-self._max_model_len // self.layout.block_size))
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.layout.block_size,
-                                   self._graph_max_batch, max_blocks)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.layout.block_size, self._graph_max_batch, max_blocks
+        )
 
     def kv_compat(self) -> dict[str, str | int]:
         """What must be equal between a KV producer and its consumer (checked at handshake)."""
@@ -148,14 +173,24 @@ class ModelRunner:
         }
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, model_dir: Path, config: EngineConfig, **kwargs: Any) -> ModelRunner:
+    def from_config(
+        cls, cfg: ModelConfig, model_dir: Path, config: EngineConfig, **kwargs: Any
+    ) -> ModelRunner:
         return cls(
-            cfg, model_dir, device=config.device, dtype=config.torch_dtype_name,
-            block_size=config.block_size, num_blocks=config.num_kv_blocks,
+            cfg,
+            model_dir,
+            device=config.device,
+            dtype=config.torch_dtype_name,
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
             kv_cache_memory_gb=config.kv_cache_memory_gb,
-            gpu_memory_utilization=config.gpu_memory_utilization, kv_order=config.kv_order,
-            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch) if config.cuda_graphs else 0,
-            max_model_len=config.max_model_len, **kwargs,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_order=config.kv_order,
+            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch)
+            if config.cuda_graphs
+            else 0,
+            max_model_len=config.max_model_len,
+            **kwargs,
         )
 
     def _blocks_for_memory(self, block_bytes: int, cpu_gb: float, gpu_share: float) -> int:
@@ -185,7 +220,9 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = prepare(plan)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
 
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         block_size = self.layout.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -199,7 +236,7 @@ class ModelRunner:
             if seq.sample:
                 logits_indices.append(len(tokens) - 1)
         decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
-        prefills = plan.seqs[len(decodes):]
+        prefills = plan.seqs[len(decodes) :]
         cu = [0]
         for s in prefills:
             cu.append(cu[-1] + len(s.token_ids))
@@ -217,10 +254,16 @@ class ModelRunner:
             prefill_context_lens=as_tensor([s.context_len for s in prefills]),
             prefill_block_tables=_block_tables(prefills, dev),
         )
-        return as_tensor(tokens, torch.int64), as_tensor(positions, torch.int64), meta, as_tensor(logits_indices, torch.int64)
+        return (
+            as_tensor(tokens, torch.int64),
+            as_tensor(positions, torch.int64),
+            meta,
+            as_tensor(logits_indices, torch.int64),
+        )
 
-
-    def prepare_pcp(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_pcp(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """This rank's zigzag pieces of every sequence; K/V slots of all ranks' pieces.
 
         Each piece attends as its own pseudo-sequence (its queries are the last positions
@@ -237,7 +280,9 @@ class ModelRunner:
             for rank in range(par.pcp_size):
                 for a, b in rank_pieces(n, par.pcp_size, rank):
                     span = range(seq.start_position + a, seq.start_position + b)
-                    slots_of_rank[rank] += [seq.block_ids[p // block_size] * block_size + p % block_size for p in span]
+                    slots_of_rank[rank] += [
+                        seq.block_ids[p // block_size] * block_size + p % block_size for p in span
+                    ]
                     if rank != par.pcp_rank:
                         continue
                     tokens += seq.token_ids[a:b]
@@ -259,7 +304,9 @@ class ModelRunner:
             decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
             prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor([c for _, c, _ in pieces], dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(
+                [c for _, c, _ in pieces], dtype=torch.int32, device=dev
+            ),
             prefill_block_tables=torch.tensor(
                 [b + [0] * (width - len(b)) for _, _, b in pieces], dtype=torch.int32, device=dev
             ).reshape(len(pieces), width),

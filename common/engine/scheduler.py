@@ -72,7 +72,9 @@ class Scheduler:
     def _scheduled(self, req: Request, num: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         tokens = req.token_ids_between(start, start + num)
-        return ScheduledSeq(req.request_id, tokens, start, list(req.block_ids), start + num == req.num_tokens)
+        return ScheduledSeq(
+            req.request_id, tokens, start, list(req.block_ids), start + num == req.num_tokens
+        )
 
     def _blocks_needed(self, req: Request, num: int) -> int:
         total = -(-(req.num_computed_tokens + num) // self.block_size)

@@ -52,17 +52,30 @@ def paged_attention(
         return torch.empty_like(q)
     if meta.num_prefills == 0:
         return kernels.decode_attention(
-            q, layer_cache, meta.decode_context_lens, meta.decode_block_tables, scale,
+            q,
+            layer_cache,
+            meta.decode_context_lens,
+            meta.decode_block_tables,
+            scale,
             sliding_window,
         )
     out = torch.empty_like(q)
     if nd:
         out[:nd] = kernels.decode_attention(
-            q[:nd], layer_cache, meta.decode_context_lens, meta.decode_block_tables, scale,
+            q[:nd],
+            layer_cache,
+            meta.decode_context_lens,
+            meta.decode_block_tables,
+            scale,
             sliding_window,
         )
     out[nd:] = kernels.prefill_attention(
-        q[nd:], layer_cache, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-        meta.prefill_block_tables, scale, sliding_window,
+        q[nd:],
+        layer_cache,
+        meta.prefill_cu_seqlens_q,
+        meta.prefill_context_lens,
+        meta.prefill_block_tables,
+        scale,
+        sliding_window,
     )
     return out

@@ -25,8 +25,8 @@ from torch.nn import functional as F
 from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.model.rope import RotaryEmbedding
+from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import kv_heads_of, q_heads_of
 
 
@@ -92,7 +92,8 @@ class Attention(nn.Module):
         d = self.head_dim
         if self.qkv is not None:
             q, k, v = F.linear(x, *self.qkv).split(
-                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, self.num_heads, d)
@@ -100,7 +101,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, d)
         q, k = kernels.rotary(q, k, *rope)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, self.sliding_window)
-        return self.par.all_reduce_tp(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
+        return self.par.all_reduce_tp(
+            self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        )
 
 
 class MLP(nn.Module):
@@ -112,7 +115,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed (pack_weights)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = (
+            None  # packed (pack_weights)
+        )
 
     def pack(self) -> None:
         self.gate_up = _pack([self.gate_proj, self.up_proj])
@@ -201,7 +206,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.pack()
 
 
-def shard_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
     """The parameters TP rank ``tp_rank`` holds, cut from a full checkpoint."""
     if tp_size == 1:
         return state
@@ -209,8 +216,13 @@ def shard_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: 
     q0, nq = q_heads_of(cfg.num_attention_heads, tp_size, tp_rank)
     k0, nk = kv_heads_of(cfg.num_key_value_heads, tp_size, tp_rank)
     m = cfg.intermediate_size // tp_size
-    rows = {"q_proj": (q0 * d, nq * d), "k_proj": (k0 * d, nk * d), "v_proj": (k0 * d, nk * d),
-            "gate_proj": (tp_rank * m, m), "up_proj": (tp_rank * m, m)}
+    rows = {
+        "q_proj": (q0 * d, nq * d),
+        "k_proj": (k0 * d, nk * d),
+        "v_proj": (k0 * d, nk * d),
+        "gate_proj": (tp_rank * m, m),
+        "up_proj": (tp_rank * m, m),
+    }
     cols = {"o_proj": (q0 * d, nq * d), "down_proj": (tp_rank * m, m)}
     out = {}
     for name, tensor in state.items():

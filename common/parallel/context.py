@@ -66,5 +66,11 @@ def init_grid(tp_size: int, pcp_size: int, rank: int) -> ParallelContext:
         group = dist.new_group([p * tp_size + t for p in range(pcp_size)]) if pcp_size > 1 else None
         if t == tp_rank:
             pcp_group = group
-    return ParallelContext(pcp_rank=pcp_rank, pcp_size=pcp_size, group=pcp_group,
-                           tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+    return ParallelContext(
+        pcp_rank=pcp_rank,
+        pcp_size=pcp_size,
+        group=pcp_group,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tp_group=tp_group,
+    )

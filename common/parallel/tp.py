@@ -49,7 +49,9 @@ def q_heads_of(num_heads: int, tp: int, rank: int) -> tuple[int, int]:
     return rank * per, per
 
 
-def pull_plan(num_kv_heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int) -> list[HeadSlice]:
+def pull_plan(
+    num_kv_heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int
+) -> list[HeadSlice]:
     """Where consumer rank ``consumer_rank`` reads each of its KV heads from.
 
     decode TP > prefill TP: one slice of one producer rank; decode TP < prefill TP: one
@@ -75,4 +77,8 @@ def pull_plan(num_kv_heads: int, producer_tp: int, consumer_tp: int, consumer_ra
 
 def producer_tp_ranks_read(num_kv_heads: int, producer_tp: int, consumer_tp: int) -> set[int]:
     """The producer TP ranks some consumer rank reads from (others are only released)."""
-    return {s.producer_tp_rank for d in range(consumer_tp) for s in pull_plan(num_kv_heads, producer_tp, consumer_tp, d)}
+    return {
+        s.producer_tp_rank
+        for d in range(consumer_tp)
+        for s in pull_plan(num_kv_heads, producer_tp, consumer_tp, d)
+    }

@@ -217,7 +217,9 @@ class _Authorized:
         if self.on_refused is not None:
             self.on_refused()
         now = time.monotonic()
-        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:  # it retries: log it once a while
+        if (
+            now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S
+        ):  # it retries: log it once a while
             if len(self._logged) > 1000:
                 self._logged.clear()
             self._logged[key] = now
@@ -266,7 +268,9 @@ def ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
     if auth is None:
         assert keys.internal_key is not None
         if not isinstance(ctx, zmq.asyncio.Context):  # every pdserve server runs on asyncio
-            raise ValueError("a CURVE server socket needs an asyncio context (its authenticator runs on the loop)")
+            raise ValueError(
+                "a CURVE server socket needs an asyncio context (its authenticator runs on the loop)"
+            )
         auth = _AsyncioAuth(ctx)
         auth.provider = _Authorized(keys.internal_key, keys.on_refused)
         auth.start()

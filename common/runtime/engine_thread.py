@@ -87,8 +87,12 @@ class WorkerThread(threading.Thread):
             self.setup()
         except BaseException as exc:  # reported to the service, which exits with it
             self.failed = exc
-            log.error("worker_setup_failed", worker=self.name, error=str(exc),
-                      traceback=traceback.format_exc())
+            log.error(
+                "worker_setup_failed",
+                worker=self.name,
+                error=str(exc),
+                traceback=traceback.format_exc(),
+            )
             self.ready.set()
             return
         self.ready.set()
@@ -103,7 +107,9 @@ class WorkerThread(threading.Thread):
                 busy = self.run_once(commands)
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
             self.failed = exc
-            log.error("worker_failed", worker=self.name, error=str(exc), traceback=traceback.format_exc())
+            log.error(
+                "worker_failed", worker=self.name, error=str(exc), traceback=traceback.format_exc()
+            )
             if self.on_fatal is not None:
                 self.post(self.on_fatal, exc)
         finally:

@@ -142,7 +142,11 @@ def render(samples: list[MetricSample]) -> bytes:
         names = label_names + sorted(k for k in s.labels if k not in label_names)
         fam = families.get(s.name)
         if fam is None:
-            kind = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[s.kind]
+            kind = {
+                "counter": CounterMetricFamily,
+                "gauge": GaugeMetricFamily,
+                "histogram": HistogramMetricFamily,
+            }[s.kind]
             fam = families[s.name] = kind(s.name, HELP.get(s.name, s.name), labels=names)
         values = [s.labels.get(k, "") for k in names]
         if s.kind == "histogram":

@@ -35,11 +35,11 @@ import zmq.asyncio
 
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import WireSecurity
+from pdserve.common.runtime.engine_thread import WorkerThread
 from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog, notify
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket, send_nowait
-from pdserve.common.runtime.engine_thread import WorkerThread
 
 log = structlog.get_logger("pdserve.service")
 
@@ -66,7 +66,9 @@ class Service(abc.ABC):
         self.stopping = asyncio.Event()
         self.stop_now = asyncio.Event()  # a second signal: end the drain at once
         self.draining = False
-        self.inflight: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
+        self.inflight: dict[
+            str, tuple[bytes, str]
+        ] = {}  # request id -> (router identity, trace id)
         self.watchdog = Watchdog.from_env(needs_loop=True)
         self.front: zmq.asyncio.Socket | None = None
         self.log = log.bind(service=self.role, instance=instance)
@@ -86,7 +88,9 @@ class Service(abc.ABC):
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         notify(f"STATUS=loading the model ({self.role} {self.instance})")
-        self.front = make_socket(self.ctx, zmq.ROUTER, bind=self.address, curve=self.security.server)
+        self.front = make_socket(
+            self.ctx, zmq.ROUTER, bind=self.address, curve=self.security.server
+        )
         await self.start_sockets()
         self.worker = self.make_worker(loop)
         self.worker.watchdog = self.watchdog
@@ -139,7 +143,12 @@ class Service(abc.ABC):
         """Refuse new requests, give those in flight ``drain_seconds``, fail the rest."""
         self.draining = True
         seconds = self.cfg.drain_seconds
-        self.log.info("service_draining", num_requests=len(self.inflight), num_busy=self.num_busy(), drain_seconds=seconds)
+        self.log.info(
+            "service_draining",
+            num_requests=len(self.inflight),
+            num_busy=self.num_busy(),
+            drain_seconds=seconds,
+        )
         notify("STOPPING=1", f"STATUS=draining {self.num_busy()} requests (at most {seconds:g} s)")
         deadline = asyncio.get_running_loop().time() + seconds
         while self.num_busy() and not self.stop_now.is_set():
@@ -154,10 +163,18 @@ class Service(abc.ABC):
             return
         self.log.warning("drain_timeout", request_ids=list(self.inflight), drain_seconds=seconds)
         for rid, (identity, trace) in list(self.inflight.items()):
-            self.reply(identity, p.Failed(request_id=rid, trace_id=trace, reason="draining", message=(
-                f"{self.role} {self.instance} shut down before the request finished: it drains for "
-                f"at most drain_seconds = {seconds:g} s; retry the request"
-            )))
+            self.reply(
+                identity,
+                p.Failed(
+                    request_id=rid,
+                    trace_id=trace,
+                    reason="draining",
+                    message=(
+                        f"{self.role} {self.instance} shut down before the request finished: it drains for "
+                        f"at most drain_seconds = {seconds:g} s; retry the request"
+                    ),
+                ),
+            )
             self.worker.submit(("abort", rid))
         # Let the worker act on the aborts (release producers' KV) before it stops.
         done = threading.Event()
@@ -185,7 +202,9 @@ class Service(abc.ABC):
 
     # -- messages -------------------------------------------------------------------------
 
-    async def _receive(self, sock: zmq.asyncio.Socket, decoder: p.Decoder[Any], handlers: dict[type, Handler]) -> None:
+    async def _receive(
+        self, sock: zmq.asyncio.Socket, decoder: p.Decoder[Any], handlers: dict[type, Handler]
+    ) -> None:
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 2:
@@ -198,7 +217,13 @@ class Service(abc.ABC):
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self.metrics.inc("pdserve:bad_messages")
                 self.log.warning("bad_message", error=str(exc), size=len(payload))
-                self.send(sock, identity, p.Failed(request_id="", reason="bad_request", message=f"undecodable message: {exc}"))
+                self.send(
+                    sock,
+                    identity,
+                    p.Failed(
+                        request_id="", reason="bad_request", message=f"undecodable message: {exc}"
+                    ),
+                )
                 continue
             if isinstance(msg, self.request_types) and not self._admit(identity, msg):
                 continue
@@ -210,34 +235,59 @@ class Service(abc.ABC):
                 self.log.exception("handler_failed", message_type=type(msg).__name__)
 
     def _admit(self, identity: bytes, msg: Any) -> bool:
-        if msg.request_id in self.inflight:  # the router never does this; the engine must not see it
+        if (
+            msg.request_id in self.inflight
+        ):  # the router never does this; the engine must not see it
             self.metrics.inc("pdserve:bad_messages")
-            self.log.warning("duplicate_request_id", request_id=msg.request_id, trace_id=msg.trace_id)
+            self.log.warning(
+                "duplicate_request_id", request_id=msg.request_id, trace_id=msg.trace_id
+            )
             # send, not reply: the request already running under this id keeps its slot
-            self.send(self.front, identity, p.Failed(request_id=msg.request_id, trace_id=msg.trace_id, reason="bad_request",
-                                                     message=f"request id {msg.request_id!r} is already in use here"))
+            self.send(
+                self.front,
+                identity,
+                p.Failed(
+                    request_id=msg.request_id,
+                    trace_id=msg.trace_id,
+                    reason="bad_request",
+                    message=f"request id {msg.request_id!r} is already in use here",
+                ),
+            )
             return False
         if self.draining:
             reason = "draining"
             message = f"{self.role} {self.instance} is shutting down (draining); retry the request"
         elif len(self.inflight) >= self.cfg.max_queued_requests:
             reason = "overloaded"
-            message = (f"{self.role} {self.instance} holds {len(self.inflight)} requests, its limit "
-                       f"(max_queued_requests); retry later")
+            message = (
+                f"{self.role} {self.instance} holds {len(self.inflight)} requests, its limit "
+                f"(max_queued_requests); retry later"
+            )
         else:
             self.inflight[msg.request_id] = (identity, msg.trace_id)
             return True
         self.metrics.inc("pdserve:requests_refused", reason=reason)
-        self.log.warning("request_refused", request_id=msg.request_id, trace_id=msg.trace_id, reason=reason)
-        self.reply(identity, p.Failed(request_id=msg.request_id, trace_id=msg.trace_id, reason=reason, message=message))
+        self.log.warning(
+            "request_refused", request_id=msg.request_id, trace_id=msg.trace_id, reason=reason
+        )
+        self.reply(
+            identity,
+            p.Failed(
+                request_id=msg.request_id, trace_id=msg.trace_id, reason=reason, message=message
+            ),
+        )
         return False
 
     def send(self, sock: zmq.asyncio.Socket | None, identity: bytes, msg: p.Message) -> None:
         if sock is None:
             return
 
-        def failed(exc: zmq.ZMQError) -> None:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
-            self.log.warning("send_failed", peer=identity.hex(), message_type=type(msg).__name__, error=str(exc))
+        def failed(
+            exc: zmq.ZMQError,
+        ) -> None:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
+            self.log.warning(
+                "send_failed", peer=identity.hex(), message_type=type(msg).__name__, error=str(exc)
+            )
 
         send_nowait(sock, [identity, p.encode(msg)], failed)
 
@@ -250,10 +300,17 @@ class Service(abc.ABC):
         if msg.interval > 0:
             self.routers[identity] = time.monotonic()
         running, waiting = self.load()
-        self.reply(identity, p.Pong(
-            sent_at=msg.sent_at, service=self.role, instance=self.instance, ready=self.is_ready,
-            num_running=running, num_waiting=waiting,
-        ))
+        self.reply(
+            identity,
+            p.Pong(
+                sent_at=msg.sent_at,
+                service=self.role,
+                instance=self.instance,
+                ready=self.is_ready,
+                num_running=running,
+                num_waiting=waiting,
+            ),
+        )
 
     def load(self) -> tuple[int, int]:
         return 0, 0
@@ -274,8 +331,13 @@ class Service(abc.ABC):
     def on_router_lost(self, identity: bytes) -> None:
         rids = [rid for rid, (who, _) in self.inflight.items() if who == identity]
         self.metrics.inc("pdserve:router_lost")
-        self.log.warning("router_lost", router=identity.hex(), num_aborted=len(rids), request_ids=rids[:16],
-                         silent_seconds=self.cfg.peer_timeout_seconds)
+        self.log.warning(
+            "router_lost",
+            router=identity.hex(),
+            num_aborted=len(rids),
+            request_ids=rids[:16],
+            silent_seconds=self.cfg.peer_timeout_seconds,
+        )
         for rid in rids:
             del self.inflight[rid]
             if self.worker is not None:
@@ -291,11 +353,13 @@ class Service(abc.ABC):
         notify(f"STATUS=failed: {why}")
         message = f"{self.role} {self.instance} failed ({why}); it restarts; retry the request"
         for rid, (identity, trace) in list(self.inflight.items()):
-            self.reply(identity, p.Failed(request_id=rid, trace_id=trace, reason="peer_down", message=message))
+            self.reply(
+                identity,
+                p.Failed(request_id=rid, trace_id=trace, reason="peer_down", message=message),
+            )
         self.inflight.clear()
         self.stop_now.set()  # nothing to drain: the engine is gone
         asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.stopping.set)
 
     def on_metrics(self, identity: bytes, msg: p.MetricsQuery) -> None:
         self.reply(identity, p.MetricsReport(samples=self.metrics.samples()))
-

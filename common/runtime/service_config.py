@@ -85,8 +85,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if any(t < 1 for t in sizes):
             raise PdserveError(f"decode_tp must be at least 1, got {self.decode_tp}")
         if isinstance(self.decode_tp, list) and len(self.decode_tp) != self.decode_instances:
-            raise PdserveError(f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
-                               "decode instances: give one size, or one per instance")
+            raise PdserveError(
+                f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
+                "decode instances: give one size, or one per instance"
+            )
         for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise PdserveError(f"{name} must be positive, got {getattr(self, name)}")
@@ -101,7 +103,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"ping_seconds ({self.ping_seconds:g}): one late ping must not mark a peer down"
             )
         if self.max_queued_requests < 1:
-            raise PdserveError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
+            raise PdserveError(
+                f"max_queued_requests must be at least 1, got {self.max_queued_requests}"
+            )
         if self.drain_seconds < 0:
             raise PdserveError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
@@ -178,7 +182,7 @@ def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
-        path = key[len(ENV_PREFIX):].lower().split("__")
+        path = key[len(ENV_PREFIX) :].lower().split("__")
         if path[0] not in fields:  # PDSERVE_CACHE_DIR and the like belong to other parts
             continue
         node = out

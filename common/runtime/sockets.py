@@ -82,7 +82,9 @@ def make_socket(
     return sock
 
 
-def send_nowait(sock: zmq.Socket[Any], frames: list[bytes], on_error: Callable[[zmq.ZMQError], None]) -> None:
+def send_nowait(
+    sock: zmq.Socket[Any], frames: list[bytes], on_error: Callable[[zmq.ZMQError], None]
+) -> None:
     """Send without blocking; a failure (a ROUTER's peer gone, a full queue) goes to
     ``on_error``. An asyncio socket reports it in the future it returns, not by raising:
     unobserved, it would only surface as "Future exception was never retrieved"."""

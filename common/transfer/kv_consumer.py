@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
+
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release, encode
+from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
 from pdserve.common.transfer.kv_transfer import (
     KVTransferError,
     _CacheAgent,
@@ -23,7 +25,6 @@ from pdserve.common.transfer.kv_transfer import (
     incompatibilities,
     peer_name,
 )
-from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release, encode
 
 log = structlog.get_logger("pdserve.kv_transfer")
 
@@ -70,8 +71,14 @@ class KVConsumer(_CacheAgent):
     """Decode rank side: connects to producer replicas, pulls blocks, releases them."""
 
     def __init__(
-        self, *, agent_name: str, kv_cache: torch.Tensor, layout: KVLayout,
-        compat: dict[str, Any], num_threads: int = 0, capture_telemetry: bool = False,
+        self,
+        *,
+        agent_name: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        compat: dict[str, Any],
+        num_threads: int = 0,
+        capture_telemetry: bool = False,
     ) -> None:
         super().__init__(agent_name, kv_cache, layout, num_threads, capture_telemetry)
         self.compat = dict(compat)
@@ -84,8 +91,11 @@ class KVConsumer(_CacheAgent):
         # Block order: whole blocks too, so that a pull of every head between two
         # block-major caches indexes by block id alone (no per-head index arrays).
         blocks = block_descs(kv_cache.data_ptr(), layout, self.device_id)
-        self._local_blocks: Any = (None if blocks is None
-                                   else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type))
+        self._local_blocks: Any = (
+            None
+            if blocks is None
+            else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
+        )
         self._remotes: dict[tuple[str, int, str], _Remote] = {}  # (engine, epoch, agent)
         # Releases go out from a second agent (no memory, no READs). Sent from the reading
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
@@ -95,10 +105,14 @@ class KVConsumer(_CacheAgent):
         from nixl._api import nixl_agent, nixl_agent_config
 
         try:
-            self._notifier: Any = nixl_agent(f"{agent_name}-notify",
-                                             nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self._notifier: Any = nixl_agent(
+                f"{agent_name}-notify",
+                nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+            )
         except Exception as exc:
-            raise KVTransferError(f"agent {agent_name!r}: NIXL/UCX notifier start failed: {exc!r}") from exc
+            raise KVTransferError(
+                f"agent {agent_name!r}: NIXL/UCX notifier start failed: {exc!r}"
+            ) from exc
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -117,8 +131,9 @@ class KVConsumer(_CacheAgent):
         try:
             name = self._agent.add_remote_agent(reply.agent_metadata)
         except Exception as exc:
-            raise KVTransferError(f"KV handshake with {peer_name(*key)}: loading its NIXL "
-                                  f"metadata failed: {exc!r}") from exc
+            raise KVTransferError(
+                f"KV handshake with {peer_name(*key)}: loading its NIXL metadata failed: {exc!r}"
+            ) from exc
         name = name.decode() if isinstance(name, bytes) else name
         try:
             if name != reply.agent_name:
@@ -126,18 +141,28 @@ class KVConsumer(_CacheAgent):
             descs = head_block_descs(reply.base_address, reply.layout, reply.device_id)
             dlist = self._agent.prep_xfer_dlist(name, descs, reply.mem_type)
             blocks = block_descs(reply.base_address, reply.layout, reply.device_id)
-            block_dlist = None if blocks is None else self._agent.prep_xfer_dlist(name, blocks, reply.mem_type)
+            block_dlist = (
+                None
+                if blocks is None
+                else self._agent.prep_xfer_dlist(name, blocks, reply.mem_type)
+            )
             self._notifier.add_remote_agent(reply.agent_metadata)
         except Exception as exc:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
         self._remotes[key] = _Remote(reply=reply, dlist=dlist, blocks=block_dlist)
-        log.info("kv_remote_connected", peer=peer_name(*key), mem_type=reply.mem_type,
-                 num_blocks=reply.layout.num_blocks)
+        log.info(
+            "kv_remote_connected",
+            peer=peer_name(*key),
+            mem_type=reply.mem_type,
+            num_blocks=reply.layout.num_blocks,
+        )
 
     def _check_handshake(self, reply: HandshakeReply) -> None:
-        what = (f"KV handshake of {self.agent_name!r} with "
-                f"{peer_name(reply.engine_id, reply.epoch, reply.agent_name)} refused")
+        what = (
+            f"KV handshake of {self.agent_name!r} with "
+            f"{peer_name(reply.engine_id, reply.epoch, reply.agent_name)} refused"
+        )
         diffs = incompatibilities(self.layout, self.compat, reply)
         if diffs:
             raise KVTransferError(f"{what}: incompatible " + "; ".join(diffs))
@@ -157,8 +182,12 @@ class KVConsumer(_CacheAgent):
 
     def _drop(self, key: tuple[str, int, str]) -> None:
         remote = self._remotes.pop(key)
-        for step in (remote.dlist.release, lambda: remote.blocks is not None and remote.blocks.release(), lambda: self._agent.remove_remote_agent(key[2]),
-                     lambda: self._notifier.remove_remote_agent(key[2])):
+        for step in (
+            remote.dlist.release,
+            lambda: remote.blocks is not None and remote.blocks.release(),
+            lambda: self._agent.remove_remote_agent(key[2]),
+            lambda: self._notifier.remove_remote_agent(key[2]),
+        ):
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - the remote may be gone; forget it anyway
@@ -182,7 +211,11 @@ class KVConsumer(_CacheAgent):
     # -- pulls ----------------------------------------------------------------------------
 
     def start_pull(
-        self, request_id: str, handle: KVHandle, local_block_ids: list[int], replica: int = 0,
+        self,
+        request_id: str,
+        handle: KVHandle,
+        local_block_ids: list[int],
+        replica: int = 0,
         heads: list[tuple[int, int, int]] | None = None,
     ) -> Pull:
         """Post a READ of handle.block_ids (on replica ``replica``) into local_block_ids.
@@ -196,18 +229,32 @@ class KVConsumer(_CacheAgent):
             local_ids = np.array(local_block_ids, dtype=np.int64)
             remote_ids = np.array(handle.block_ids, dtype=np.int64)
         except (OverflowError, ValueError, TypeError) as exc:
-            raise _pull_error(request_id, peer, f"refused, block ids are not block numbers: {exc}") from exc
+            raise _pull_error(
+                request_id, peer, f"refused, block ids are not block numbers: {exc}"
+            ) from exc
         self._check_ids(request_id, peer, handle, remote, local_ids, remote_ids)
-        local_ids, remote_ids = local_ids.astype(np.int32), remote_ids.astype(np.int32)  # in range now
+        local_ids, remote_ids = (
+            local_ids.astype(np.int32),
+            remote_ids.astype(np.int32),
+        )  # in range now
         rlayout = remote.reply.layout
         if heads is None:
             heads = [(0, 0, self.layout.num_kv_heads)]
         self._check_heads(request_id, peer, remote, heads)
         num_heads = sum(n for _, _, n in heads)
-        if remote.blocks is not None and self._local_blocks is not None and heads == [(0, 0, rlayout.num_kv_heads)] \
-                and rlayout.num_kv_heads == self.layout.num_kv_heads:
+        if (
+            remote.blocks is not None
+            and self._local_blocks is not None
+            and heads == [(0, 0, rlayout.num_kv_heads)]
+            and rlayout.num_kv_heads == self.layout.num_kv_heads
+        ):
             # Every head, both caches block-major: whole blocks, indexed by block id.
-            local_list, remote_list, local_idx, remote_idx = self._local_blocks, remote.blocks, local_ids, remote_ids
+            local_list, remote_list, local_idx, remote_idx = (
+                self._local_blocks,
+                remote.blocks,
+                local_ids,
+                remote_ids,
+            )
         else:
             # (head, block) units; NIXL merges pairs contiguous on both sides into one
             # descriptor: one per head and run of blocks (fewer when runs meet across
@@ -216,17 +263,30 @@ class KVConsumer(_CacheAgent):
             # head by head.
             by_block = self.layout.order == rlayout.order == "block"
             local_list, remote_list = self._local_dlist, remote.dlist
-            local_idx = np.concatenate([unit_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads])
-            remote_idx = np.concatenate([unit_indices(remote_ids, rlayout, src, n, by_block) for src, _, n in heads])
-        pull = Pull(request_id=request_id, peer=peer, remote=remote, num_descriptors=0,
-                    num_bytes=len(local_ids) * num_heads * self.layout.head_block_bytes,
-                    started_at=started)
+            local_idx = np.concatenate(
+                [unit_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads]
+            )
+            remote_idx = np.concatenate(
+                [unit_indices(remote_ids, rlayout, src, n, by_block) for src, _, n in heads]
+            )
+        pull = Pull(
+            request_id=request_id,
+            peer=peer,
+            remote=remote,
+            num_descriptors=0,
+            num_bytes=len(local_ids) * num_heads * self.layout.head_block_bytes,
+            started_at=started,
+        )
         if not len(local_idx):  # NIXL refuses an empty request: done at once
             pull.posted_at = pull.done_at = time.perf_counter()
             return pull
         try:
             pull.xfer = self._agent.make_prepped_xfer(
-                "READ", local_list, local_idx, remote_list, remote_idx,
+                "READ",
+                local_list,
+                local_idx,
+                remote_list,
+                remote_idx,
             )
             state = self._agent.transfer(pull.xfer)
         except Exception as exc:
@@ -240,7 +300,12 @@ class KVConsumer(_CacheAgent):
         return pull
 
     def _check_ids(
-        self, request_id: str, peer: str, handle: KVHandle, remote: _Remote, local: np.ndarray,
+        self,
+        request_id: str,
+        peer: str,
+        handle: KVHandle,
+        remote: _Remote,
+        local: np.ndarray,
         remote_ids: np.ndarray,
     ) -> None:
         # Refused before posting: NIXL would reject the indices, but say which ones and why.
@@ -250,18 +315,30 @@ class KVConsumer(_CacheAgent):
         if len(handle.block_ids) != len(local):
             why = f"{len(handle.block_ids)} remote blocks but {len(local)} local"
             raise _pull_error(request_id, peer, f"refused, {why}")
-        for side, ids, n in (("remote", remote_ids, remote.reply.layout.num_blocks),
-                             ("local", local, self.layout.num_blocks)):
+        for side, ids, n in (
+            ("remote", remote_ids, remote.reply.layout.num_blocks),
+            ("local", local, self.layout.num_blocks),
+        ):
             if len(ids) and (ids.min() < 0 or ids.max() >= n):  # C-speed check; list only on error
                 bad = [int(b) for b in ids if not 0 <= b < n][:8]
                 why = f"{side} block ids {bad} outside [0, {n})"
                 raise _pull_error(request_id, peer, f"refused, {why}")
 
-    def _check_heads(self, request_id: str, peer: str, remote: _Remote, heads: list[tuple[int, int, int]]) -> None:
+    def _check_heads(
+        self, request_id: str, peer: str, remote: _Remote, heads: list[tuple[int, int, int]]
+    ) -> None:
         for src, dst, n in heads:
-            if n < 0 or src < 0 or dst < 0 or src + n > remote.reply.layout.num_kv_heads or dst + n > self.layout.num_kv_heads:
-                why = (f"head slice (remote {src}, local {dst}, count {n}) outside remote "
-                       f"{remote.reply.layout.num_kv_heads} / local {self.layout.num_kv_heads} KV heads")
+            if (
+                n < 0
+                or src < 0
+                or dst < 0
+                or src + n > remote.reply.layout.num_kv_heads
+                or dst + n > self.layout.num_kv_heads
+            ):
+                why = (
+                    f"head slice (remote {src}, local {dst}, count {n}) outside remote "
+                    f"{remote.reply.layout.num_kv_heads} / local {self.layout.num_kv_heads} KV heads"
+                )
                 raise _pull_error(request_id, peer, f"refused, {why}")
 
     def poll(self, pull: Pull) -> bool:
@@ -299,8 +376,12 @@ class KVConsumer(_CacheAgent):
             try:
                 xfer.release()
             except Exception as exc:  # noqa: BLE001 - NIXL keeps it and retries at agent teardown
-                log.warning("kv_xfer_release_failed", request_id=pull.request_id, peer=pull.peer,
-                            error=repr(exc))
+                log.warning(
+                    "kv_xfer_release_failed",
+                    request_id=pull.request_id,
+                    peer=pull.peer,
+                    error=repr(exc),
+                )
 
     # -- releases -------------------------------------------------------------------------
 
@@ -309,8 +390,15 @@ class KVConsumer(_CacheAgent):
         Returns the replica indices not notified: the caller falls back to the side channel."""
         failed = []
         for index, replica in enumerate(handle.replicas):
-            message = encode(Release(request_id=request_id, trace_id=trace_id,
-                                     engine_id=handle.engine_id, epoch=handle.epoch, rank=index))
+            message = encode(
+                Release(
+                    request_id=request_id,
+                    trace_id=trace_id,
+                    engine_id=handle.engine_id,
+                    epoch=handle.epoch,
+                    rank=index,
+                )
+            )
             key = (handle.engine_id, handle.epoch, replica.agent_name)
             try:
                 if key not in self._remotes:
@@ -320,8 +408,13 @@ class KVConsumer(_CacheAgent):
                 self._notifier.send_notif(replica.agent_name, message)
             except Exception as exc:  # noqa: BLE001
                 failed.append(index)
-                log.warning("kv_release_notification_failed", request_id=request_id,
-                            trace_id=trace_id, peer=peer_name(*key), error=repr(exc))
+                log.warning(
+                    "kv_release_notification_failed",
+                    request_id=request_id,
+                    trace_id=trace_id,
+                    peer=peer_name(*key),
+                    error=repr(exc),
+                )
         return failed
 
     def progress(self) -> None:
@@ -330,7 +423,12 @@ class KVConsumer(_CacheAgent):
         iteration, idle or not, for queued release notifications to go out."""
         for agent in (self._agent, self._notifier):
             for sender, messages in agent.get_new_notifs().items():
-                log.warning("kv_unexpected_notification", agent=self.agent_name, sender=sender, count=len(messages))
+                log.warning(
+                    "kv_unexpected_notification",
+                    agent=self.agent_name,
+                    sender=sender,
+                    count=len(messages),
+                )
 
     def close(self) -> None:
         if self._agent is None:

@@ -11,6 +11,7 @@ adjacent into one descriptor (its default merging; the tests check NIXL's own co
 from __future__ import annotations
 
 import numpy as np
+
 from pdserve.common.engine.kv_layout import KVLayout
 
 
@@ -58,7 +59,9 @@ def num_runs(remote_idx: np.ndarray, local_idx: np.ndarray) -> int:
     return int(len(local_idx) - np.count_nonzero(cont))
 
 
-def unit_indices(ids: np.ndarray, layout: KVLayout, first_head: int, num_heads: int, by_block: bool) -> np.ndarray:
+def unit_indices(
+    ids: np.ndarray, layout: KVLayout, first_head: int, num_heads: int, by_block: bool
+) -> np.ndarray:
     """Unit indices (KVLayout.unit_index) of heads [first_head, +num_heads) of blocks ``ids``,
     enumerated block by block (``by_block``) or head by head. Both sides of a READ must use
     one enumeration, as NIXL pairs the two index lists element by element."""

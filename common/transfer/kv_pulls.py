@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from pdserve.common.runtime import protocol as p
+
 from pdserve.common.errors import PdserveError
+from pdserve.common.runtime import protocol as p
 
 
 class PullSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -36,8 +37,12 @@ class LocalPuller:
     def __init__(self, agent_name: str, runner: Any) -> None:
         from pdserve.common.transfer.kv_consumer import KVConsumer
 
-        self.consumer = KVConsumer(agent_name=agent_name, kv_cache=runner.kv_cache,
-                                   layout=runner.layout, compat=runner.kv_compat())
+        self.consumer = KVConsumer(
+            agent_name=agent_name,
+            kv_cache=runner.kv_cache,
+            layout=runner.layout,
+            compat=runner.kv_compat(),
+        )
         self._pulls: dict[str, list[Any]] = {}
         self._results: list[PullResult] = []
 
@@ -88,8 +93,15 @@ def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpe
     try:
         for spec in specs:
             sub = msgspec.structs.replace(handle, block_ids=spec.remote_block_ids)
-            pulls.append(consumer.start_pull(rid, sub, spec.local_block_ids, spec.replica,
-                                             heads=[tuple(h) for h in spec.heads]))
+            pulls.append(
+                consumer.start_pull(
+                    rid,
+                    sub,
+                    spec.local_block_ids,
+                    spec.replica,
+                    heads=[tuple(h) for h in spec.heads],
+                )
+            )
     except Exception:
         for pull in pulls:
             consumer.abort(pull)
@@ -100,4 +112,8 @@ def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpe
 def pull_stats(pulls: list[Any]) -> tuple[int, int, float]:
     """(bytes, descriptors, seconds) of a request's finished pulls on one rank."""
     seconds = max((pull.transfer_seconds or 0.0 for pull in pulls), default=0.0)
-    return sum(pull.num_bytes for pull in pulls), sum(pull.num_descriptors for pull in pulls), seconds
+    return (
+        sum(pull.num_bytes for pull in pulls),
+        sum(pull.num_descriptors for pull in pulls),
+        seconds,
+    )

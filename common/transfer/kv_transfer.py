@@ -33,11 +33,12 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-from pdserve.common.errors import PdserveError
-from pdserve.common.engine.kv_cache import new_cache, storage_of
+
+from pdserve.common.engine.kv_cache import storage_of
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.runtime.protocol import Decoder, HandshakeReply, Release
+from pdserve.common.errors import PdserveError
 from pdserve.common.parallel.tp import kv_heads_of
+from pdserve.common.runtime.protocol import Decoder, HandshakeReply, Release
 
 log = structlog.get_logger("pdserve.kv_transfer")
 
@@ -61,9 +62,7 @@ def _pull_error(request_id: str, peer: str, why: str) -> KVTransferError:
     return KVTransferError(f"KV pull of request {request_id!r} from {peer}: {why}")
 
 
-def incompatibilities(
-    layout: KVLayout, compat: dict[str, Any], reply: HandshakeReply
-) -> list[str]:
+def incompatibilities(layout: KVLayout, compat: dict[str, Any], reply: HandshakeReply) -> list[str]:
     """One 'what: local=.. remote=..' line per difference; empty when compatible."""
     diffs = []
     for key in sorted(set(compat) | set(reply.compat)):
@@ -74,15 +73,21 @@ def incompatibilities(
         mine, theirs = getattr(layout, key), getattr(reply.layout, key)
         if mine != theirs:
             diffs.append(f"layout.{key}: local={mine!r} remote={theirs!r}")
-    total = reply.compat.get("num_kv_heads", reply.layout.num_kv_heads if reply.tp_size == 1 else None)
+    total = reply.compat.get(
+        "num_kv_heads", reply.layout.num_kv_heads if reply.tp_size == 1 else None
+    )
     if isinstance(total, int) and total > 0 and 0 <= reply.tp_rank < reply.tp_size:
         expected = kv_heads_of(total, reply.tp_size, reply.tp_rank)[1]
         if reply.layout.num_kv_heads != expected:
-            diffs.append(f"remote TP rank {reply.tp_rank}/{reply.tp_size} holds {reply.layout.num_kv_heads} "
-                         f"KV heads, but {total} KV heads over TP {reply.tp_size} give {expected}")
+            diffs.append(
+                f"remote TP rank {reply.tp_rank}/{reply.tp_size} holds {reply.layout.num_kv_heads} "
+                f"KV heads, but {total} KV heads over TP {reply.tp_size} give {expected}"
+            )
     else:
-        diffs.append(f"remote TP rank {reply.tp_rank}/{reply.tp_size} of a model with {total!r} KV heads "
-                     "cannot be mapped")
+        diffs.append(
+            f"remote TP rank {reply.tp_rank}/{reply.tp_size} of a model with {total!r} KV heads "
+            "cannot be mapped"
+        )
     return diffs
 
 
@@ -102,16 +107,22 @@ def _check_cache(kv_cache: torch.Tensor, layout: KVLayout, who: str) -> None:
             f"{layout.shape} {layout.dtype}"
         )
     if not storage_of(kv_cache, layout).is_contiguous():
-        raise KVTransferError(f"{who}: KV cache must be a logical view of one {layout.order}-major "
-                              "storage tensor (kv_transfer.new_cache): one registration, runs contiguous")
+        raise KVTransferError(
+            f"{who}: KV cache must be a logical view of one {layout.order}-major "
+            "storage tensor (kv_transfer.new_cache): one registration, runs contiguous"
+        )
 
 
 class _CacheAgent:
     """A NIXL agent (UCX backend) with one registration of a whole cache tensor."""
 
     def __init__(
-        self, agent_name: str, kv_cache: torch.Tensor, layout: KVLayout,
-        num_threads: int, capture_telemetry: bool = False,
+        self,
+        agent_name: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        num_threads: int,
+        capture_telemetry: bool = False,
     ) -> None:
         _check_cache(kv_cache, layout, f"agent {agent_name!r}")
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: importing us needs no nixl
@@ -126,8 +137,12 @@ class _CacheAgent:
         # No progress thread: it spins (~25% of a core per agent while idle, measured on
         # the 2-core CI kind), and every agent is polled by its owner's loop anyway
         # (check_xfer_state / get_new_notifs drive progress).
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=num_threads,
-                                   capture_telemetry=capture_telemetry)
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            num_threads=num_threads,
+            capture_telemetry=capture_telemetry,
+        )
         try:
             self._agent: Any = nixl_agent(agent_name, config)
             self._reg: Any = self._agent.register_memory(storage_of(kv_cache, layout))
@@ -148,19 +163,38 @@ class KVProducer(_CacheAgent):
     """Prefill rank side: serves its cache to readers and collects their releases."""
 
     def __init__(
-        self, *, engine_id: str, epoch: int, agent_name: str, kv_cache: torch.Tensor,
-        layout: KVLayout, compat: dict[str, Any], num_threads: int = 0,
-        tp_rank: int = 0, tp_size: int = 1, pcp_rank: int = 0, pcp_size: int = 1,
+        self,
+        *,
+        engine_id: str,
+        epoch: int,
+        agent_name: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        compat: dict[str, Any],
+        num_threads: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pcp_rank: int = 0,
+        pcp_size: int = 1,
     ) -> None:
         super().__init__(agent_name, kv_cache, layout, num_threads)
         self.engine_id = engine_id
         self.epoch = epoch
         self.num_bad_notifications = 0
         self._reply = HandshakeReply(
-            engine_id=engine_id, epoch=epoch, agent_name=agent_name,
-            agent_metadata=self._agent.get_agent_metadata(), base_address=kv_cache.data_ptr(),
-            layout=layout, compat=dict(compat), mem_type=self.mem_type, device_id=self.device_id,
-            tp_rank=tp_rank, tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size,
+            engine_id=engine_id,
+            epoch=epoch,
+            agent_name=agent_name,
+            agent_metadata=self._agent.get_agent_metadata(),
+            base_address=kv_cache.data_ptr(),
+            layout=layout,
+            compat=dict(compat),
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pcp_rank=pcp_rank,
+            pcp_size=pcp_size,
         )
 
     @property
@@ -186,8 +220,15 @@ class KVProducer(_CacheAgent):
                     releases.append(release)
                     continue
                 self.num_bad_notifications += 1
-                log.warning("kv_bad_notification", agent=self.agent_name, engine_id=self.engine_id,
-                            epoch=self.epoch, sender=sender, size=len(raw), reason=why)
+                log.warning(
+                    "kv_bad_notification",
+                    agent=self.agent_name,
+                    engine_id=self.engine_id,
+                    epoch=self.epoch,
+                    sender=sender,
+                    size=len(raw),
+                    reason=why,
+                )
         return releases
 
     def _decode(self, raw: bytes) -> tuple[Release | None, str]:
@@ -197,8 +238,10 @@ class KVProducer(_CacheAgent):
             return None, f"not a Release: {exc}"
         if release.engine_id != self.engine_id or release.epoch != self.epoch:
             # A release meant for another life of this engine must not free our blocks.
-            return None, (f"release of {release.request_id!r} for engine {release.engine_id!r} "
-                          f"epoch {release.epoch}")
+            return None, (
+                f"release of {release.request_id!r} for engine {release.engine_id!r} "
+                f"epoch {release.epoch}"
+            )
         return release, ""
 
     def close(self) -> None:

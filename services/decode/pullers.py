@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.parallel.tp import pull_plan
 from pdserve.common.runtime import protocol as p
 from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
 from pdserve.common.transfer.kv_transfer import KVTransferError
-from pdserve.common.parallel.tp import pull_plan
 
 
 def plan_pulls(
@@ -32,8 +32,10 @@ def plan_pulls(
     producer_tp = 1 + max(r.tp_rank for r in handle.replicas)
     pcp = 1 + max(r.pcp_rank for r in handle.replicas)
     if len(grid) != producer_tp * pcp or len(grid) != len(handle.replicas):
-        raise KVTransferError(f"handle of {handle.engine_id!r} names an incomplete or repeated TP x PCP grid: "
-                              f"{[(r.tp_rank, r.pcp_rank) for r in handle.replicas]}")
+        raise KVTransferError(
+            f"handle of {handle.engine_id!r} names an incomplete or repeated TP x PCP grid: "
+            f"{[(r.tp_rank, r.pcp_rank) for r in handle.replicas]}"
+        )
     shares = max(1, min(pcp if striped else 1, len(local_blocks)))
     bounds = [len(local_blocks) * i // shares for i in range(shares + 1)]
     plan = []
@@ -43,8 +45,14 @@ def plan_pulls(
             for share, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 # decode ranks start their shares on different replicas: more source links busy
                 replica = grid[(sl.producer_tp_rank, (share + rank) % pcp if striped else 0)]
-                specs.append(PullSpec(replica, handle.block_ids[a:b], local_blocks[a:b],
-                                      [(sl.src_head, sl.dst_head, sl.count)]))
+                specs.append(
+                    PullSpec(
+                        replica,
+                        handle.block_ids[a:b],
+                        local_blocks[a:b],
+                        [(sl.src_head, sl.dst_head, sl.count)],
+                    )
+                )
         plan.append(specs)
     return plan
 
@@ -67,7 +75,10 @@ class RankPuller:
 
     def connect(self, replies: list[p.HandshakeReply]) -> None:
         raw = [p.encode(r) for r in replies]
-        errors = [self.ranks.call(rank, "connected", "connect", raw)[1] for rank in range(self.ranks.num_ranks)]
+        errors = [
+            self.ranks.call(rank, "connected", "connect", raw)[1]
+            for rank in range(self.ranks.num_ranks)
+        ]
         if any(errors):
             raise KVTransferError(next(e for e in errors if e))
 
@@ -94,14 +105,20 @@ class RankPuller:
                 out.seconds = max(out.seconds, event[4])
             if not out.ranks:  # only when no READ of the request is still in flight
                 del self._out[rid]
-                done.append(PullResult(rid, out.error, out.num_bytes, out.num_descriptors, out.seconds))
+                done.append(
+                    PullResult(rid, out.error, out.num_bytes, out.num_descriptors, out.seconds)
+                )
         return done
 
     def in_flight(self, rid: str) -> bool:
         return rid in self._out
 
     def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
-        return list(self.ranks.call(0, "unreached", "release", msgspec.msgpack.encode(handle), rid, trace_id)[1])
+        return list(
+            self.ranks.call(
+                0, "unreached", "release", msgspec.msgpack.encode(handle), rid, trace_id
+            )[1]
+        )
 
     def close(self) -> None:
         self.ranks.close()

@@ -51,7 +51,9 @@ class DecodeService(Service):
         return [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._connect_ahead())]
 
     def load(self) -> tuple[int, int]:
-        return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
+        return int(self.metrics.value("pdserve:num_requests_running")), int(
+            self.metrics.value("pdserve:num_requests_waiting")
+        )
 
     # -- router -----------------------------------------------------------------------------
 
@@ -72,7 +74,9 @@ class DecodeService(Service):
     def side_socket(self, address: str) -> Any:
         sock = self._side.get(address)
         if sock is None:
-            sock = self._side[address] = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client)
+            sock = self._side[address] = make_socket(
+                self.ctx, zmq.DEALER, connect=address, curve=self.security.client
+            )
             self._side_locks[address] = asyncio.Lock()
         return sock
 
@@ -82,12 +86,16 @@ class DecodeService(Service):
         except zmq.ZMQError as exc:
             self.log.warning("side_send_failed", peer=address, error=str(exc))
 
-    async def _handshake(self, key: ProducerKey, addresses: list[str], first: p.HandshakeReply | None = None) -> None:
+    async def _handshake(
+        self, key: ProducerKey, addresses: list[str], first: p.HandshakeReply | None = None
+    ) -> None:
         """Fetch every replica's agent metadata once per (engine, epoch): rank r's from
         ``addresses[r]``; ``first``: rank 0's, already fetched (connect ahead)."""
         try:
-            replies = [first if rank == 0 and first is not None else await self._ask(address, key, rank)
-                       for rank, address in enumerate(addresses)]
+            replies = [
+                first if rank == 0 and first is not None else await self._ask(address, key, rank)
+                for rank, address in enumerate(addresses)
+            ]
         except Exception as exc:  # timeout, refusal, bad reply: fail the waiting requests
             message = str(exc) or type(exc).__name__
             self.log.warning("handshake_failed", engine_id=key[0], epoch=key[1], error=message)
@@ -95,11 +103,21 @@ class DecodeService(Service):
             self.decode_worker.submit(("handshake_failed", key, message))
             return
         self.metrics.inc("pdserve:kv_handshakes", mode="lazy" if first is None else "ahead")
-        self.log.info("kv_handshake", engine_id=key[0], epoch=key[1], ahead=first is not None, num_ranks=len(replies))
+        self.log.info(
+            "kv_handshake",
+            engine_id=key[0],
+            epoch=key[1],
+            ahead=first is not None,
+            num_ranks=len(replies),
+        )
         self.decode_worker.submit(("connected", key, replies))
 
     async def _connect_ahead(self) -> None:
-        addresses = [] if self.cfg.colocated else sorted({a.side_channel for a in self.cfg.prefill_addresses if a.side_channel})
+        addresses = (
+            []
+            if self.cfg.colocated
+            else sorted({a.side_channel for a in self.cfg.prefill_addresses if a.side_channel})
+        )
         while addresses:
             if self.is_ready:
                 await asyncio.gather(*(self._probe(address) for address in addresses))
@@ -110,25 +128,44 @@ class DecodeService(Service):
         try:
             first = await self._ask(address, CURRENT, 0)
         except Exception as exc:  # not up yet, or busy: the next probe asks again
-            self.log.debug("connect_ahead_pending", peer=address, error=str(exc) or type(exc).__name__)
+            self.log.debug(
+                "connect_ahead_pending", peer=address, error=str(exc) or type(exc).__name__
+            )
             return
         key = (first.engine_id, first.epoch)
         if key not in self._handshakes:
             num_ranks = max(1, first.tp_size * first.pcp_size)
-            self._handshakes[key] = task = asyncio.create_task(self._handshake(key, [address] * num_ranks, first))
+            self._handshakes[key] = task = asyncio.create_task(
+                self._handshake(key, [address] * num_ranks, first)
+            )
             await task
 
     async def _ask(self, address: str, key: ProducerKey, rank: int) -> p.HandshakeReply:
         sock = self.side_socket(address)
         async with self._side_locks[address]:
-            await sock.send(p.encode(p.Handshake(engine_id=key[0], epoch=key[1], consumer=f"decode-{self.instance}", rank=rank)))
+            await sock.send(
+                p.encode(
+                    p.Handshake(
+                        engine_id=key[0],
+                        epoch=key[1],
+                        consumer=f"decode-{self.instance}",
+                        rank=rank,
+                    )
+                )
+            )
             deadline = self.loop.time() + HANDSHAKE_TIMEOUT
             while True:
                 remaining = deadline - self.loop.time()
                 if remaining <= 0 or not await sock.poll(remaining * 1000):
-                    raise TimeoutError(f"producer {key[0] or '?'} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s")
+                    raise TimeoutError(
+                        f"producer {key[0] or '?'} at {address} did not answer the KV handshake within {HANDSHAKE_TIMEOUT:.0f} s"
+                    )
                 reply = self._side_decoder.decode(await sock.recv())
-                if isinstance(reply, p.HandshakeReply) and (key == CURRENT or (reply.engine_id, reply.epoch) == key) and reply.agent_name.endswith(f"-r{rank}"):
+                if (
+                    isinstance(reply, p.HandshakeReply)
+                    and (key == CURRENT or (reply.engine_id, reply.epoch) == key)
+                    and reply.agent_name.endswith(f"-r{rank}")
+                ):
                     return reply
                 if isinstance(reply, p.SideReply) and not reply.ok:
                     raise ConnectionRefusedError(reply.message)
@@ -139,5 +176,11 @@ class DecodeService(Service):
             await asyncio.sleep(self.cfg.heartbeat_seconds)
             if not self.is_ready:
                 continue
-            for address, (engine_id, epoch, rids) in self.decode_worker.pending_by_producer().items():
-                self.send_side(address, p.Heartbeat(engine_id=engine_id, epoch=epoch, request_ids=rids))
+            for address, (
+                engine_id,
+                epoch,
+                rids,
+            ) in self.decode_worker.pending_by_producer().items():
+                self.send_side(
+                    address, p.Heartbeat(engine_id=engine_id, epoch=epoch, request_ids=rids)
+                )

@@ -13,17 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
 
-from pdserve.common.runtime import protocol as p
-from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.errors import FatalError, PdserveError
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
 
 if TYPE_CHECKING:
-    from pdserve.services.decode.decode_engine import DecodeEngine
     from pdserve.common.transfer.kv_pulls import LocalPuller, PullResult
+    from pdserve.services.decode.decode_engine import DecodeEngine
     from pdserve.services.decode.pullers import RankPuller
     from pdserve.services.decode.service import DecodeService
 
@@ -45,7 +44,9 @@ class PendingPull:
     blocks: list[int] | None = None
     pulling: bool = False  # READs posted, not all ended
     aborted: bool = False
-    marks: dict[str, float] = field(default_factory=lambda: {"decode_received": time.time()})  # common/runtime/ttft.py
+    marks: dict[str, float] = field(
+        default_factory=lambda: {"decode_received": time.time()}
+    )  # common/runtime/ttft.py
 
     @property
     def key(self) -> ProducerKey:
@@ -65,8 +66,8 @@ class DecodeWorker(WorkerThread):
     def setup(self) -> None:
         import torch
 
-        from pdserve.services.decode.decode_engine import DecodeEngine
         from pdserve.common.transfer.kv_pulls import LocalPuller
+        from pdserve.services.decode.decode_engine import DecodeEngine
         from pdserve.services.decode.pullers import RankPuller
 
         torch.set_num_threads(self.svc.torch_threads)
@@ -86,9 +87,13 @@ class DecodeWorker(WorkerThread):
         self.metrics = self.svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
-            "pdserve:kv_transfers", "pdserve:kv_transfer_bytes", "pdserve:kv_transfer_descriptors",
+            "pdserve:kv_transfers",
+            "pdserve:kv_transfer_bytes",
+            "pdserve:kv_transfer_descriptors",
             "pdserve:kv_transfer_failures",
-            "pdserve:kv_notification_failures", "pdserve:num_preemptions", "pdserve:bad_messages",
+            "pdserve:kv_notification_failures",
+            "pdserve:num_preemptions",
+            "pdserve:bad_messages",
         )
 
     def teardown(self) -> None:
@@ -178,13 +183,20 @@ class DecodeWorker(WorkerThread):
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
         try:
-            plan = plan_pulls(pp.handle, pp.blocks, self.engine.model_config.num_key_value_heads,
-                              self.tp, self.svc.cfg.pull_from == "striped")
+            plan = plan_pulls(
+                pp.handle,
+                pp.blocks,
+                self.engine.model_config.num_key_value_heads,
+                self.tp,
+                self.svc.cfg.pull_from == "striped",
+            )
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
             return
         pp.pulling = True
-        pp.marks["handshake_done"] = max(pp.marks["decode_received"], self.connected_at.get(pp.key, 0.0))
+        pp.marks["handshake_done"] = max(
+            pp.marks["decode_received"], self.connected_at.get(pp.key, 0.0)
+        )
         pp.marks["pull_started"] = time.time()
         self.puller.start(rid, pp.handle, plan)
 
@@ -200,8 +212,14 @@ class DecodeWorker(WorkerThread):
         self.metrics.inc("pdserve:kv_transfer_descriptors", result.num_descriptors)
         self.metrics.observe("pdserve:kv_transfer_seconds", result.seconds)
         self._release(pp.handle, rid, pp.msg.trace_id)
-        log.debug("kv_pulled", request_id=rid, trace_id=pp.msg.trace_id, bytes=result.num_bytes,
-                  descriptors=result.num_descriptors, seconds=round(result.seconds, 4))
+        log.debug(
+            "kv_pulled",
+            request_id=rid,
+            trace_id=pp.msg.trace_id,
+            bytes=result.num_bytes,
+            descriptors=result.num_descriptors,
+            seconds=round(result.seconds, 4),
+        )
         if pp.aborted:
             self.engine.pool.free(pp.blocks or [])
             self._finish_aborted(rid, pp)
@@ -219,7 +237,13 @@ class DecodeWorker(WorkerThread):
     def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
         self.pending.pop(rid, None)
         self.metrics.inc("pdserve:kv_transfer_failures")
-        log.warning("kv_pull_failed", request_id=rid, trace_id=pp.msg.trace_id, engine_id=pp.handle.engine_id, error=message)
+        log.warning(
+            "kv_pull_failed",
+            request_id=rid,
+            trace_id=pp.msg.trace_id,
+            engine_id=pp.handle.engine_id,
+            error=message,
+        )
         if pp.blocks:
             self.engine.pool.free(pp.blocks)
         if release:
@@ -230,7 +254,13 @@ class DecodeWorker(WorkerThread):
             self._admit(rid, pp, None)
         else:
             self.peers.pop(rid, None)
-            self._fail(pp.identity, rid, pp.msg.trace_id, "kv_transfer", f"KV transfer from {pp.handle.engine_id} failed: {message}")
+            self._fail(
+                pp.identity,
+                rid,
+                pp.msg.trace_id,
+                "kv_transfer",
+                f"KV transfer from {pp.handle.engine_id} failed: {message}",
+            )
 
     def _drop_pending(self, rid: str, pp: PendingPull) -> None:
         del self.pending[rid]
@@ -240,7 +270,13 @@ class DecodeWorker(WorkerThread):
     def _finish_aborted(self, rid: str, pp: PendingPull) -> None:
         self.peers.pop(rid, None)
         usage = p.Usage(prompt_tokens=len(pp.msg.prompt_token_ids), completion_tokens=0)
-        self.post(self.svc.reply, pp.identity, p.Finished(request_id=rid, trace_id=pp.msg.trace_id, finish_reason="abort", usage=usage))
+        self.post(
+            self.svc.reply,
+            pp.identity,
+            p.Finished(
+                request_id=rid, trace_id=pp.msg.trace_id, finish_reason="abort", usage=usage
+            ),
+        )
 
     def _release(self, handle: p.KVHandle, rid: str, trace_id: str) -> None:
         """Tell every replica rank that this request's KV is no longer needed."""
@@ -250,7 +286,13 @@ class DecodeWorker(WorkerThread):
             unreached = self.puller.release(handle, rid, trace_id)
         for index in unreached:
             self.metrics.inc("pdserve:kv_notification_failures")
-            release = p.Release(request_id=rid, trace_id=trace_id, engine_id=handle.engine_id, epoch=handle.epoch, rank=index)
+            release = p.Release(
+                request_id=rid,
+                trace_id=trace_id,
+                engine_id=handle.engine_id,
+                epoch=handle.epoch,
+                rank=index,
+            )
             self.post(self.svc.send_side, handle.replicas[index].side_channel, release)
 
     def pending_by_producer(self) -> dict[str, tuple[str, int, list[str]]]:
@@ -258,7 +300,9 @@ class DecodeWorker(WorkerThread):
         out: dict[str, tuple[str, int, list[str]]] = {}
         for rid, pp in list(self.pending.items()):
             for replica in pp.handle.replicas:
-                entry = out.setdefault(replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, []))
+                entry = out.setdefault(
+                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [])
+                )
                 entry[2].append(rid)
         return out
 
@@ -287,15 +331,44 @@ class DecodeWorker(WorkerThread):
         identity, trace = peer
         if out.new_token_ids or out.text:
             timings = {**marks, "first_chunk": time.time()} if marks else {}
-            self.post(self.svc.reply, identity, p.TokenChunk(request_id=out.request_id, trace_id=trace, token_ids=out.new_token_ids, text=out.text, timings=timings))
+            self.post(
+                self.svc.reply,
+                identity,
+                p.TokenChunk(
+                    request_id=out.request_id,
+                    trace_id=trace,
+                    token_ids=out.new_token_ids,
+                    text=out.text,
+                    timings=timings,
+                ),
+            )
         if out.finished:
             del self.peers[out.request_id]
-            usage = p.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens)
+            usage = p.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+            )
             assert out.finish_reason is not None
-            self.post(self.svc.reply, identity, p.Finished(request_id=out.request_id, trace_id=trace, finish_reason=out.finish_reason, usage=usage))
+            self.post(
+                self.svc.reply,
+                identity,
+                p.Finished(
+                    request_id=out.request_id,
+                    trace_id=trace,
+                    finish_reason=out.finish_reason,
+                    usage=usage,
+                ),
+            )
 
     def _fail(self, identity: bytes, rid: str, trace_id: str, reason: str, message: str) -> None:
-        self.post(self.svc.reply, identity, p.Failed(request_id=rid, trace_id=trace_id, reason=reason, message=message))
+        self.post(
+            self.svc.reply,
+            identity,
+            p.Failed(request_id=rid, trace_id=trace_id, reason=reason, message=message),
+        )
 
     def _update_gauges(self) -> None:
-        self._num_preemptions = report_engine(self.metrics, self.engine, len(self.pending), self._num_preemptions)
+        self._num_preemptions = report_engine(
+            self.metrics, self.engine, len(self.pending), self._num_preemptions
+        )

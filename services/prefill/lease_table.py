@@ -78,7 +78,9 @@ class LeaseTable:
         freed = []
         for rid in [r for r, lease in self._leases.items() if lease.deadline <= now]:
             lease = self._leases.pop(rid)
-            freed.append(Freed(rid, lease.trace_id, lease.block_ids, tuple(sorted(lease.pending_ranks))))
+            freed.append(
+                Freed(rid, lease.trace_id, lease.block_ids, tuple(sorted(lease.pending_ranks)))
+            )
         return freed
 
     def drop_all(self) -> list[Freed]:

@@ -24,6 +24,9 @@ class PrefillEngine(LLMEngine):
         req.output_token_ids.append(token_id)
         del self._requests[req.request_id]
         return Prefilled(
-            request_id=req.request_id, first_token=token_id, block_ids=self.scheduler.detach(req),
-            num_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            request_id=req.request_id,
+            first_token=token_id,
+            block_ids=self.scheduler.detach(req),
+            num_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
         )

@@ -7,8 +7,8 @@ frees a request only when every rank has reported.
 
 from __future__ import annotations
 
-from pdserve.common.runtime import protocol as p
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.runtime import protocol as p
 from pdserve.services.ranks.group import RankFailed, RankProcesses
 
 __all__ = ["RankFailed", "RankGroup"]
@@ -17,10 +17,22 @@ _release = p.Decoder[p.Release](p.Release)
 
 
 class RankGroup(RankProcesses):
-    def __init__(self, config: EngineConfig, pcp: int, engine_id: str, epoch: int, tp: int = 1) -> None:
-        super().__init__("prefill", config, f"prefill-{engine_id}", tp=tp, pcp=pcp,
-                         agent={"engine_id": engine_id, "epoch": epoch})
+    def __init__(
+        self, config: EngineConfig, pcp: int, engine_id: str, epoch: int, tp: int = 1
+    ) -> None:
+        super().__init__(
+            "prefill",
+            config,
+            f"prefill-{engine_id}",
+            tp=tp,
+            pcp=pcp,
+            agent={"engine_id": engine_id, "epoch": epoch},
+        )
 
     def poll_releases(self) -> list[tuple[int, p.Release]]:
-        return [(rank, _release.decode(raw)) for rank, event in self.take_events()
-                for raw in event[1] if event[0] == "released"]
+        return [
+            (rank, _release.decode(raw))
+            for rank, event in self.take_events()
+            for raw in event[1]
+            if event[0] == "released"
+        ]

@@ -32,7 +32,11 @@ class PrefillService(Service):
         self.side: Any = None
         self.handlers[p.PrefillRequest] = self.on_prefill
         self.handlers[p.Abort] = self.on_abort
-        self.side_handlers = {p.Handshake: self.on_handshake, p.Heartbeat: self.on_heartbeat, p.Release: self.on_release}
+        self.side_handlers = {
+            p.Handshake: self.on_handshake,
+            p.Heartbeat: self.on_heartbeat,
+            p.Release: self.on_release,
+        }
         self.log = self.log.bind(engine_id=self.engine_id, pid=os.getpid())
 
     def make_worker(self, loop: asyncio.AbstractEventLoop) -> PrefillWorker:
@@ -40,7 +44,9 @@ class PrefillService(Service):
         return PrefillWorker(self)
 
     async def start_sockets(self) -> None:
-        self.side = make_socket(self.ctx, zmq.ROUTER, bind=self.side_channel, curve=self.security.server)
+        self.side = make_socket(
+            self.ctx, zmq.ROUTER, bind=self.side_channel, curve=self.security.server
+        )
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         side_decoder: p.Decoder[Any] = p.Decoder(p.ToSideChannel)
@@ -52,7 +58,9 @@ class PrefillService(Service):
         return len(self.inflight) + (len(leases) if leases is not None else 0)
 
     def load(self) -> tuple[int, int]:
-        return int(self.metrics.value("pdserve:num_requests_running")), int(self.metrics.value("pdserve:num_requests_waiting"))
+        return int(self.metrics.value("pdserve:num_requests_running")), int(
+            self.metrics.value("pdserve:num_requests_waiting")
+        )
 
     # -- router -----------------------------------------------------------------------------
 
@@ -72,16 +80,26 @@ class PrefillService(Service):
         if not replies:
             answer: p.Message = p.SideReply(ok=False, message=f"{self.engine_id} is still starting")
         elif not 0 <= msg.rank < len(replies):
-            answer = p.SideReply(ok=False, message=f"{self.engine_id} has no rank {msg.rank} (pcp = {len(replies)})")
-        elif (msg.engine_id, msg.epoch) not in ((self.engine_id, self.epoch), ("", 0)):  # ("", 0): connect ahead
-            answer = p.SideReply(ok=False, message=(
-                f"stale KV handle: it names {msg.engine_id} epoch {msg.epoch}, but this producer "
-                f"is {self.engine_id} epoch {self.epoch} (it restarted); resubmit the request"
-            ))
+            answer = p.SideReply(
+                ok=False, message=f"{self.engine_id} has no rank {msg.rank} (pcp = {len(replies)})"
+            )
+        elif (msg.engine_id, msg.epoch) not in (
+            (self.engine_id, self.epoch),
+            ("", 0),
+        ):  # ("", 0): connect ahead
+            answer = p.SideReply(
+                ok=False,
+                message=(
+                    f"stale KV handle: it names {msg.engine_id} epoch {msg.epoch}, but this producer "
+                    f"is {self.engine_id} epoch {self.epoch} (it restarted); resubmit the request"
+                ),
+            )
         else:
             answer = replies[msg.rank]
             # connect-ahead probes come every few seconds from every decode: not worth info
-            (self.log.debug if msg.epoch == 0 else self.log.info)("handshake", consumer=msg.consumer, rank=msg.rank)
+            (self.log.debug if msg.epoch == 0 else self.log.info)(
+                "handshake", consumer=msg.consumer, rank=msg.rank
+            )
         self.send(self.side, identity, answer)
 
     def on_heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:

@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import FatalError, PdserveError
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
     from pdserve.common.transfer.kv_transfer import KVProducer
+    from pdserve.services.prefill.prefill_engine import Prefilled, PrefillEngine
     from pdserve.services.prefill.rank_group import RankGroup
-    from pdserve.services.prefill.prefill_engine import PrefillEngine, Prefilled
     from pdserve.services.prefill.service import PrefillService
 
 log = structlog.get_logger("pdserve.prefill")
@@ -51,13 +51,22 @@ class PrefillWorker(WorkerThread):
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
             self.producer = KVProducer(
-                engine_id=svc.engine_id, epoch=svc.epoch, agent_name=f"{svc.engine_id}-e{svc.epoch}-r0",
-                kv_cache=runner.kv_cache, layout=runner.layout, compat=runner.kv_compat(),  # type: ignore[attr-defined]
+                engine_id=svc.engine_id,
+                epoch=svc.epoch,
+                agent_name=f"{svc.engine_id}-e{svc.epoch}-r0",
+                kv_cache=runner.kv_cache,
+                layout=runner.layout,
+                compat=runner.kv_compat(),  # type: ignore[attr-defined]
             )
             replies = [self.producer.handshake_reply]
         svc.handshake_replies = replies
         self.replicas = [
-            p.Replica(agent_name=r.agent_name, side_channel=svc.side_channel, tp_rank=r.tp_rank, pcp_rank=r.pcp_rank)
+            p.Replica(
+                agent_name=r.agent_name,
+                side_channel=svc.side_channel,
+                tp_rank=r.tp_rank,
+                pcp_rank=r.pcp_rank,
+            )
             for r in replies
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
@@ -65,7 +74,9 @@ class PrefillWorker(WorkerThread):
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
         for rank in range(self.leases.num_ranks):
-            self.metrics.declare("pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank)
+            self.metrics.declare(
+                "pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank
+            )
 
     def teardown(self) -> None:
         if hasattr(self, "leases"):
@@ -166,21 +177,32 @@ class PrefillWorker(WorkerThread):
             if rid not in waiting:
                 self.scheduled_at.setdefault(rid, started)
         if len(self.scheduled_at) > len(self.peers):  # aborted or failed requests
-            self.scheduled_at = {rid: t for rid, t in self.scheduled_at.items() if rid in self.peers}
+            self.scheduled_at = {
+                rid: t for rid, t in self.scheduled_at.items() if rid in self.peers
+            }
 
     def _publish(self, done: Prefilled) -> None:
         identity, trace = self.peers.pop(done.request_id)
         deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
         handle = p.KVHandle(
-            engine_id=self.svc.engine_id, epoch=self.svc.epoch, layout=self.engine.runner.layout,
-            block_ids=done.block_ids, num_tokens=done.num_tokens, replicas=self.replicas,
+            engine_id=self.svc.engine_id,
+            epoch=self.svc.epoch,
+            layout=self.engine.runner.layout,
+            block_ids=done.block_ids,
+            num_tokens=done.num_tokens,
+            replicas=self.replicas,
             lease_deadline=deadline,
         )
         msg = p.PrefillDone(
-            request_id=done.request_id, trace_id=trace, first_token=done.first_token,
-            num_cached_tokens=done.num_cached_tokens, handle=handle,
-            timings={"prefill_scheduled": self.scheduled_at.pop(done.request_id, time.time()),
-                     "prefill_done": time.time()},
+            request_id=done.request_id,
+            trace_id=trace,
+            first_token=done.first_token,
+            num_cached_tokens=done.num_cached_tokens,
+            handle=handle,
+            timings={
+                "prefill_scheduled": self.scheduled_at.pop(done.request_id, time.time()),
+                "prefill_done": time.time(),
+            },
         )
         self.post(self.svc.reply, identity, msg)
 
@@ -188,10 +210,18 @@ class PrefillWorker(WorkerThread):
         self.engine.pool.free(freed.block_ids)
         for rank in freed.expired_ranks:
             self.metrics.inc("pdserve:kv_expired_requests", rank=rank)
-            log.warning("kv_lease_expired", request_id=freed.request_id, trace_id=freed.trace_id, rank=rank)
+            log.warning(
+                "kv_lease_expired", request_id=freed.request_id, trace_id=freed.trace_id, rank=rank
+            )
 
-    def _fail(self, identity: bytes, request_id: str, trace_id: str, reason: str, message: str) -> None:
-        self.post(self.svc.reply, identity, p.Failed(request_id=request_id, trace_id=trace_id, reason=reason, message=message))
+    def _fail(
+        self, identity: bytes, request_id: str, trace_id: str, reason: str, message: str
+    ) -> None:
+        self.post(
+            self.svc.reply,
+            identity,
+            p.Failed(request_id=request_id, trace_id=trace_id, reason=reason, message=message),
+        )
 
     def _update_gauges(self) -> None:
         self._num_preemptions = report_engine(self.metrics, self.engine, 0, self._num_preemptions)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.errors import FatalError
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.errors import FatalError
 from pdserve.common.runtime.ports import free_port
 from pdserve.common.runtime.protocol import HandshakeReply
-from pdserve.common.engine.step_plan import StepPlan
 
 START_TIMEOUT = 600.0
 STEP_TIMEOUT = 600.0
@@ -38,8 +38,16 @@ class RankFailed(FatalError):
 
 
 class RankProcesses:
-    def __init__(self, role: str, config: EngineConfig, name: str, *, tp: int = 1, pcp: int = 1,
-                 agent: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        config: EngineConfig,
+        name: str,
+        *,
+        tp: int = 1,
+        pcp: int = 1,
+        agent: dict[str, Any] | None = None,
+    ) -> None:
         from pdserve.services.ranks.process import rank_main
 
         ctx = mp.get_context("spawn")
@@ -53,7 +61,9 @@ class RankProcesses:
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=rank_main, name=f"pdserve-{name}-rank{rank}", daemon=True,
+                target=rank_main,
+                name=f"pdserve-{name}-rank{rank}",
+                daemon=True,
                 args=(role, rank, tp, pcp, dist_addr, setup, child),
             )
             proc.start()
@@ -83,7 +93,9 @@ class RankProcesses:
     def send(self, rank: int, *command: Any) -> None:
         self.conns[rank].send_bytes(_enc.encode(command))
 
-    def call(self, rank: int, reply_kind: str, *command: Any, timeout: float = STEP_TIMEOUT) -> list[Any]:
+    def call(
+        self, rank: int, reply_kind: str, *command: Any, timeout: float = STEP_TIMEOUT
+    ) -> list[Any]:
         self.send(rank, *command)
         return self._expect(rank, reply_kind, timeout)
 
@@ -119,11 +131,15 @@ class RankProcesses:
         try:
             msg = msgspec.msgpack.decode(self.conns[rank].recv_bytes())
         except EOFError as exc:
-            raise RankFailed(f"rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})") from exc
+            raise RankFailed(
+                f"rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})"
+            ) from exc
         except (msgspec.DecodeError, RecursionError) as exc:  # the pipe is out of step: fatal
             raise RankFailed(f"rank {rank} sent an undecodable pipe message: {exc}") from exc
         if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
-            raise RankFailed(f"rank {rank} sent a pipe message that is not (kind, ...): {str(msg)[:100]}")
+            raise RankFailed(
+                f"rank {rank} sent a pipe message that is not (kind, ...): {str(msg)[:100]}"
+            )
         return msg
 
     def _expect(self, rank: int, kind: str, timeout: float) -> list[Any]:

@@ -21,9 +21,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+
+from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.runtime import protocol as p
 from pdserve.common.transfer.kv_pulls import PullSpec
-from pdserve.common.engine.step_plan import StepPlan
 
 # Fault injection for tests only: a prefill rank that silently drops every release.
 DROP_RELEASES_ENV = "PDSERVE_TEST_DROP_RELEASES_RANK"
@@ -36,20 +37,27 @@ _handle = msgspec.msgpack.Decoder(p.KVHandle)
 _specs = msgspec.msgpack.Decoder(list[PullSpec])
 
 
-def rank_main(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection) -> None:
+def rank_main(
+    role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection
+) -> None:
     try:
         _serve(role, rank, tp, pcp, dist_addr, setup, conn)
     except Exception as exc:  # reported to the coordinator, which fails the instance
-        conn.send_bytes(_enc.encode(("error", f"{role} rank {rank}: {exc}\n{traceback.format_exc()}")))
+        conn.send_bytes(
+            _enc.encode(("error", f"{role} rank {rank}: {exc}\n{traceback.format_exc()}"))
+        )
 
 
-def _serve(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection) -> None:
+def _serve(
+    role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection
+) -> None:
     import torch
     import torch.distributed as dist
+
     from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.model.config import ModelConfig
     from pdserve.common.model.files import resolve_model
-    from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.parallel.context import init_grid
 
     spec = msgspec.json.decode(setup)
@@ -57,8 +65,9 @@ def _serve(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes
     torch.set_num_threads(int(os.environ.get("PDSERVE_RANK_THREADS", "1")))
     dist.init_process_group("gloo", init_method=dist_addr, rank=rank, world_size=tp * pcp)
     model_dir = resolve_model(config.model)
-    runner = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, config,
-                                     parallel=init_grid(tp, pcp, rank))
+    runner = ModelRunner.from_config(
+        ModelConfig.from_dir(model_dir), model_dir, config, parallel=init_grid(tp, pcp, rank)
+    )
     # Every rank must have the same block ids: agree on the smallest pool.
     num = torch.tensor([runner.layout.num_blocks])
     dist.all_reduce(num, op=dist.ReduceOp.MIN)
@@ -72,7 +81,9 @@ def _serve(role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes
                 cmd = msgspec.msgpack.decode(conn.recv_bytes())
                 if cmd[0] == "stop":
                     break
-                reply = _step(cmd, rank, runner) if cmd[0] in ("step", "blocks") else agent.handle(cmd)
+                reply = (
+                    _step(cmd, rank, runner) if cmd[0] in ("step", "blocks") else agent.handle(cmd)
+                )
                 if reply is not None:
                     conn.send_bytes(_enc.encode(reply))
             for event in agent.poll():
@@ -112,9 +123,16 @@ class _Producer(_Role):
 
         engine_id, epoch = spec["engine_id"], spec["epoch"]
         self.producer = KVProducer(
-            engine_id=engine_id, epoch=epoch, agent_name=f"{engine_id}-e{epoch}-r{rank}",
-            kv_cache=runner.kv_cache, layout=runner.layout, compat=runner.kv_compat(),
-            tp_rank=par.tp_rank, tp_size=par.tp_size, pcp_rank=par.pcp_rank, pcp_size=par.pcp_size,
+            engine_id=engine_id,
+            epoch=epoch,
+            agent_name=f"{engine_id}-e{epoch}-r{rank}",
+            kv_cache=runner.kv_cache,
+            layout=runner.layout,
+            compat=runner.kv_compat(),
+            tp_rank=par.tp_rank,
+            tp_size=par.tp_size,
+            pcp_rank=par.pcp_rank,
+            pcp_size=par.pcp_size,
         )
         self.handshake = p.encode(self.producer.handshake_reply)
         self.drop_releases = os.environ.get(DROP_RELEASES_ENV) == str(rank)
@@ -145,7 +163,9 @@ class _Consumer(_Role):
         kind = cmd[0]
         if kind == "connect":
             try:
-                self.puller.connect([msgspec.msgpack.decode(raw, type=p.HandshakeReply) for raw in cmd[1]])
+                self.puller.connect(
+                    [msgspec.msgpack.decode(raw, type=p.HandshakeReply) for raw in cmd[1]]
+                )
             except PdserveError as exc:
                 return ("connected", str(exc))
             return ("connected", "")
@@ -157,9 +177,12 @@ class _Consumer(_Role):
         return super().handle(cmd)
 
     def poll(self) -> list[tuple[Any, ...]]:
-        return [("pull_failed", r.request_id, r.error) if r.error is not None else
-                ("pulled", r.request_id, r.num_bytes, r.num_descriptors, r.seconds)
-                for r in self.puller.poll()]
+        return [
+            ("pull_failed", r.request_id, r.error)
+            if r.error is not None
+            else ("pulled", r.request_id, r.num_bytes, r.num_descriptors, r.seconds)
+            for r in self.puller.poll()
+        ]
 
     def close(self) -> None:
         self.puller.close()

@@ -42,8 +42,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common.runtime.curve import CurveKeys, describe_failure
+from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.errors import PdserveError, RequestError
+from pdserve.common.runtime.curve import CurveKeys, describe_failure
 from pdserve.common.runtime.protocol import (
     Abort,
     ChatMessage,
@@ -56,7 +57,6 @@ from pdserve.common.runtime.protocol import (
     Usage,
     encode,
 )
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime.sockets import make_socket
 
 log = structlog.get_logger("pdserve.client")
@@ -66,8 +66,12 @@ HWM = 100_000  # per-token frames of many concurrent streams; queued, not droppe
 POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
 Event: TypeAlias = TokenChunk | Finished | Failed
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a sync or an asyncio socket
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class GenerationFailed(PdserveError):
@@ -182,7 +186,9 @@ class _Handshakes:
         self.refused = (f"the router at {self.address} refused the connection: "
                         f"{describe_failure(event)}; check the CURVE keys (docs/operations.md)"
                         " and make a new client")  # fmt: skip
-        log.warning("client_handshake_failed", address=self.address, zmq_event=zmq.Event(event).name)
+        log.warning(
+            "client_handshake_failed", address=self.address, zmq_event=zmq.Event(event).name
+        )
         for rid, queue in queues.items():
             _put(queue, Failed(request_id=rid, reason="unauthenticated", message=self.refused))
 
@@ -399,7 +405,9 @@ class AsyncClient:
         while True:
             ready = dict(await poller.poll())
             if self._handshakes.monitor in ready:
-                self._handshakes.route(await self._handshakes.monitor.recv_multipart(), self._queues)
+                self._handshakes.route(
+                    await self._handshakes.monitor.recv_multipart(), self._queues
+                )
             if self._sock in ready:
                 self._inbox.route(await self._sock.recv_multipart(), self._queues)
 

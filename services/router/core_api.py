@@ -31,8 +31,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeAlias
 
-from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 
 Event: TypeAlias = TokenChunk | Finished | Failed
 _TERMINAL = (Finished, Failed)

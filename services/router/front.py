@@ -10,8 +10,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdserve.common.runtime import protocol as p
 from pdserve.common.errors import PdserveError
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket, send_nowait
 from pdserve.services.router.router import Router
 
@@ -21,7 +21,9 @@ log = structlog.get_logger("pdserve.router.front")
 class FrontDoor:
     def __init__(self, router: Router, address: str) -> None:
         self.router = router
-        self.sock: Any = make_socket(router.ctx, zmq.ROUTER, bind=address, curve=router.security.front)
+        self.sock: Any = make_socket(
+            router.ctx, zmq.ROUTER, bind=address, curve=router.security.front
+        )
         self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -38,7 +40,12 @@ class FrontDoor:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self.router.metrics.inc("pdserve:bad_messages")
                 log.warning("bad_message", error=str(exc), size=len(payload))
-                self._send(identity, p.Failed(request_id="", reason="bad_request", message=f"undecodable message: {exc}"))
+                self._send(
+                    identity,
+                    p.Failed(
+                        request_id="", reason="bad_request", message=f"undecodable message: {exc}"
+                    ),
+                )
                 continue
             try:
                 if isinstance(msg, p.Abort):
@@ -47,14 +54,25 @@ class FrontDoor:
                     self._start(identity, msg)
             except Exception:  # one odd request must not close the front door
                 log.exception("front_door_failed", request_id=msg.request_id)
-                self._send(identity, p.Failed(request_id=msg.request_id, reason="internal", message=(
-                    f"internal error in request {msg.request_id or '?'}; the router's log has details")))
+                self._send(
+                    identity,
+                    p.Failed(
+                        request_id=msg.request_id,
+                        reason="internal",
+                        message=(
+                            f"internal error in request {msg.request_id or '?'}; the router's log has details"
+                        ),
+                    ),
+                )
 
     def _start(self, identity: bytes, gen: p.Generate) -> None:
         try:
             events = self.router.submit(gen)
         except PdserveError as exc:
-            self._send(identity, p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)))
+            self._send(
+                identity,
+                p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)),
+            )
             return
         task = asyncio.create_task(self._relay(identity, gen.request_id, events))
         self.tasks[gen.request_id] = task
@@ -66,8 +84,16 @@ class FrontDoor:
                 self._send(identity, event)
         except Exception:  # a bug must still end the request for the client, not hang it
             log.exception("front_door_request_failed", request_id=request_id)
-            self._send(identity, p.Failed(request_id=request_id, reason="internal", message=(
-                f"internal error in request {request_id}; the router's log has details")))
+            self._send(
+                identity,
+                p.Failed(
+                    request_id=request_id,
+                    reason="internal",
+                    message=(
+                        f"internal error in request {request_id}; the router's log has details"
+                    ),
+                ),
+            )
 
     def _send(self, identity: bytes, msg: p.Message) -> None:
         rid = getattr(msg, "request_id", "")

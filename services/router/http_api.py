@@ -385,8 +385,9 @@ def _chat_prompt(core: RouterCore, messages: list[oa.ChatMessageIn]) -> list[int
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     if not ids:
-        raise ApiError(400, "the messages render to an empty prompt", param="messages",
-                       code="invalid_value")
+        raise ApiError(
+            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
+        )
     return ids
 
 

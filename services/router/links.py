@@ -50,7 +50,9 @@ class Link:
             self.prefixes.popitem(last=False)
 
 
-def pick(links: list[Link], hashes: list[BlockHash] | None = None, timeout: float = 5.0) -> Link | None:
+def pick(
+    links: list[Link], hashes: list[BlockHash] | None = None, timeout: float = 5.0
+) -> Link | None:
     """The live link with the longest cached prefix, then the fewest outstanding tokens."""
     now = time.monotonic()
     alive = [link for link in links if link.is_alive(now, timeout)]

@@ -37,12 +37,16 @@ async def serve(cfg: DeploymentConfig) -> None:
     model_dir = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     max_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
-    router = Router(cfg, Tokenizer.from_dir(model_dir), model_dir.name, max_len, model_cfg.vocab_size)
+    router = Router(
+        cfg, Tokenizer.from_dir(model_dir), model_dir.name, max_len, model_cfg.vocab_size
+    )
     await router.start()
     front = FrontDoor(router, cfg.front_address)
     front_task = asyncio.create_task(front.serve())
     # The drain has already ended every request when the runner is cleaned up.
-    runner = web.AppRunner(make_app(router), handle_signals=False, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(
+        make_app(router), handle_signals=False, access_log=None, shutdown_timeout=2.0
+    )
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.http_port).start()
     log.info("router_ready", http=f"http://{cfg.host}:{cfg.http_port}", zmq=cfg.front_address)
@@ -58,7 +62,10 @@ async def serve(cfg: DeploymentConfig) -> None:
         loop.add_signal_handler(sig, on_signal)
     watchdog = Watchdog.from_env()
     watchdog_task = asyncio.create_task(_watchdog(watchdog)) if watchdog is not None else None
-    notify("READY=1", f"STATUS=router serving http://{cfg.host}:{cfg.http_port} and {cfg.front_address}")
+    notify(
+        "READY=1",
+        f"STATUS=router serving http://{cfg.host}:{cfg.http_port} and {cfg.front_address}",
+    )
     await stop.wait()
     await _drain(router, cfg.drain_seconds, stop_now)
     if watchdog_task is not None:
@@ -82,8 +89,10 @@ async def _drain(router: Router, seconds: float, stop_now: asyncio.Event) -> Non
     if await _until_idle(router, seconds, stop_now):
         return
     log.warning("drain_timeout", request_ids=list(router.requests), drain_seconds=seconds)
-    message = (f"the router shut down before the request finished: it drains for at most "
-               f"drain_seconds = {seconds:g} s; retry the request")
+    message = (
+        f"the router shut down before the request finished: it drains for at most "
+        f"drain_seconds = {seconds:g} s; retry the request"
+    )
     router.fail_all("draining", message)
     await _until_idle(router, 2.0, asyncio.Event())  # the front ends send those Faileds
 

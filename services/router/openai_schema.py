@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.runtime.protocol import Usage
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime.protocol import Usage
 
 T = TypeVar("T")
 

@@ -24,14 +24,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common.runtime import protocol as p
 from pdserve.common.engine.block_pool import hash_blocks
-from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
 from pdserve.common.errors import RequestError
+from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
 from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
-from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime.ttft import ttft_parts
 from pdserve.services.router.links import Link, pick
 
@@ -50,14 +50,23 @@ class RequestState:
     trace_id: str
     num_prompt_tokens: int
     arrived: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.time()})  # common/runtime/ttft.py
+    marks: dict[str, float] = field(
+        default_factory=lambda: {"arrived": time.time()}
+    )  # common/runtime/ttft.py
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     link: Link | None = None  # the instance holding the request now
     finished: bool = False
 
 
 class Router:
-    def __init__(self, cfg: DeploymentConfig, tokenizer: Tokenizer, model_name: str, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        cfg: DeploymentConfig,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -109,18 +118,31 @@ class Router:
 
     def is_ready(self) -> bool:
         now = time.monotonic()
-        return not self.draining and bool(self.decodes) and all(link.is_alive(now, self.peer_timeout) for link in self.links)
+        return (
+            not self.draining
+            and bool(self.decodes)
+            and all(link.is_alive(now, self.peer_timeout) for link in self.links)
+        )
 
     def health_detail(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {link.name: {"address": link.address, "ready": link.is_alive(now, self.peer_timeout), "inflight": len(link.inflight)} for link in self.links}
+        return {
+            link.name: {
+                "address": link.address,
+                "ready": link.is_alive(now, self.peer_timeout),
+                "inflight": len(link.inflight),
+            }
+            for link in self.links
+        }
 
     def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
         """Validates now (RequestError), then runs the request as the iterator is consumed."""
         ids = self._prompt_ids(gen)
         gen.sampling.validate()
         if len(ids) > self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}")
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
         rid = gen.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -132,15 +154,31 @@ class Router:
         if state is not None and not state.finished:
             if state.link is not None:
                 self._send(state.link, p.Abort(request_id=request_id, trace_id=state.trace_id))
-            state.queue.put_nowait(p.Finished(request_id=request_id, trace_id=state.trace_id, finish_reason="abort", usage=p.Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=0)))
+            state.queue.put_nowait(
+                p.Finished(
+                    request_id=request_id,
+                    trace_id=state.trace_id,
+                    finish_reason="abort",
+                    usage=p.Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=0),
+                )
+            )
 
     def fail_all(self, reason: str, message: str) -> None:
         """End every request in flight with Failed (the drain's deadline); the services
         holding them are told to abort."""
         for state in list(self.requests.values()):
             if state.link is not None:
-                self._send(state.link, p.Abort(request_id=state.request_id, trace_id=state.trace_id))
-            state.queue.put_nowait(p.Failed(request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message))
+                self._send(
+                    state.link, p.Abort(request_id=state.request_id, trace_id=state.trace_id)
+                )
+            state.queue.put_nowait(
+                p.Failed(
+                    request_id=state.request_id,
+                    trace_id=state.trace_id,
+                    reason=reason,
+                    message=message,
+                )
+            )
 
     async def metrics_text(self) -> bytes:
         self.metrics.set("pdserve:num_requests_running", len(self.requests))  # held here now
@@ -170,9 +208,13 @@ class Router:
             ids = list(gen.prompt_token_ids)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+                raise RequestError(
+                    f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+                )
         elif gen.messages is not None:
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in gen.messages])
+            ids = self.tokenizer.encode_chat(
+                [{"role": m.role, "content": m.content} for m in gen.messages]
+            )
         else:
             assert gen.prompt is not None
             ids = self.tokenizer.encode(gen.prompt)
@@ -180,14 +222,22 @@ class Router:
             raise RequestError("the prompt is empty")
         return ids
 
-    async def _run(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> AsyncIterator[Event]:
+    async def _run(
+        self, state: RequestState, ids: list[int], sampling: p.SamplingParams
+    ) -> AsyncIterator[Event]:
         rid, trace = state.request_id, state.trace_id
         bound = log.bind(request_id=rid, trace_id=trace)
         if self.draining:
-            yield self._failed(state, "draining", "the router is shutting down (draining); retry the request")
+            yield self._failed(
+                state, "draining", "the router is shutting down (draining); retry the request"
+            )
             return
         if len(self.requests) >= self.cfg.max_queued_requests:
-            yield self._failed(state, "overloaded", f"the router holds {len(self.requests)} requests, its limit; retry later")
+            yield self._failed(
+                state,
+                "overloaded",
+                f"the router holds {len(self.requests)} requests, its limit; retry later",
+            )
             return
         self.requests[rid] = state
         got_first = False
@@ -199,22 +249,37 @@ class Router:
                 if not isinstance(done, p.PrefillDone):
                     yield done
                     return
-                first_token, num_cached, handle = done.first_token, done.num_cached_tokens, done.handle
+                first_token, num_cached, handle = (
+                    done.first_token,
+                    done.num_cached_tokens,
+                    done.handle,
+                )
                 state.marks.update(done.timings)
             decode = pick(self.decodes, timeout=self.peer_timeout)
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
                 return
-            self._dispatch(state, decode, p.DecodeRequest(
-                request_id=rid, trace_id=trace, prompt_token_ids=ids, sampling=sampling,
-                first_token=first_token, num_cached_tokens=num_cached, handle=handle,
-            ))
+            self._dispatch(
+                state,
+                decode,
+                p.DecodeRequest(
+                    request_id=rid,
+                    trace_id=trace,
+                    prompt_token_ids=ids,
+                    sampling=sampling,
+                    first_token=first_token,
+                    num_cached_tokens=num_cached,
+                    handle=handle,
+                ),
+            )
             while True:
                 event = await state.queue.get()
                 now = time.monotonic()
                 if isinstance(event, p.TokenChunk):
                     if not got_first:
-                        self.metrics.observe("pdserve:time_to_first_token_seconds", now - state.arrived)
+                        self.metrics.observe(
+                            "pdserve:time_to_first_token_seconds", now - state.arrived
+                        )
                         self._observe_ttft_parts(state, event)
                         got_first = True
                     else:
@@ -228,7 +293,9 @@ class Router:
                     self.metrics.observe("pdserve:e2e_request_latency_seconds", now - state.arrived)
                 else:
                     self.metrics.inc("pdserve:requests", finish_reason="failed")
-                bound.info("request_done", outcome=getattr(event, "finish_reason", None) or event.reason)  # type: ignore[union-attr]
+                bound.info(
+                    "request_done", outcome=getattr(event, "finish_reason", None) or event.reason
+                )  # type: ignore[union-attr]
                 yield event
                 return
         finally:
@@ -240,12 +307,23 @@ class Router:
             self._undispatch(state)
             self.requests.pop(rid, None)
 
-    async def _prefill(self, state: RequestState, ids: list[int], sampling: p.SamplingParams) -> p.PrefillDone | p.Failed | p.Finished:
+    async def _prefill(
+        self, state: RequestState, ids: list[int], sampling: p.SamplingParams
+    ) -> p.PrefillDone | p.Failed | p.Finished:
         hashes = hash_blocks(ids, self.block_size)
         link = pick(self.prefills, hashes, self.peer_timeout)
         if link is None:
             return self._failed(state, "peer_down", "no prefill instance is up; retry later")
-        self._dispatch(state, link, p.PrefillRequest(request_id=state.request_id, trace_id=state.trace_id, prompt_token_ids=ids, sampling=sampling))
+        self._dispatch(
+            state,
+            link,
+            p.PrefillRequest(
+                request_id=state.request_id,
+                trace_id=state.trace_id,
+                prompt_token_ids=ids,
+                sampling=sampling,
+            ),
+        )
         link.remember(hashes)
         event = await state.queue.get()
         self._undispatch(state)
@@ -255,7 +333,9 @@ class Router:
             self._send(link, p.Abort(request_id=state.request_id, trace_id=state.trace_id))
             event = state.queue.get_nowait()
         if not isinstance(event, p.PrefillDone):  # Failed, or Finished by an abort
-            self.metrics.inc("pdserve:requests", finish_reason=getattr(event, "finish_reason", "failed"))
+            self.metrics.inc(
+                "pdserve:requests", finish_reason=getattr(event, "finish_reason", "failed")
+            )
             state.finished = True
         return event
 
@@ -280,13 +360,17 @@ class Router:
     def _failed(self, state: RequestState, reason: str, message: str) -> p.Failed:
         state.finished = True
         self.metrics.inc("pdserve:requests", finish_reason="failed")
-        return p.Failed(request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message)
+        return p.Failed(
+            request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message
+        )
 
     def _send(self, link: Link, msg: p.Message) -> None:
         try:
             link.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("send_failed", peer=link.name, message_type=type(msg).__name__, error=str(exc))
+            log.warning(
+                "send_failed", peer=link.name, message_type=type(msg).__name__, error=str(exc)
+            )
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -326,7 +410,12 @@ class Router:
                     self._peer_down(link, f"answered no ping for {self.peer_timeout:g} s")
                 alive = link.is_alive(now, self.peer_timeout)
                 if link.up and not alive:  # said "not ready": it still answers what it holds
-                    log.warning("peer_not_ready", peer=link.name, address=link.address, inflight=len(link.inflight))
+                    log.warning(
+                        "peer_not_ready",
+                        peer=link.name,
+                        address=link.address,
+                        inflight=len(link.inflight),
+                    )
                 elif alive and not link.up:
                     log.info("peer_up", peer=link.name, address=link.address)
                 link.up = alive
@@ -335,7 +424,11 @@ class Router:
     async def _watch_connection(self, link: Link, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection (the process died, or ZMQ's heartbeat gave up on it) marks
         the instance down at once, not after the ping timeout."""
-        handshakes = None if self.security.client is None else HandshakeLog(link.address, self.security.client)
+        handshakes = (
+            None
+            if self.security.client is None
+            else HandshakeLog(link.address, self.security.client)
+        )
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED and not link.lost:
@@ -351,9 +444,19 @@ class Router:
         link.ready = link.up = False
         link.lost = True
         self.metrics.inc("pdserve:peer_down", peer=link.name)
-        log.error("peer_down", peer=link.name, address=link.address, why=why, num_failed=len(link.inflight))
+        log.error(
+            "peer_down",
+            peer=link.name,
+            address=link.address,
+            why=why,
+            num_failed=len(link.inflight),
+        )
         message = f"{link.name} at {link.address} {why}; retry the request"
         for rid in list(link.inflight):
             state = self.requests.get(rid)
             if state is not None:
-                state.queue.put_nowait(p.Failed(request_id=rid, trace_id=state.trace_id, reason="peer_down", message=message))
+                state.queue.put_nowait(
+                    p.Failed(
+                        request_id=rid, trace_id=state.trace_id, reason="peer_down", message=message
+                    )
+                )
