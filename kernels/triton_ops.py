@@ -28,6 +28,7 @@ powers of two, ``tl.dot`` needs an inner dimension >= 16).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -57,8 +58,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
 ):
     # One program per (token, kv head): copies one K row and one V row of D elements.
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+    # int64 offsets: a head-major cache of an 8B model passes 2^31 elements (#13).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         block = slot // BLOCK_SIZE
@@ -135,7 +137,8 @@ def _prefill_kernel(
     # One program per (tile of BLOCK_M queries, sequence, q head).
     tile = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    # int64 offsets: a head-major cache of an 8B model passes 2^31 elements (#13).
+    head = tl.program_id(2).to(tl.int64)
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -198,20 +201,18 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _decode_kernel(
-    out_ptr,  # [S, H_q, D]
+def _decode_split_kernel(
     q_ptr,  # [S, H_q, D] in the cache dtype
     cache_ptr,  # [N, 2, H_kv, B, D]
     context_lens_ptr,  # [S]
     block_tables_ptr,  # [S, max_blocks]
+    part_acc_ptr,  # [S, H_q, C, D] fp32: each chunk's unnormalised output
+    part_ml_ptr,  # [S, H_q, C, 2] fp32: each chunk's running max and sum
     qk_scale,  # scale * log2(e)
     window,  # sliding window (ignored unless USE_WINDOW)
     stride_qs,
     stride_qh,
     stride_qd,
-    stride_os,
-    stride_oh,
-    stride_od,
     stride_cn,
     stride_ckv,
     stride_ch,
@@ -219,17 +220,29 @@ def _decode_kernel(
     stride_cd,
     stride_bts,
     stride_btb,
+    stride_as,
+    stride_ah,
+    stride_ac,
+    stride_ms,
+    stride_mh,
+    stride_mc,
     GROUP: tl.constexpr,  # H_q // H_kv
     USE_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (the rows of tl.dot)
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,  # cache blocks per chunk
     UPCAST: tl.constexpr,
 ):
-    # One program per (sequence, kv head): the GROUP q heads that share the kv head are the
-    # rows of one tile, so each K/V block is read once per kv head.
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Program (sequence, kv head, p) attends chunks p, p + P, p + 2P, ... of the sequence's
+    # keys (P = programs along axis 2), each chunk on its own: its partial result depends on
+    # the chunk alone, never on P, so any P gives the same bits after _decode_reduce_kernel.
+    # The GROUP q heads that share the kv head are the rows of one tile, so each K/V block is
+    # read once per kv head.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    first_chunk = tl.program_id(2)
+    num_programs = tl.num_programs(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
     q_pos = ctx - 1
 
@@ -246,47 +259,104 @@ def _decode_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0) // BLOCK_SIZE
-
-    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     offs_b = tl.arange(0, BLOCK_SIZE)
     # [B, D] pointers into block 0's K of this kv head; a block's K is block_id * stride_cn on.
+    # int64 offsets: a head-major cache of an 8B model passes 2^31 elements (#13).
     head_base = (
         cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
     )
     table = block_tables_ptr + seq * stride_bts
-    for j in range(lo, hi):
-        block_id = tl.load(table + j * stride_btb).to(tl.int64)
-        k_pos = j * BLOCK_SIZE + offs_b  # [B]
-        k_ok = k_pos < ctx
-        visible = k_ok
-        if USE_WINDOW:
-            visible = visible & (k_pos > q_pos - window)
-        visible = visible[None, :] & g_ok[:, None]  # [G, B]
-        acc, m_i, l_i = _attend_block(
-            q,
-            acc,
-            m_i,
-            l_i,
-            head_base + block_id * stride_cn,
-            stride_ckv,
-            k_ok,
-            visible,
-            qk_scale,
-            UPCAST,
-        )
+    acc_rows = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+    ml_rows = part_ml_ptr + seq * stride_ms + heads * stride_mh
+    for c in range(lo // CHUNK_BLOCKS + first_chunk, tl.cdiv(hi, CHUNK_BLOCKS), num_programs):
+        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for j in range(tl.maximum(c * CHUNK_BLOCKS, lo), tl.minimum((c + 1) * CHUNK_BLOCKS, hi)):
+            block_id = tl.load(table + j * stride_btb).to(tl.int64)
+            k_pos = j * BLOCK_SIZE + offs_b  # [B]
+            k_ok = k_pos < ctx
+            visible = k_ok
+            if USE_WINDOW:
+                visible = visible & (k_pos > q_pos - window)
+            visible = visible[None, :] & g_ok[:, None]  # [G, B]
+            acc, m_i, l_i = _attend_block(
+                q,
+                acc,
+                m_i,
+                l_i,
+                head_base + block_id * stride_cn,
+                stride_ckv,
+                k_ok,
+                visible,
+                qk_scale,
+                UPCAST,
+            )
+        tl.store(acc_rows + c * stride_ac, acc, mask=g_ok[:, None])
+        tl.store(ml_rows + c * stride_mc, m_i, mask=g_ok)
+        tl.store(ml_rows + c * stride_mc + 1, l_i, mask=g_ok)
 
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [S, H_q, D]
+    context_lens_ptr,  # [S]
+    part_acc_ptr,  # [S, H_q, C, D] fp32
+    part_ml_ptr,  # [S, H_q, C, 2] fp32
+    window,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_as,
+    stride_ah,
+    stride_ac,
+    stride_ms,
+    stride_mh,
+    stride_mc,
+    GROUP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
+):
+    # One program per (sequence, kv head): the chunks' partial softmaxes merged in chunk
+    # order, rescaled to their common max.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
+    hi = tl.cdiv(ctx, BLOCK_SIZE)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - window, 0) // BLOCK_SIZE
+    c_lo = lo // CHUNK_BLOCKS
+    c_hi = tl.cdiv(hi, CHUNK_BLOCKS)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g  # [G]
+    d = tl.arange(0, HEAD_DIM)
+    acc_rows = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+    ml_rows = part_ml_ptr + seq * stride_ms + heads * stride_mh
+    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    for c in range(c_lo, c_hi):
+        m = tl.maximum(m, tl.load(ml_rows + c * stride_mc, mask=g_ok, other=-1.0e30))
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    for c in range(c_lo, c_hi):
+        alpha = tl.exp2(tl.load(ml_rows + c * stride_mc, mask=g_ok, other=-1.0e30) - m)  # [G]
+        total += alpha * tl.load(ml_rows + c * stride_mc + 1, mask=g_ok, other=0.0)
+        acc += alpha[:, None] * tl.load(acc_rows + c * stride_ac, mask=g_ok[:, None], other=0.0)
     # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    total = tl.where(total == 0.0, 1.0, total)
+    out = acc / total[:, None]
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 # True when TRITON_INTERPRET was set as this module was imported (the kernels are then
 # interpreter functions rather than JITFunctions).
-_INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)
+_INTERPRETED = not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
 
 
 def _is_pow2(n: int) -> bool:
@@ -329,6 +399,24 @@ def _check_attention(
 def _device_guard(t: torch.Tensor):
     """Launch on t's GPU (Triton uses the current device); a no-op for CPU tensors."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# Keys per decode chunk (a multiple of the block size). Each chunk's softmax is computed on
+# its own and merged by _decode_reduce_kernel, so the bits depend on this constant alone:
+# eager steps and replayed CUDA graphs (whose block tables are wider) agree exactly.
+DECODE_CHUNK_TOKENS = 256
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    """Decode programs that keep every SM busy: two per SM (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def write_kv(
@@ -424,25 +512,55 @@ def _decode_into(
         return
     q = q.to(layer_cache.dtype)
     context_lens = context_lens.contiguous()
+    chunk_blocks = max(1, DECODE_CHUNK_TOKENS // block_size)
+    num_chunks = max(1, triton.cdiv(block_tables.shape[1], chunk_blocks))
+    # Enough programs to fill the GPU at batch 1 (flash-decoding); at large batches one
+    # program per (sequence, kv head) walks all its chunks. The result does not depend on it.
+    programs = max(
+        1, min(num_chunks, triton.cdiv(_target_programs(q.device), num_seqs * num_kv_heads))
+    )
+    part_acc = torch.empty(
+        (num_seqs, q.shape[1], num_chunks, head_dim), dtype=torch.float32, device=q.device
+    )
+    part_ml = torch.empty(
+        (num_seqs, q.shape[1], num_chunks, 2), dtype=torch.float32, device=q.device
+    )
+    shape = dict(
+        GROUP=group,
+        USE_WINDOW=sliding_window is not None,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        CHUNK_BLOCKS=chunk_blocks,
+    )
     with _device_guard(q):
-        _decode_kernel[(num_seqs, num_kv_heads)](
-            out,
+        _decode_split_kernel[(num_seqs, num_kv_heads, programs)](
             q,
             layer_cache,
             context_lens,
             block_tables,
+            part_acc,
+            part_ml,
             scale * _LOG2E,
             sliding_window or 0,
             *q.stride(),
-            *out.stride(),
             *layer_cache.stride(),
             *block_tables.stride(),
-            GROUP=group,
-            USE_WINDOW=sliding_window is not None,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
+            *part_acc.stride()[:3],
+            *part_ml.stride()[:3],
+            **shape,
             UPCAST=_INTERPRETED,
+        )
+        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+            out,
+            context_lens,
+            part_acc,
+            part_ml,
+            sliding_window or 0,
+            *out.stride(),
+            *part_acc.stride()[:3],
+            *part_ml.stride()[:3],
+            **shape,
         )
 
 
