@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine (#13): the 8B-shape crash reproduced on the old kernels, the GPU tests on the
 # new ones, and `bench engine` at the 8B and 1B shapes. Usage: bash benchmarks/gpu_8b.sh PART
-# (PART: crash | tests | engine8b | engine1b | serve8b), several parts in one call allowed.
+# (PART: crash | tests | engine8b | engine1b | profile), several parts in one call allowed.
 set -uo pipefail
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -46,6 +46,12 @@ for part in "$@"; do
       --json "$OUT/engine_1b_1k_h200.json" 2>"$OUT/engine_1b.err" | tail -5
     timeout 200 bench --shape 1b --prompt-len 8192 --gen-len 64 --batch-sizes 1,16 --repeats 3 --no-hf \
       --json "$OUT/engine_1b_8k_h200.json" 2>>"$OUT/engine_1b.err" | tail -5 ;;
+  profile)
+    stamp "host profile of decode steps (1B batch 64, 8B batch 1)"
+    timeout 150 python3 benchmarks/profile_step.py --shape 1b --batch 64 --context 1024 --tokenizer /tmp/tokmodel \
+      > "$OUT/profile_1b_b64.txt" 2>&1; head -30 "$OUT/profile_1b_b64.txt"
+    timeout 150 python3 benchmarks/profile_step.py --shape 8b --batch 1 --context 2048 --tokenizer /tmp/tokmodel \
+      > "$OUT/profile_8b_b1.txt" 2>&1; head -3 "$OUT/profile_8b_b1.txt" ;;
   esac
 done
 stamp done
