@@ -19,14 +19,14 @@ transformers.LlamaForCausalLM(cfg).save_pretrained("/tmp/tokmodel")
 for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f".gpu/tok/{f}", f"/tmp/tokmodel/{f}")
 PY
-bench() { python3 -m pdserve bench engine --device cuda --dtype bfloat16 --tokenizer /tmp/tokmodel "$@"; }
+BENCH="python3 -m pdserve bench engine --device cuda --dtype bfloat16 --tokenizer /tmp/tokmodel"
 for part in "$@"; do
   case $part in
   crash)
     stamp "8B shape on the OLD kernels, CUDA graphs on (expected: illegal memory access)"
     cp kernels/triton_ops.py /tmp/new_triton_ops.py && cp .gpu/old_triton_ops.py kernels/triton_ops.py
     PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 200 python3 -m pdserve bench engine --device cuda \
-      --dtype bfloat16 --tokenizer /tmp/tokmodel --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1 \
+      --dtype bfloat16 --tokenizer /tmp/tokmodel --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 \
       --repeats 1 --no-hf > "$OUT/crash_old.txt" 2>&1; echo "exit $?"; grep -E "Error|error" "$OUT/crash_old.txt" | tail -3
     stamp "the new >2^31-element kernel test on the OLD kernels (expected: fails)"
     timeout 120 python3 -m pytest -q -x -m gpu tests/test_kernels.py -k past_2_31 -p no:cacheprovider \
@@ -38,13 +38,13 @@ for part in "$@"; do
       --durations=10 > "$OUT/gpu_tests.txt" 2>&1; tail -15 "$OUT/gpu_tests.txt" ;;
   engine8b)
     stamp "bench engine 8B, 2k prompt, graphs on, with HF"
-    timeout 400 bench --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
+    timeout 400 $BENCH --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
       --json "$OUT/engine_8b_h200.json" 2>"$OUT/engine_8b.err" | tail -12 ;;
   engine1b)
     stamp "bench engine 1B, 1k and 8k prompts, no HF"
-    timeout 200 bench --shape 1b --prompt-len 1024 --gen-len 64 --batch-sizes 1,16,64 --repeats 3 --no-hf \
+    timeout 200 $BENCH --shape 1b --prompt-len 1024 --gen-len 64 --batch-sizes 1,16,64 --repeats 3 --no-hf \
       --json "$OUT/engine_1b_1k_h200.json" 2>"$OUT/engine_1b.err" | tail -5
-    timeout 200 bench --shape 1b --prompt-len 8192 --gen-len 64 --batch-sizes 1,16 --repeats 3 --no-hf \
+    timeout 200 $BENCH --shape 1b --prompt-len 8192 --gen-len 64 --batch-sizes 1,16 --repeats 3 --no-hf \
       --json "$OUT/engine_1b_8k_h200.json" 2>>"$OUT/engine_1b.err" | tail -5 ;;
   profile)
     stamp "host profile of decode steps (1B batch 64, 8B batch 1)"
