@@ -404,7 +404,7 @@ def _device_guard(t: torch.Tensor):
 # Keys per decode chunk (a multiple of the block size). Each chunk's softmax is computed on
 # its own and merged by _decode_reduce_kernel, so the bits depend on this constant alone:
 # eager steps and replayed CUDA graphs (whose block tables are wider) agree exactly.
-DECODE_CHUNK_TOKENS = 256
+DECODE_CHUNK_TOKENS = 128
 
 
 @functools.cache
