@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine (#13): the 8B-shape crash reproduced on the old kernels, the GPU tests on the
 # new ones, and `bench engine` at the 8B and 1B shapes. Usage: bash benchmarks/gpu_8b.sh PART
-# (PART: crash | tests | engine8b | engine1b | profile), several parts in one call allowed.
+# HF_FLAG= (empty) adds the HF reference to engine8b. (PART: crash | tests | engine8b | engine1b | profile), several parts in one call allowed.
 set -uo pipefail
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -38,7 +38,7 @@ for part in "$@"; do
       --durations=10 > "$OUT/gpu_tests.txt" 2>&1; tail -15 "$OUT/gpu_tests.txt" ;;
   engine8b)
     stamp "bench engine 8B, 2k prompt, graphs on, with HF"
-    timeout 400 $BENCH --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
+    timeout 400 $BENCH --shape 8b --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 ${HF_FLAG---no-hf} \
       --json "$OUT/engine_8b_h200.json" 2>"$OUT/engine_8b.err" | tail -12 ;;
   engine1b)
     stamp "bench engine 1B, 1k and 8k prompts, no HF"
@@ -48,9 +48,9 @@ for part in "$@"; do
       --json "$OUT/engine_1b_8k_h200.json" 2>>"$OUT/engine_1b.err" | tail -5 ;;
   profile)
     stamp "host profile of decode steps (1B batch 64, 8B batch 1)"
-    timeout 150 python3 benchmarks/profile_step.py --shape 1b --batch 64 --context 1024 --tokenizer /tmp/tokmodel \
+    timeout 150 env PYTHONPATH=/tmp/site:. python3 benchmarks/profile_step.py --shape 1b --batch 64 --context 1024 --tokenizer /tmp/tokmodel \
       > "$OUT/profile_1b_b64.txt" 2>&1; head -30 "$OUT/profile_1b_b64.txt"
-    timeout 150 python3 benchmarks/profile_step.py --shape 8b --batch 1 --context 2048 --tokenizer /tmp/tokmodel \
+    timeout 150 env PYTHONPATH=/tmp/site:. python3 benchmarks/profile_step.py --shape 8b --batch 1 --context 2048 --tokenizer /tmp/tokmodel \
       > "$OUT/profile_8b_b1.txt" 2>&1; head -3 "$OUT/profile_8b_b1.txt" ;;
   esac
 done

@@ -96,6 +96,7 @@ def decode_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    num_splits: int | None = None,  # the Triton kernel's flash-decoding split; one softmax here
 ) -> torch.Tensor:  # [S, H_q, D]
     """All sequences in one padded SDPA call: a per-sequence loop costs more than the
     padding at decode sizes."""

@@ -201,18 +201,22 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _decode_split_kernel(
+def _decode_kernel(
+    out_ptr,  # [S, H_q, D], written when SPLITS == 1
     q_ptr,  # [S, H_q, D] in the cache dtype
     cache_ptr,  # [N, 2, H_kv, B, D]
     context_lens_ptr,  # [S]
     block_tables_ptr,  # [S, max_blocks]
-    part_acc_ptr,  # [S, H_q, C, D] fp32: each chunk's unnormalised output
-    part_ml_ptr,  # [S, H_q, C, 2] fp32: each chunk's running max and sum
+    part_acc_ptr,  # [S, H_q, SPLITS, D] fp32: each split's unnormalised output
+    part_ml_ptr,  # [S, H_q, SPLITS, 2] fp32: each split's running max and sum
     qk_scale,  # scale * log2(e)
     window,  # sliding window (ignored unless USE_WINDOW)
     stride_qs,
     stride_qh,
     stride_qd,
+    stride_os,
+    stride_oh,
+    stride_od,
     stride_cn,
     stride_ckv,
     stride_ch,
@@ -222,27 +226,28 @@ def _decode_split_kernel(
     stride_btb,
     stride_as,
     stride_ah,
-    stride_ac,
+    stride_ap,
     stride_ms,
     stride_mh,
-    stride_mc,
+    stride_mp,
     GROUP: tl.constexpr,  # H_q // H_kv
     USE_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (the rows of tl.dot)
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    CHUNK_BLOCKS: tl.constexpr,  # cache blocks per chunk
+    SPLITS: tl.constexpr,  # programs per (sequence, kv head)
     UPCAST: tl.constexpr,
 ):
-    # Program (sequence, kv head, p) attends chunks p, p + P, p + 2P, ... of the sequence's
-    # keys (P = programs along axis 2), each chunk on its own: its partial result depends on
-    # the chunk alone, never on P, so any P gives the same bits after _decode_reduce_kernel.
-    # The GROUP q heads that share the kv head are the rows of one tile, so each K/V block is
-    # read once per kv head.
+    # Program (sequence, kv head, split): the GROUP q heads that share the kv head are the
+    # rows of one tile, so each K/V block is read once per kv head. With SPLITS > 1 the
+    # sequence's visible blocks are cut into SPLITS equal runs (flash-decoding, so that a
+    # small batch fills the GPU); each run's partial softmax goes to part_* for
+    # _decode_reduce_kernel. The cut depends on the context length and SPLITS only, never on
+    # the block tables' width: an eager step and a replayed CUDA graph agree bit for bit.
     seq = tl.program_id(0).to(tl.int64)
+    # int64 offsets: a head-major cache of an 8B model passes 2^31 elements (#13).
     kv_head = tl.program_id(1).to(tl.int64)
-    first_chunk = tl.program_id(2)
-    num_programs = tl.num_programs(2)
+    split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
     q_pos = ctx - 1
 
@@ -259,94 +264,93 @@ def _decode_split_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0) // BLOCK_SIZE
+    if SPLITS > 1:
+        per_split = tl.cdiv(hi - lo, SPLITS)
+        lo = lo + split * per_split
+        hi = tl.minimum(hi, lo + per_split)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     offs_b = tl.arange(0, BLOCK_SIZE)
     # [B, D] pointers into block 0's K of this kv head; a block's K is block_id * stride_cn on.
-    # int64 offsets: a head-major cache of an 8B model passes 2^31 elements (#13).
     head_base = (
         cache_ptr + kv_head * stride_ch + offs_b[:, None] * stride_cb + d[None, :] * stride_cd
     )
     table = block_tables_ptr + seq * stride_bts
-    acc_rows = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
-    ml_rows = part_ml_ptr + seq * stride_ms + heads * stride_mh
-    for c in range(lo // CHUNK_BLOCKS + first_chunk, tl.cdiv(hi, CHUNK_BLOCKS), num_programs):
-        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for j in range(tl.maximum(c * CHUNK_BLOCKS, lo), tl.minimum((c + 1) * CHUNK_BLOCKS, hi)):
-            block_id = tl.load(table + j * stride_btb).to(tl.int64)
-            k_pos = j * BLOCK_SIZE + offs_b  # [B]
-            k_ok = k_pos < ctx
-            visible = k_ok
-            if USE_WINDOW:
-                visible = visible & (k_pos > q_pos - window)
-            visible = visible[None, :] & g_ok[:, None]  # [G, B]
-            acc, m_i, l_i = _attend_block(
-                q,
-                acc,
-                m_i,
-                l_i,
-                head_base + block_id * stride_cn,
-                stride_ckv,
-                k_ok,
-                visible,
-                qk_scale,
-                UPCAST,
-            )
-        tl.store(acc_rows + c * stride_ac, acc, mask=g_ok[:, None])
-        tl.store(ml_rows + c * stride_mc, m_i, mask=g_ok)
-        tl.store(ml_rows + c * stride_mc + 1, l_i, mask=g_ok)
+    for j in range(lo, hi):
+        block_id = tl.load(table + j * stride_btb).to(tl.int64)
+        k_pos = j * BLOCK_SIZE + offs_b  # [B]
+        k_ok = k_pos < ctx
+        visible = k_ok
+        if USE_WINDOW:
+            visible = visible & (k_pos > q_pos - window)
+        visible = visible[None, :] & g_ok[:, None]  # [G, B]
+        acc, m_i, l_i = _attend_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            head_base + block_id * stride_cn,
+            stride_ckv,
+            k_ok,
+            visible,
+            qk_scale,
+            UPCAST,
+        )
+
+    if SPLITS > 1:  # an empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing
+        acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+        tl.store(acc_ptrs + split * stride_ap, acc, mask=g_ok[:, None])
+        ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh + split * stride_mp
+        tl.store(ml_ptrs, m_i, mask=g_ok)
+        tl.store(ml_ptrs + 1, l_i, mask=g_ok)
+    else:
+        # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr,  # [S, H_q, D]
-    context_lens_ptr,  # [S]
-    part_acc_ptr,  # [S, H_q, C, D] fp32
-    part_ml_ptr,  # [S, H_q, C, 2] fp32
-    window,
+    part_acc_ptr,  # [S, H_q, SPLITS, D] fp32
+    part_ml_ptr,  # [S, H_q, SPLITS, 2] fp32
     stride_os,
     stride_oh,
     stride_od,
     stride_as,
     stride_ah,
-    stride_ac,
+    stride_ap,
     stride_ms,
     stride_mh,
-    stride_mc,
+    stride_mp,
     GROUP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    CHUNK_BLOCKS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    # One program per (sequence, kv head): the chunks' partial softmaxes merged in chunk
-    # order, rescaled to their common max.
+    # One program per (sequence, kv head): the splits' partial softmaxes merged in split
+    # order, each rescaled to their common max.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
-    hi = tl.cdiv(ctx, BLOCK_SIZE)
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(ctx - window, 0) // BLOCK_SIZE
-    c_lo = lo // CHUNK_BLOCKS
-    c_hi = tl.cdiv(hi, CHUNK_BLOCKS)
-
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
     heads = kv_head * GROUP + g  # [G]
     d = tl.arange(0, HEAD_DIM)
-    acc_rows = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
-    ml_rows = part_ml_ptr + seq * stride_ms + heads * stride_mh
+    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+    ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    for c in range(c_lo, c_hi):
-        m = tl.maximum(m, tl.load(ml_rows + c * stride_mc, mask=g_ok, other=-1.0e30))
+    for p in range(SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptrs + p * stride_mp, mask=g_ok, other=-1.0e30))
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
-    for c in range(c_lo, c_hi):
-        alpha = tl.exp2(tl.load(ml_rows + c * stride_mc, mask=g_ok, other=-1.0e30) - m)  # [G]
-        total += alpha * tl.load(ml_rows + c * stride_mc + 1, mask=g_ok, other=0.0)
-        acc += alpha[:, None] * tl.load(acc_rows + c * stride_ac, mask=g_ok[:, None], other=0.0)
+    for p in range(SPLITS):
+        alpha = tl.exp2(tl.load(ml_ptrs + p * stride_mp, mask=g_ok, other=-1.0e30) - m)  # [G]
+        total += alpha * tl.load(ml_ptrs + p * stride_mp + 1, mask=g_ok, other=0.0)
+        acc += alpha[:, None] * tl.load(acc_ptrs + p * stride_ap, mask=g_ok[:, None], other=0.0)
     # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
     total = tl.where(total == 0.0, 1.0, total)
     out = acc / total[:, None]
@@ -356,7 +360,7 @@ def _decode_reduce_kernel(
 
 # True when TRITON_INTERPRET was set as this module was imported (the kernels are then
 # interpreter functions rather than JITFunctions).
-_INTERPRETED = not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
+_INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
 
 def _is_pow2(n: int) -> bool:
@@ -401,10 +405,7 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-# Keys per decode chunk (a multiple of the block size). Each chunk's softmax is computed on
-# its own and merged by _decode_reduce_kernel, so the bits depend on this constant alone:
-# eager steps and replayed CUDA graphs (whose block tables are wider) agree exactly.
-DECODE_CHUNK_TOKENS = 128
+MAX_DECODE_SPLITS = 32
 
 
 @functools.cache
@@ -412,11 +413,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
-    """Decode programs that keep every SM busy: two per SM (4 under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Programs per (sequence, kv head) for a decode step of ``num_seqs`` sequences: enough
+    for two programs per SM (flash-decoding at small batches), 1 once the batch fills the
+    GPU. The split changes the summation order, so a step and its CUDA-graph replay must
+    ask with the same (padded) batch size (common/engine/model_runner.py does)."""
+    if device.type != "cuda":  # Triton's interpreter (tests pass num_splits themselves)
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = triton.cdiv(2 * _num_sms(index), max(1, num_seqs * num_kv_heads))
+    return max(1, min(MAX_DECODE_SPLITS, wanted))
 
 
 def write_kv(
@@ -503,6 +509,7 @@ def _decode_into(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    num_splits: int | None = None,
 ) -> None:
     group, num_kv_heads, block_size, head_dim = _check_attention(q, layer_cache, sliding_window)
     assert out.shape == q.shape, f"out must be shaped like q {tuple(q.shape)}: {tuple(out.shape)}"
@@ -510,31 +517,18 @@ def _decode_into(
     assert context_lens.shape[0] == num_seqs, "decode: one query token per sequence"
     if num_seqs == 0:
         return
+    splits = num_splits or decode_splits(num_seqs, num_kv_heads, q.device)
     q = q.to(layer_cache.dtype)
     context_lens = context_lens.contiguous()
-    chunk_blocks = max(1, DECODE_CHUNK_TOKENS // block_size)
-    num_chunks = max(1, triton.cdiv(block_tables.shape[1], chunk_blocks))
-    # Enough programs to fill the GPU at batch 1 (flash-decoding); at large batches one
-    # program per (sequence, kv head) walks all its chunks. The result does not depend on it.
-    programs = max(
-        1, min(num_chunks, triton.cdiv(_target_programs(q.device), num_seqs * num_kv_heads))
-    )
+    # [S, H_q, SPLITS, D] and [S, H_q, SPLITS, 2]; unused (never written) when SPLITS == 1
     part_acc = torch.empty(
-        (num_seqs, q.shape[1], num_chunks, head_dim), dtype=torch.float32, device=q.device
+        (num_seqs, q.shape[1], splits, head_dim), dtype=torch.float32, device=q.device
     )
-    part_ml = torch.empty(
-        (num_seqs, q.shape[1], num_chunks, 2), dtype=torch.float32, device=q.device
-    )
-    shape = dict(
-        GROUP=group,
-        USE_WINDOW=sliding_window is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        CHUNK_BLOCKS=chunk_blocks,
-    )
+    part_ml = torch.empty((num_seqs, q.shape[1], splits, 2), dtype=torch.float32, device=q.device)
+    rows = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim)
     with _device_guard(q):
-        _decode_split_kernel[(num_seqs, num_kv_heads, programs)](
+        _decode_kernel[(num_seqs, num_kv_heads, splits)](
+            out,
             q,
             layer_cache,
             context_lens,
@@ -544,24 +538,28 @@ def _decode_into(
             scale * _LOG2E,
             sliding_window or 0,
             *q.stride(),
+            *out.stride(),
             *layer_cache.stride(),
             *block_tables.stride(),
             *part_acc.stride()[:3],
             *part_ml.stride()[:3],
-            **shape,
+            **rows,
+            USE_WINDOW=sliding_window is not None,
+            BLOCK_SIZE=block_size,
+            SPLITS=splits,
             UPCAST=_INTERPRETED,
         )
-        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
-            out,
-            context_lens,
-            part_acc,
-            part_ml,
-            sliding_window or 0,
-            *out.stride(),
-            *part_acc.stride()[:3],
-            *part_ml.stride()[:3],
-            **shape,
-        )
+        if splits > 1:
+            _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+                out,
+                part_acc,
+                part_ml,
+                *out.stride(),
+                *part_acc.stride()[:3],
+                *part_ml.stride()[:3],
+                **rows,
+                SPLITS=splits,
+            )
 
 
 def prefill_attention(
@@ -587,7 +585,8 @@ def decode_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    num_splits: int | None = None,  # None: decode_splits() for this batch
 ) -> torch.Tensor:  # [S, H_q, D]
     out = torch.empty_like(q)
-    _decode_into(out, q, layer_cache, context_lens, block_tables, scale, sliding_window)
+    _decode_into(out, q, layer_cache, context_lens, block_tables, scale, sliding_window, num_splits)
     return out

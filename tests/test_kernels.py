@@ -206,10 +206,11 @@ def test_prefill_attention(ops, device, gen, case, dtype, window):
     assert torch.equal(ops.prefill_attention(q, *args), out)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=str)
-def test_decode_attention(ops, device, gen, case, dtype, window):
+def test_decode_attention(ops, device, gen, case, dtype, window, splits):
     ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gpu_only = DECODE_CASES[case]
     _skip_big(device, gpu_only)
     paged = Paged(ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
@@ -218,32 +219,32 @@ def test_decode_attention(ops, device, gen, case, dtype, window):
     args = (paged.layer, paged.context_lens, paged.block_tables, scale, window)
 
     out = torch.full_like(q, NAN)
-    ops._decode_into(out, q, *args)
+    ops._decode_into(out, q, *args, splits)
     assert not out.isnan().any(), "output elements left unwritten (or NaN read)"
     ref = reference.decode_attention(*map(cpu64, (q, *args)))
     assert rel_err(out, ref) < TOL[dtype]
     assert out.dtype == q.dtype
-    assert torch.equal(ops.decode_attention(q, *args), out)
+    assert torch.equal(ops.decode_attention(q, *args, splits), out)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-def test_decode_bits_independent_of_programs_and_table_width(ops, device, gen, window, monkeypatch):
-    """Each chunk of keys is attended on its own and the chunks merged in order, so neither
-    the number of programs a sequence's chunks are spread over (batch-dependent) nor the
-    width of the block tables (a replayed CUDA graph's are wider) changes a bit of the
-    output: graphed and eager decode steps agree exactly."""
+def test_decode_bits_independent_of_table_width(ops, device, gen, window):
+    """A split's run of blocks is cut from the context length alone, never from the width
+    of the block tables (a replayed CUDA graph's are wider than an eager step's): with the
+    same number of splits both give the same bits."""
     paged = Paged([700, 1, 300, 513], 2, 64, 16, torch.bfloat16, device, gen)
     q = random_q(4, 8, 2, 64, torch.bfloat16, device, gen)
-    args = (paged.layer, paged.context_lens, paged.block_tables, 0.125, window)
-    one_program = ops.decode_attention(q, *args)
-    monkeypatch.setattr(ops, "_target_programs", lambda device: 10_000)
-    spread = ops.decode_attention(q, *args)
     wide = torch.zeros(4, paged.block_tables.shape[1] + 40, dtype=torch.int32, device=device)
     wide[:, : paged.block_tables.shape[1]] = paged.block_tables
-    wider = ops.decode_attention(q, paged.layer, paged.context_lens, wide, 0.125, window)
-    assert not one_program.isnan().any()
-    assert torch.equal(one_program, spread)
-    assert torch.equal(one_program, wider)
+    for splits in (1, 3, 32):
+        narrow_out = ops.decode_attention(
+            q, paged.layer, paged.context_lens, paged.block_tables, 0.125, window, splits
+        )
+        wide_out = ops.decode_attention(
+            q, paged.layer, paged.context_lens, wide, 0.125, window, splits
+        )
+        assert not narrow_out.isnan().any()
+        assert torch.equal(narrow_out, wide_out), splits
 
 
 def test_dispatch_picks_triton(ops, device, gen, monkeypatch):
