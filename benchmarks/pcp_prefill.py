@@ -11,6 +11,7 @@ Writes a table, JSON and, with --plot, a PNG (matplotlib if installed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -96,7 +97,7 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
                         blocks[a:b],
                         i,
                     )
-                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                    for i, (a, b) in enumerate(itertools.pairwise(bounds))
                 ]
                 while not all(consumer.poll(pull) for pull in pulls):
                     pass

@@ -27,8 +27,7 @@ from typing import Any
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.parallel.tp import kv_heads_of

@@ -286,8 +286,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3])]
-        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[3:], widths[3:])])
+        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3], strict=True)]
+        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[3:], widths[3:], strict=True)])
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 

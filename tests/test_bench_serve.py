@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pdserve.cli.bench_serve import (
+from pdserve.cli.bench_serve import format_table
+from pdserve.cli.main import main
+from pdserve.cli.serve_load import (
     RequestRecord,
     arrival_offsets,
     compute_metrics,
-    format_table,
     make_prompts,
     percentile,
 )
-from pdserve.cli.main import main
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
 
@@ -182,6 +182,6 @@ def test_bench_serve_against_a_deployment(model_dir: Path, tmp_path: Path) -> No
     # every TTFT part was measured (common/runtime/ttft.py); they add up to the router's TTFT,
     # which the client's includes
     parts = [metrics[f"mean_ttft_{part}_ms"] for part in PARTS]
-    assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts))
+    assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts, strict=True))
     assert all(metrics[f"median_ttft_{part}_ms"] is not None for part in PARTS)
     assert sum(parts) <= metrics["mean_ttft_ms"] + 1.0

@@ -34,8 +34,8 @@ def test_every_consumer_head_comes_from_a_producer_rank_holding_it(
             got = []
             for sl in pull_plan(kv_heads, ptp, dtp, rank):
                 p_first, p_count = kv_heads_of(kv_heads, ptp, sl.producer_tp_rank)
-                assert 0 <= sl.src_head and sl.src_head + sl.count <= p_count
-                got += [(p_first + sl.src_head + i, sl.dst_head + i) for i in range(sl.count)]
+                assert 0 <= sl.src_head and sl.src_head + sl.num_heads <= p_count
+                got += [(p_first + sl.src_head + i, sl.dst_head + i) for i in range(sl.num_heads)]
             assert got == [(first + i, i) for i in range(count)], (ptp, dtp, rank)
 
 
@@ -106,7 +106,7 @@ def test_plan_reads_each_local_head_of_each_block_once(
     for rank, specs in enumerate(plan):
         seen = []
         for spec in specs:
-            for src, dst, n in spec.heads:
+            for _src, dst, n in spec.heads:
                 for h in range(n):
                     seen += [(dst + h, lo) for lo in spec.local_block_ids]
             assert [remote[local.index(b)] for b in spec.local_block_ids] == spec.remote_block_ids

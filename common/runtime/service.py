@@ -116,7 +116,6 @@ class Service(abc.ABC):
             notify(f"STATUS=failed: {self.worker.failed}")
             raise SystemExit(f"{self.role} {self.instance}: {self.worker.failed}")
         self.log.info("service_ready", address=self.address)
-        self.on_ready()
         notify("READY=1", f"STATUS={self.role} {self.instance} serving at {self.address}")
         await self.stopping.wait()
         await self.drain()
@@ -186,14 +185,11 @@ class Service(abc.ABC):
         """What the drain waits for: requests in flight (prefill adds pinned KV leases)."""
         return len(self.inflight)
 
-    async def start_sockets(self) -> None:
-        pass
+    async def start_sockets(self) -> None:  # noqa: B027 (an optional hook, empty by default)
+        """Bind the role's sockets besides the front ROUTER (prefill: its side channel)."""
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         return []
-
-    def on_ready(self) -> None:
-        pass
 
     @property
     def is_ready(self) -> bool:

@@ -13,6 +13,7 @@ Both report a request once, when every READ of it has ended.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ def plan_pulls(
     for rank in range(consumer_tp):
         specs = []
         for sl in pull_plan(num_kv_heads, producer_tp, consumer_tp, rank):
-            for share, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            for share, (a, b) in enumerate(itertools.pairwise(bounds)):
                 # decode ranks start their shares on different replicas: more source links busy
                 replica = grid[(sl.producer_tp_rank, (share + rank) % pcp if striped else 0)]
                 specs.append(
@@ -50,7 +51,7 @@ def plan_pulls(
                         replica,
                         handle.block_ids[a:b],
                         local_blocks[a:b],
-                        [(sl.src_head, sl.dst_head, sl.count)],
+                        [(sl.src_head, sl.dst_head, sl.num_heads)],
                     )
                 )
         plan.append(specs)

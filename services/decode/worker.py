@@ -162,9 +162,9 @@ class DecodeWorker(WorkerThread):
             if not pp.pulling:
                 self._maybe_start(rid, pp)
         for result in self.puller.poll():
-            pp = self.pending.get(result.request_id)
-            if pp is not None:
-                self._pulled(result.request_id, pp, result)
+            polled = self.pending.get(result.request_id)
+            if polled is not None:
+                self._pulled(result.request_id, polled, result)
 
     def _maybe_start(self, rid: str, pp: PendingPull) -> None:
         from pdserve.services.decode.pullers import plan_pulls

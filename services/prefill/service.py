@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 
 from pdserve.common.runtime import protocol as p
-from pdserve.common.runtime.service import Service
+from pdserve.common.runtime.service import Handler, Service
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.prefill.worker import PrefillWorker
@@ -32,7 +32,7 @@ class PrefillService(Service):
         self.side: Any = None
         self.handlers[p.PrefillRequest] = self.on_prefill
         self.handlers[p.Abort] = self.on_abort
-        self.side_handlers = {
+        self.side_handlers: dict[type, Handler] = {
             p.Handshake: self.on_handshake,
             p.Heartbeat: self.on_heartbeat,
             p.Release: self.on_release,

@@ -46,17 +46,19 @@ class PrefillWorker(WorkerThread):
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:
+            from pdserve.common.engine.model_runner import ModelRunner
             from pdserve.common.transfer.kv_transfer import KVProducer
 
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
+            assert isinstance(runner, ModelRunner)  # in process: no rank group
             self.producer = KVProducer(
                 engine_id=svc.engine_id,
                 epoch=svc.epoch,
                 agent_name=f"{svc.engine_id}-e{svc.epoch}-r0",
                 kv_cache=runner.kv_cache,
                 layout=runner.layout,
-                compat=runner.kv_compat(),  # type: ignore[attr-defined]
+                compat=runner.kv_compat(),
             )
             replies = [self.producer.handshake_reply]
         svc.handshake_replies = replies

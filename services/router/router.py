@@ -295,7 +295,7 @@ class Router:
                     self.metrics.inc("pdserve:requests", finish_reason="failed")
                 bound.info(
                     "request_done", outcome=getattr(event, "finish_reason", None) or event.reason
-                )  # type: ignore[union-attr]
+                )
                 yield event
                 return
         finally:
