@@ -145,7 +145,7 @@ def test_64_concurrent_requests_release_every_replica(
 
 
 def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model_dir: Path) -> None:
-    from pdserve.services.prefill.rank import DROP_RELEASES_ENV
+    from pdserve.common.runtime.fault_hooks import DROP_RELEASES_ENV
     from pdserve.services.router.client import Client
 
     with deployment(

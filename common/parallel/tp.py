@@ -73,12 +73,3 @@ def pull_plan(
         else:
             slices.append(HeadSlice(rank, src, dst, 1))
     return slices
-
-
-def producer_tp_ranks_read(num_kv_heads: int, producer_tp: int, consumer_tp: int) -> set[int]:
-    """The producer TP ranks some consumer rank reads from (others are only released)."""
-    return {
-        s.producer_tp_rank
-        for d in range(consumer_tp)
-        for s in pull_plan(num_kv_heads, producer_tp, consumer_tp, d)
-    }

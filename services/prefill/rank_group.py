@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.runtime import protocol as p
+from pdserve.services.ranks import messages as m
 from pdserve.services.ranks.group import RankFailed, RankProcesses
 
 __all__ = ["RankFailed", "RankGroup"]
-
-_release = p.Decoder[p.Release](p.Release)
 
 
 class RankGroup(RankProcesses):
@@ -31,8 +30,8 @@ class RankGroup(RankProcesses):
 
     def poll_releases(self) -> list[tuple[int, p.Release]]:
         return [
-            (rank, _release.decode(raw))
+            (rank, release)
             for rank, event in self.take_events()
-            for raw in event[1]
-            if event[0] == "released"
+            if isinstance(event, m.Released)
+            for release in event.releases
         ]
