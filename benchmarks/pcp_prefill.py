@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.cli.provenance import provenance
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
@@ -170,6 +171,7 @@ def main() -> None:
             if isinstance(runner, RankGroup):
                 runner.close()
     result = {
+        **provenance(),
         "model": str(model_dir),
         "device": args.device,
         "cpu_count": os.cpu_count(),

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.cli import ttft_parts
 from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli.provenance import provenance
 from pdserve.cli.serve_load import (
     STATS,
     RequestRecord,
@@ -354,6 +355,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     rate = args.request_rate
     return {
+        **provenance(),
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
