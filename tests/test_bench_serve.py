@@ -152,7 +152,12 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
                "--output-len", "3", "--max-concurrency", "1", "--json", str(out)])  # fmt: skip
     assert rc == 1  # failures make the exit status non-zero, after the table and the JSON
-    [run] = json.loads(out.read_text())["runs"]
+    payload = json.loads(out.read_text())
+    # how the results were made: the commit ("unknown" without git) and the command as typed
+    config = payload["config"]
+    assert config["command"].startswith(f"pdserve bench serve --url {fake_url} ")
+    assert config["git_commit"] == "unknown" or len(config["git_commit"]) >= 40
+    [run] = payload["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 2)
     failed = [r for r in run["requests"] if not r["ok"]]
     assert all("429" in r["error"] and "overloaded" in r["error"] for r in failed)
