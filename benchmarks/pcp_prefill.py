@@ -26,7 +26,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import resolve_model
-from pdserve.services.prefill.rank_group import RankGroup
+from pdserve.services.ranks.group import RankGroup
 
 
 def plans(length: int, chunk: int, block_size: int) -> list[StepPlan]:
@@ -141,7 +141,7 @@ def main() -> None:
                 ModelConfig.from_dir(model_dir), model_dir, cfg
             )
         else:
-            runner = RankGroup(cfg, n, f"bench-pcp{n}", 1)
+            runner = RankGroup.prefill(cfg, n, f"bench-pcp{n}", 1)
         try:
             time_prefill(runner, min(lengths), args.chunk, 64, 1)  # warm-up
             for length in lengths:

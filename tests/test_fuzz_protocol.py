@@ -408,9 +408,9 @@ def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
     from multiprocessing import Pipe
 
     from pdserve.services.ranks import messages as m
-    from pdserve.services.ranks.group import RankFailed, RankProcesses
+    from pdserve.services.ranks.group import RankFailed, RankGroup
 
-    group = object.__new__(RankProcesses)  # only its pipe: no rank processes
+    group = object.__new__(RankGroup)  # only its pipe: no rank processes
     ours, theirs = Pipe()
     group.conns, group.procs = [ours], [None]
     for raw in (

@@ -19,7 +19,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.model.config import ModelConfig
-from pdserve.services.prefill.rank_group import RankGroup
+from pdserve.services.ranks.group import RankGroup
 from tests.e2e import deployment
 from tests.test_serving import assert_pools_full, metrics, total
 
@@ -48,7 +48,7 @@ def prompts(mono: LLMEngine) -> list[list[int]]:
 def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: int) -> None:
     cfg = EngineConfig(model=str(model_dir), num_kv_blocks=12)
     ref = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, cfg)
-    group = RankGroup(cfg, num_ranks, "prefill-test", 1)
+    group = RankGroup.prefill(cfg, num_ranks, "prefill-test", 1)
     try:
         ids = torch.randint(
             0, 49152, (200,), generator=torch.Generator().manual_seed(num_ranks)

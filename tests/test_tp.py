@@ -217,7 +217,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
     from pdserve.common.model.random import save_random_llama
-    from pdserve.services.decode.rank_group import DecodeRankGroup
+    from pdserve.services.ranks.group import RankGroup
 
     model = save_random_llama(
         tmp_path / "m",
@@ -232,7 +232,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     mono = LLMEngine(cfg)
     prompts = [mono.tokenizer.encode(p) for p in PROMPTS]
     want = [o.token_ids for o in mono.generate(prompts, SamplingParams(max_tokens=10))]
-    ranks = DecodeRankGroup(cfg, 4, "test-replicated")
+    ranks = RankGroup.decode(cfg, 4, "test-replicated")
     try:
         assert ranks.layout.num_kv_heads == 1
         engine = LLMEngine(cfg, runner=ranks)

@@ -4,9 +4,9 @@ A service binds one ROUTER socket for the router, decodes each frame with its di
 typed decoder, and dispatches by message type. Malformed frames are counted, logged and
 answered, never fatal. Model work happens in the service's EngineThread.
 
-Lifecycle (systemd ``Type=notify``, see common/runtime/sd_notify.py): READY=1 once the engine thread
-loaded the weights and the sockets are bound; WATCHDOG=1 from the engine thread's loop while
-the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
+Lifecycle (systemd ``Type=notify``, see common/runtime/sd_notify.py): READY=1 once the
+engine thread loaded the weights and the sockets are bound; WATCHDOG=1 from the engine
+thread's loop while the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
 "draining" (and Pongs say not ready, so the router stops picking this instance), work in
 flight gets ``drain_seconds`` to finish, what is left then ends with Failed "draining";
 the process exits 0. A second SIGTERM or SIGINT cuts the drain short.

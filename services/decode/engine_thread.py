@@ -96,9 +96,9 @@ class DecodeEngineThread(EngineThread):
         agent_name = f"decode-{ctx.instance}-{time.time_ns()}"
         self.puller: Puller
         if self.tp > 1:
-            from pdserve.services.decode.rank_group import DecodeRankGroup
+            from pdserve.services.ranks.group import RankGroup
 
-            ranks = DecodeRankGroup(engine_cfg, self.tp, agent_name)
+            ranks = RankGroup.decode(engine_cfg, self.tp, agent_name)
             self.puller = RankPuller(ranks)
             self.engine: DecodeEngine = DecodeEngine(engine_cfg, runner=ranks)
         else:

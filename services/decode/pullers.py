@@ -25,7 +25,7 @@ from pdserve.common.transfer.kv_transfer import KVTransferError
 from pdserve.services.ranks import messages as m
 
 if TYPE_CHECKING:
-    from pdserve.services.decode.rank_group import DecodeRankGroup
+    from pdserve.services.ranks.group import RankGroup
 
 
 def plan_pulls(
@@ -73,7 +73,7 @@ class _Outstanding:
 class RankPuller:
     """TP > 1: every decode rank process pulls its own heads."""
 
-    def __init__(self, ranks: DecodeRankGroup) -> None:
+    def __init__(self, ranks: RankGroup) -> None:
         self.ranks = ranks
         self._out: dict[str, _Outstanding] = {}
 

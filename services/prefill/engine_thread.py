@@ -19,7 +19,7 @@ from pdserve.services.prefill.lease_table import Freed, LeaseTable
 if TYPE_CHECKING:
     from pdserve.common.transfer.kv_transfer import KVProducer
     from pdserve.services.prefill.prefill_engine import Prefilled, PrefillEngine
-    from pdserve.services.prefill.rank_group import RankGroup
+    from pdserve.services.ranks.group import RankGroup
 
 log = structlog.get_logger("pdserve.prefill")
 
@@ -61,9 +61,11 @@ class PrefillEngineThread(EngineThread):
         self.ranks: RankGroup | None = None
         self.producer: KVProducer | None = None
         if cfg.pcp * cfg.prefill_tp > 1:
-            from pdserve.services.prefill.rank_group import RankGroup
+            from pdserve.services.ranks.group import RankGroup
 
-            self.ranks = RankGroup(engine_cfg, cfg.pcp, ctx.engine_id, ctx.epoch, tp=cfg.prefill_tp)
+            self.ranks = RankGroup.prefill(
+                engine_cfg, cfg.pcp, ctx.engine_id, ctx.epoch, tp=cfg.prefill_tp
+            )
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:

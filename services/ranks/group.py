@@ -1,4 +1,6 @@
-"""RankProcesses: a coordinator's handle on the TP x PCP rank processes of one instance.
+"""RankGroup: a coordinator's handle on the TP x PCP rank processes of one instance, of
+either role (services/ranks/process.py): prefill ranks serve their KV with a producer
+agent, decode ranks read theirs with a consumer agent.
 
 It is the engine's StepRunner: a step plan is broadcast to every rank, rank 0's logits
 come back. Blocks are allocated once, by the coordinator's scheduler, so every rank uses
@@ -23,6 +25,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.errors import FatalError
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.ports import free_port
 from pdserve.common.runtime.protocol import HandshakeReply
 from pdserve.services.ranks import messages as m
@@ -37,7 +40,9 @@ class RankFailed(FatalError):
     """A rank process died or reported an error: the instance cannot go on."""
 
 
-class RankProcesses:
+class RankGroup:
+    """Built by ``RankGroup.prefill`` or ``RankGroup.decode``."""
+
     def __init__(
         self,
         role: str,
@@ -78,6 +83,21 @@ class RankProcesses:
             layouts.append(ready.layout)
         self.layout: KVLayout = layouts[0]
 
+    @classmethod
+    def prefill(
+        cls, config: EngineConfig, pcp: int, engine_id: str, epoch: int, tp: int = 1
+    ) -> RankGroup:
+        """A prefill instance's TP x PCP ranks: each rank's agent serves its heads of every
+        block (a full replica of them under PCP) to decode instances."""
+        agent = {"engine_id": engine_id, "epoch": epoch}
+        return cls("prefill", config, f"prefill-{engine_id}", tp=tp, pcp=pcp, agent=agent)
+
+    @classmethod
+    def decode(cls, config: EngineConfig, tp: int, agent_name: str) -> RankGroup:
+        """A decode instance's TP ranks: each rank's agent reads its heads from the
+        producers (services/decode/pullers.py, RankPuller)."""
+        return cls("decode", config, agent_name, tp=tp, agent={"name": agent_name})
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         payload = m.encode(m.Step(plan))  # encoded once for every rank
         for conn in self.conns:
@@ -109,6 +129,16 @@ class RankProcesses:
                 self._take(rank, self._recv(rank))
         out, self._events = self._events, []
         return out
+
+    def poll_releases(self) -> list[tuple[int, p.Release]]:
+        """(rank, release) for each release a prefill rank's agent received: the lease
+        table frees a request only when every rank has reported it."""
+        return [
+            (rank, release)
+            for rank, event in self.take_events()
+            if isinstance(event, m.Released)
+            for release in event.releases
+        ]
 
     def cache_blocks(self, rank: int, block_ids: list[int]) -> np.ndarray:
         """Rank ``rank``'s copy of ``block_ids`` as float32 (tests compare replicas)."""
