@@ -3,7 +3,8 @@ stack, and docs/structure.md naming only paths that exist.
 
 Layers, lowest first: kernels < common < services < cli (a layer imports only its own and
 lower ones). Inside common/: errors.py < parallel < model < engine < runtime < transfer.
-Every import counts, the ones inside functions too: a lazy import is still a dependency.
+No import cycles. Every import counts, the ones inside functions and under TYPE_CHECKING
+too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -97,6 +98,50 @@ def test_common_parts_import_downwards() -> None:
             if other is not None and other > own:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, f"order {' < '.join(COMMON_ORDER)} broken:\n" + "\n".join(bad)
+
+
+def _dependencies(path: Path, modules: set[str]) -> set[str]:
+    """The repository modules ``path`` imports (``from a.b import c`` names a.b.c when
+    that is a module), its own packages left out."""
+    own = _module_name(path)
+    tree = ast.parse(path.read_text(), str(path))
+    names = [module for _, module in _imports(path)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        target = ".".join(parts)
+        if parts and target != own and not own.startswith(target + "."):
+            found.add(target)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, even lazily or for types only: each seam has one
+    owner (services/*/service.py <-> worker.py and cli/bench_serve.py <-> bench_serve_hf.py
+    were such cycles)."""
+    paths = {_module_name(p): p for layer in LAYERS for p in _sources(layer)}
+    graph = {m: _dependencies(p, set(paths)) for m, p in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_router_imports_no_gpu_stack() -> None:
