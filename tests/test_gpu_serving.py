@@ -93,7 +93,7 @@ def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     # the step wrote its 5 slots and nothing else (the padding rows write nothing)
     changed = (kv_graphed != kv_before).flatten(1, 3).any(dim=(1, 3)).cpu()  # [blocks, offsets]
     expected = torch.zeros_like(changed)
-    for table, n in zip(tables, lens):
+    for table, n in zip(tables, lens, strict=True):
         expected[table[n // 16], n % 16] = True
     assert torch.equal(changed, expected)
     graphs, runner.graphs = runner.graphs, None

@@ -111,7 +111,9 @@ class DecodeGraphs:
             return None
         bs, pad = self.block_size, size - n
         positions = [s.start_position for s in plan.seqs]
-        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(plan.seqs, positions)]
+        slots = [
+            s.block_ids[p // bs] * bs + p % bs for s, p in zip(plan.seqs, positions, strict=True)
+        ]
         host = torch.tensor([
             [s.token_ids[0] for s in plan.seqs] + [0] * pad,
             positions + [0] * pad,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 import torch
@@ -37,7 +37,14 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> torch.Tensor: ...
 
 
-class LLMEngine:
+OutputT = TypeVar("OutputT")
+
+
+class EngineCore(Generic[OutputT]):
+    """Scheduler + runner + sampler. What a sampled token makes of its request is the
+    subclass's hook, ``_advance``: the monolithic engine streams it (``LLMEngine``), prefill
+    hands the request over with its blocks pinned (``PrefillEngine``)."""
+
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
 
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
@@ -119,18 +126,40 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             return []
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(reqs, plan)
-        sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
+        sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
         tokens = self.sampler(
             logits, [r.sampling for r in sampled], [len(r.output_token_ids) for r in sampled]
         )
-        return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+        return [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+
+    def _output(
+        self, req: Request, tokens: list[int], text: str, reason: str | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    def _advance(self, req: Request, token_id: int) -> OutputT:
+        """The hook: ``req`` sampled ``token_id`` (not yet appended to its output)."""
+        raise NotImplementedError
+
+
+class LLMEngine(EngineCore[RequestOutput]):
+    """The monolithic engine: every sampled token streamed, requests end on stop rules."""
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
@@ -153,20 +182,6 @@ class LLMEngine:
         del self._requests[req.request_id]
         return self._output(req, [token_id], text, reason)
 
-    def _output(
-        self, req: Request, tokens: list[int], text: str, reason: str | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=len(req.output_token_ids),
-        )
-
     # -- convenience ----------------------------------------------------------------------
 
     def generate(
@@ -178,10 +193,10 @@ class LLMEngine:
             [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         )
         ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p)
-        texts = {rid: [] for rid in ids}
-        tokens = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             outputs = self.step()

@@ -21,7 +21,7 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]
     ) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
-        for row, (p, n) in enumerate(zip(params, num_generated)):
+        for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
             if not p.is_greedy:
                 tokens[row] = sample_row(logits[row], p, token_generator(p.seed, n, logits.device))
         return tokens

@@ -129,7 +129,7 @@ class Scheduler:
 
     def on_step_done(self, reqs: list[Request], plan: StepPlan) -> None:
         """Advance progress and make newly full blocks findable by later prompts."""
-        for req, seq in zip(reqs, plan.seqs):
+        for req, seq in zip(reqs, plan.seqs, strict=True):
             req.num_computed_tokens += len(seq.token_ids)
             self.num_computed_tokens += len(seq.token_ids)
             num_full = req.num_computed_tokens // self.block_size

@@ -52,12 +52,12 @@ def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     its parameter as a view into it, so the state dict and the memory stay as they were."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     sizes = [lin.weight.shape[0] for lin in linears]
-    for lin, part in zip(linears, weight.split(sizes)):
+    for lin, part in zip(linears, weight.split(sizes), strict=True):
         lin.weight = nn.Parameter(part, requires_grad=False)
     if linears[0].bias is None:
         return weight, None
     bias = torch.cat([lin.bias.detach() for lin in linears])
-    for lin, part in zip(linears, bias.split(sizes)):
+    for lin, part in zip(linears, bias.split(sizes), strict=True):
         lin.bias = nn.Parameter(part, requires_grad=False)
     return weight, bias
 
@@ -202,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Pack q/k/v and gate/up of every layer (CUDA: fewer, larger GEMMs)."""
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.pack()
             layer.mlp.pack()
 

@@ -47,6 +47,10 @@ def save_random_llama(
     source = resolve_model(tokenizer_from)
     if vocab_size is None:
         vocab_size = _tokenizer_vocab_size(source)
+    # Keys outside LlamaConfig's typed signature: rope_scaling, and sliding_window, which is
+    # not a LlamaConfig field (transformers' Llama ignores it) but lands in config.json,
+    # where pdserve's ModelConfig reads it.
+    untyped: dict[str, Any] = {"rope_scaling": rope_scaling, "sliding_window": sliding_window}
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -55,15 +59,12 @@ def save_random_llama(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_scaling=rope_scaling,
-        # Not a LlamaConfig field (transformers' Llama ignores it), but it lands in
-        # config.json, where pdserve's ModelConfig reads it.
-        sliding_window=sliding_window,
         tie_word_embeddings=False,
+        **untyped,
         **_special_token_ids(source),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).float().eval()
     model.save_pretrained(out, safe_serialization=True)
     _copy_tokenizer(source, out)
     return out

@@ -66,7 +66,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[float, float]]:
         out, total = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
             out.append((bound, float(total)))
         return out

@@ -12,7 +12,7 @@ the end.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -216,14 +216,14 @@ class MetricsReport(Message, kw_only=True):
     samples: list[MetricSample]
 
 
-ClientToRouter = Union[Generate, Abort]
-RouterToClient = Union[TokenChunk, Finished, Failed]
-RouterToPrefill = Union[PrefillRequest, Abort, Ping, MetricsQuery]
-PrefillToRouter = Union[PrefillDone, Failed, Pong, MetricsReport]
-RouterToDecode = Union[DecodeRequest, Abort, Ping, MetricsQuery]
-DecodeToRouter = Union[TokenChunk, Finished, Failed, Pong, MetricsReport]
-ToSideChannel = Union[Handshake, Heartbeat, Release]
-FromSideChannel = Union[HandshakeReply, SideReply, Failed]
+ClientToRouter = Generate | Abort
+RouterToClient = TokenChunk | Finished | Failed
+RouterToPrefill = PrefillRequest | Abort | Ping | MetricsQuery
+PrefillToRouter = PrefillDone | Failed | Pong | MetricsReport
+RouterToDecode = DecodeRequest | Abort | Ping | MetricsQuery
+DecodeToRouter = TokenChunk | Finished | Failed | Pong | MetricsReport
+ToSideChannel = Handshake | Heartbeat | Release
+FromSideChannel = HandshakeReply | SideReply | Failed
 
 T = TypeVar("T")
 

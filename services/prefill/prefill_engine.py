@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.llm_engine import EngineCore
 from pdserve.common.engine.request import Request
 
 
@@ -17,10 +17,10 @@ class Prefilled(msgspec.Struct, kw_only=True):
     num_cached_tokens: int
 
 
-class PrefillEngine(LLMEngine):
+class PrefillEngine(EngineCore[Prefilled]):
     holds_output = False
 
-    def _advance(self, req: Request, token_id: int) -> Prefilled:  # type: ignore[override]
+    def _advance(self, req: Request, token_id: int) -> Prefilled:
         req.output_token_ids.append(token_id)
         del self._requests[req.request_id]
         return Prefilled(

@@ -256,7 +256,7 @@ class OpenAIApi:
         ]  # fmt: skip
         gens = []
         prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
-        for request_id, prompt in zip(ids, prompts):
+        for request_id, prompt in zip(ids, prompts, strict=True):
             max_tokens = self._max_tokens(prompt, prompt_param, default_max_tokens,
                                           requested_max_tokens)  # fmt: skip
             sampling = req.sampling(max_tokens)

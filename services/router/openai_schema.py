@@ -14,6 +14,7 @@ fuzzers read cannot drift from what the server decodes.
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -295,9 +296,8 @@ def usage_of(usages: list[Usage]) -> UsageInfo:
 # -- rendering the core's events -----------------------------------------------------------
 
 
-class Renderer:
-    """Turns generated text into one endpoint's bodies and stream chunks (the subclasses
-    add delta, finish, usage_chunk and body)."""
+class Renderer(abc.ABC):
+    """Turns generated text into one endpoint's bodies and stream chunks."""
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
@@ -306,6 +306,18 @@ class Renderer:
 
     def start(self, index: int) -> msgspec.Struct | None:
         return None
+
+    @abc.abstractmethod
+    def delta(self, index: int, text: str) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> msgspec.Struct: ...
 
 
 class CompletionRenderer(Renderer):
@@ -324,7 +336,7 @@ class CompletionRenderer(Renderer):
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> Completion:
         choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons))]  # fmt: skip
+                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
         return self._chunk(choices, usage)
 
 
@@ -353,6 +365,6 @@ class ChatRenderer(Renderer):
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> ChatCompletion:
         choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
                               finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons))]  # fmt: skip
+                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
                               model=self.model, choices=choices, usage=usage)  # fmt: skip
