@@ -200,3 +200,35 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
                 assert status == 200, answer
                 assert answer["choices"][0]["text"] == expected, flags
             assert_pools_full(dep.url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_gguf_of_each_family_runs_as_its_checkpoint(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,
+    prompts: list[list[int]],
+    model_type: str,
+) -> None:
+    """`--model FILE.gguf`: converted by transformers' GGUF reader, HF's tokens again.
+    (head_dim 128: transformers reads no key_length for qwen3 and assumes its default.)"""
+    pytest.importorskip("gguf")
+    from pdserve.common.model.files import default_model_path
+    from pdserve.common.model.random import save_random_model
+    from tests.gguf_writer import write_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    config = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2}
+    checkpoint = save_random_model(
+        tmp_path / model_type,
+        model_type,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+        **config,
+    )
+    gguf_file = write_gguf(checkpoint, tmp_path / f"{model_type}.gguf", default_model_path())
+    want = hf_greedy(checkpoint, prompts[:2])
+    assert engine_greedy(gguf_file, prompts[:2]) == want
