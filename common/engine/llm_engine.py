@@ -14,6 +14,7 @@ import torch
 
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.kv_groups import kv_cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
@@ -39,6 +40,9 @@ class StepRunner(Protocol):
 
 class LLMEngine:
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
+    # Blocks behind a sliding window go back to the pool as a sequence runs (not so on
+    # prefill: its KV handle lists every block of the prompt, one table for all layers).
+    drops_blocks_outside_window = True
 
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
         """``runner`` replaces the in-process ModelRunner (prefill's PCP rank group)."""
@@ -54,8 +58,16 @@ class LLMEngine:
             self.model_config, self.model_dir, config
         )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
+        self.kv_groups = kv_cache_groups(self.model_config.layer_windows)
+        # One table serves every layer (common/engine/kv_groups.py): it may drop blocks
+        # only when every layer slides with one window.
+        group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
         self.scheduler = Scheduler(
-            self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+            self.pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            group if self.drops_blocks_outside_window else None,
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
@@ -81,7 +93,7 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         longest = min(num + sampling.max_tokens, self.max_model_len) if self.holds_output else num
-        needed = -(-longest // self.config.block_size)
+        needed = self.scheduler.max_blocks(longest, num)
         if needed > self.pool.num_blocks:
             raise RequestError(
                 f"the request needs up to {needed} KV blocks but the cache has "
@@ -126,11 +138,11 @@ class LLMEngine:
             return []
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(reqs, plan)
-        sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
+        sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
         tokens = self.sampler(
             logits, [r.sampling for r in sampled], [len(r.output_token_ids) for r in sampled]
         )
-        return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+        return [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
@@ -178,7 +190,7 @@ class LLMEngine:
             [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         )
         ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p)
         texts = {rid: [] for rid in ids}
         tokens = {rid: [] for rid in ids}

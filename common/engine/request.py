@@ -35,7 +35,10 @@ class Request:
         self.sampling = sampling
         self.arrival_order = arrival_order
         self.status = Status.WAITING
+        # The block table: entry i holds positions i * block_size ..; the leading
+        # ``num_dropped_blocks`` are NULL_BLOCK (returned: behind a sliding window).
         self.block_ids: list[int] = []
+        self.num_dropped_blocks = 0
         self.block_hashes: list[BlockHash] = []
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
@@ -55,6 +58,11 @@ class Request:
         if stop <= num_prompt:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this request references (its table without the dropped entries)."""
+        return self.block_ids[self.num_dropped_blocks :]
 
     @property
     def num_tokens(self) -> int:

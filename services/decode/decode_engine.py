@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.outputs import RequestOutput
 from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.errors import RequestError
 
 
 class DecodeEngine(LLMEngine):
@@ -33,3 +34,14 @@ class DecodeEngine(LLMEngine):
 
     def blocks_for_prompt(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
+
+    def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        super().validate(prompt_token_ids, sampling)
+        # A pull lands every block of the prompt at once, even where a sliding window
+        # would hold fewer while decoding.
+        needed = self.blocks_for_prompt(len(prompt_token_ids))
+        if needed > self.pool.num_blocks:
+            raise RequestError(
+                f"the prompt's KV needs {needed} blocks but the decode cache has "
+                f"{self.pool.num_blocks}; shorten it or give the cache more memory"
+            )

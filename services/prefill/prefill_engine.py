@@ -19,6 +19,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
 
 class PrefillEngine(LLMEngine):
     holds_output = False
+    drops_blocks_outside_window = False  # the handle lists every block (one table today)
 
     def _advance(self, req: Request, token_id: int) -> Prefilled:  # type: ignore[override]
         req.output_token_ids.append(token_id)
