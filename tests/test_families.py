@@ -179,12 +179,26 @@ def test_pdserve_generate_raw_on_qwen3(checkpoints: dict[str, Path], model_dir: 
     assert run.stdout == tok.decode(want) + "\n"
 
 
+DISAGGREGATED = [
+    ("qwen3", {"pcp": 2}),
+    ("qwen3", {"prefill_tp": 2, "decode_tp": 1}),
+    ("qwen2-sliding", {"pcp": 2}),
+    ("qwen2-sliding", {"prefill_tp": 2, "decode_tp": 1}),
+    # every layer windowed: decode returns the pulled blocks that leave the window
+    ("mistral", {"pcp": 2}),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2-sliding"])
+@pytest.mark.parametrize(("family", "flags"), DISAGGREGATED)
 def test_disaggregated_pcp_and_tp_through_the_openai_api(
-    tmp_path: Path, checkpoints: dict[str, Path], model_dir: Path, family: str
+    tmp_path: Path,
+    checkpoints: dict[str, Path],
+    model_dir: Path,
+    family: str,
+    flags: dict[str, int],
 ) -> None:
-    """`pdserve up` with --pcp 2, then with --prefill-tp 2 --decode-tp 1: HF's tokens."""
+    """`pdserve up` with --pcp 2, or --prefill-tp 2 --decode-tp 1: HF's tokens."""
     from pdserve.common.model.tokenizer import Tokenizer
     from tests.e2e import deployment
     from tests.test_serving import assert_pools_full, post
@@ -192,14 +206,13 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
     tok = Tokenizer.from_dir(model_dir)
     texts = ["Monday, Tuesday,", "The quick brown fox jumps over the lazy dog. " * 40]
     want = [tok.decode(t) for t in hf_greedy(checkpoints[family], [tok.encode(x) for x in texts])]
-    for i, flags in enumerate([{"pcp": 2}, {"prefill_tp": 2, "decode_tp": 1}]):
-        with deployment(tmp_path / str(i), checkpoints[family], **flags) as dep:
-            for text, expected in zip(texts, want, strict=True):
-                body = {"prompt": text, "max_tokens": NUM_TOKENS, "temperature": 0}
-                status, answer = post(dep.url, "/v1/completions", body)
-                assert status == 200, answer
-                assert answer["choices"][0]["text"] == expected, flags
-            assert_pools_full(dep.url)
+    with deployment(tmp_path, checkpoints[family], **flags) as dep:
+        for text, expected in zip(texts, want, strict=True):
+            body = {"prompt": text, "max_tokens": NUM_TOKENS, "temperature": 0}
+            status, answer = post(dep.url, "/v1/completions", body)
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == expected
+        assert_pools_full(dep.url)
 
 
 @pytest.mark.slow
