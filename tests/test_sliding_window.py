@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.engine.block_pool import BlockPool
+from pdserve.common.engine.block_pool import BlockPool, hash_blocks
 from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup, kv_cache_groups
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.sampling import SamplingParams
@@ -123,3 +123,73 @@ def test_a_4k_token_generation_on_a_window_64_model_stays_in_its_bound(
     assert num_tokens == 4096
     assert most_held == 5
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def _prefill(s: Scheduler, req: Request) -> int:
+    """Schedule ``req`` to its first sampled token; the position its first step started at."""
+    s.add(req)
+    plan, chosen = s.schedule()
+    start = plan.seqs[0].start_position
+    while True:
+        s.on_step_done(chosen, plan)
+        if plan.seqs[0].sample:
+            return start
+        plan, chosen = s.schedule()
+
+
+def test_a_prefix_hit_needs_only_the_window_and_replays_at_most_it() -> None:
+    group = KVCacheGroup(layers=(0,), sliding_window=8)
+    pool = BlockPool(64)
+    s = Scheduler(pool, B, max_num_seqs=4, max_num_batched_tokens=64, group=group)
+    prompt = list(range(40))  # 10 blocks; a rerun resumes at most at block 9 (36)
+    first = Request("a", prompt, SamplingParams())
+    assert _prefill(s, first) == 0
+    hashes = first.block_hashes
+    s.finish(first, "length")
+    # Blocks behind the window go first; the window of 36 is blocks 7 and 8.
+    assert all(pool.evict(hashes[i]) for i in range(5))
+    again = Request("b", prompt, SamplingParams())
+    assert _prefill(s, again) == 36 and again.num_cached_tokens == 36
+    assert again.block_ids[:7] == [NULL_BLOCK] * 7 and s.num_replayed_tokens == 0
+    s.finish(again, "length")
+    # A block inside the window lost: cut back to 28, whose window (blocks 5, 6) is whole.
+    assert pool.evict(hashes[7])
+    third = Request("c", prompt, SamplingParams())
+    assert _prefill(s, third) == 28
+    assert s.num_replayed_tokens == 8 == third.num_replayed_tokens  # <= W
+    s.finish(third, "length")
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.slow
+def test_bounded_replay_gives_the_same_tokens(tmp_path: Path, model_dir: Path) -> None:
+    pytest.importorskip("transformers")
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.model.random import save_random_model
+
+    path = save_random_model(
+        tmp_path / "mistral",
+        "mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        sliding_window=32,
+        vocab_size=2048,
+    )
+    engine = LLMEngine(EngineConfig(model=str(path), block_size=16, num_kv_blocks=64))
+    prompt = [(7 * i) % 2000 + 1 for i in range(200)]  # 12 full blocks, resumes at 192
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = engine.generate([prompt], sampling)[0].token_ids
+    hashes = hash_blocks(prompt, 16)  # the first run's, recomputed the same way
+    # the window of 192 is blocks 10 and 11 (positions 161..191); lose block 10
+    assert engine.pool.evict(hashes[10])
+    before = engine.scheduler.num_computed_tokens
+    [again] = engine.generate([prompt], sampling)
+    assert again.token_ids == want
+    assert engine.scheduler.num_replayed_tokens == 32  # two blocks: <= W
+    # the prompt from 160 (cut back to where the window is whole), then 7 decodes
+    assert engine.scheduler.num_computed_tokens - before == (200 - 160) + 7
+    assert again.num_cached_tokens == 160

@@ -43,6 +43,7 @@ class Request:
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_replayed_tokens = 0  # cached but recomputed: a window's blocks were lost
         self.finish_reason: str | None = None
 
     @property

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.block_pool import BlockHash, BlockPool, hash_blocks
 from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
@@ -39,6 +39,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
+        # prompt tokens recomputed because a sliding window lost blocks of a cached prefix
+        self.num_replayed_tokens = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -76,6 +78,7 @@ class Scheduler:
                 self._release_blocks(req)
                 break
             req.block_ids += self.pool.allocate(needed)
+            self.num_replayed_tokens += req.num_replayed_tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -118,11 +121,36 @@ class Scheduler:
         self._extend_hashes(req)
         # The last token is always computed so that there are logits to sample from.
         max_blocks = (req.num_tokens - 1) // self.block_size
-        req.block_ids = self.pool.match_prefix(req.block_hashes[:max_blocks])
+        hashes = req.block_hashes[:max_blocks]
+        if self.group.is_sliding:
+            req.block_ids = self._match_window(req, hashes)
+        else:
+            req.block_ids = self.pool.match_prefix(hashes)
         req.num_computed_tokens = len(req.block_ids) * self.block_size
         if req.num_cached_tokens == 0:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         self._drop_outside_window(req)
+
+    def _match_window(self, req: Request, hashes: list[BlockHash]) -> list[int]:
+        """The longest cached prefix whose window is cached: resuming at block ``n`` needs
+        only the blocks the window of position ``n * B`` reaches, not the whole prefix.
+        When a block inside that window was lost, the prefix is cut back to where the
+        window is whole: at most the window's tokens are replayed (and counted)."""
+        blocks = [self.pool.cached_block(h) for h in hashes]
+        # The longest prefix whose last block is still cached: what a full-attention
+        # cache would have resumed from had it kept every block.
+        longest = next((n for n in range(len(blocks), 0, -1) if blocks[n - 1] is not None), 0)
+        for n in range(longest, 0, -1):
+            first = self.group.num_blocks_outside(n * self.block_size, self.block_size)
+            window = blocks[first:n]
+            if None not in window:
+                taken = [b for b in window if b is not None]
+                self.pool.take(taken)
+                req.num_replayed_tokens = (longest - n) * self.block_size
+                req.num_dropped_blocks = first
+                return [NULL_BLOCK] * first + taken
+        req.num_replayed_tokens = longest * self.block_size
+        return []
 
     def _drop_outside_window(self, req: Request) -> None:
         """Return the blocks no later query of ``req`` can see (a sliding group only)."""
