@@ -201,7 +201,7 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
     """`pdserve up` with --pcp 2, or --prefill-tp 2 --decode-tp 1: HF's tokens."""
     from pdserve.common.model.tokenizer import Tokenizer
     from tests.e2e import deployment
-    from tests.test_serving import assert_pools_full, post
+    from tests.test_serving import assert_pools_full, metrics, post, total
 
     tok = Tokenizer.from_dir(model_dir)
     texts = ["Monday, Tuesday,", "The quick brown fox jumps over the lazy dog. " * 40]
@@ -213,6 +213,18 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
             assert status == 200, answer
             assert answer["choices"][0]["text"] == expected
         assert_pools_full(dep.url)
+        cfg = ModelConfig.from_dir(checkpoints[family])
+        if cfg.model_type == "mistral":  # only the blocks the window still reaches move
+            block, window = dep.cfg.engine.block_size, cfg.sliding_window or 0
+            lengths = [len(tok.encode(x)) for x in texts]
+            published = sum(-(-n // block) - max(0, (n - window + 1) // block) for n in lengths)
+            assert published < sum(-(-n // block) for n in lengths)
+            block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * block
+            block_bytes *= cfg.head_dim * 4
+            snap = metrics(dep.url)
+            assert (
+                total(snap, "pdserve:kv_transfer_bytes_total", "decode") == published * block_bytes
+            )
 
 
 @pytest.mark.slow

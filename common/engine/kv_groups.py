@@ -10,8 +10,10 @@ first block and never read it).
 Today one block holds every layer of a sequence's tokens (common/engine/kv_layout.py), so
 blocks can be returned only when every layer is sliding with one window (Mistral): the
 cache is then one sliding group, bounded to ``ceil(W / block_size) + 1`` blocks per
-decoding sequence. A model mixing full and sliding layers (Qwen2 ``max_window_layers``)
-has two groups here but keeps one table until the cache is split per group.
+decoding sequence, and a prefill hands decode only the blocks still inside the window
+(``KVHandle.first_block``). A model mixing full and sliding layers (Qwen2
+``max_window_layers``) has two groups here but keeps one table until the cache is split
+per group (docs/models.md lists what remains).
 """
 
 from __future__ import annotations

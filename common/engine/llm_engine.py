@@ -40,9 +40,6 @@ class StepRunner(Protocol):
 
 class LLMEngine:
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
-    # Blocks behind a sliding window go back to the pool as a sequence runs (not so on
-    # prefill: its KV handle lists every block of the prompt, one table for all layers).
-    drops_blocks_outside_window = True
 
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
         """``runner`` replaces the in-process ModelRunner (prefill's PCP rank group)."""
@@ -59,15 +56,15 @@ class LLMEngine:
         )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
         self.kv_groups = kv_cache_groups(self.model_config.layer_windows)
-        # One table serves every layer (common/engine/kv_groups.py): it may drop blocks
-        # only when every layer slides with one window.
+        # One table serves every layer (common/engine/kv_groups.py): blocks behind the
+        # window go back to the pool only when every layer slides with one window.
         group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
         self.scheduler = Scheduler(
             self.pool,
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            group if self.drops_blocks_outside_window else None,
+            group,
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(

@@ -198,13 +198,12 @@ class Scheduler:
             self._drop_outside_window(req)
 
     def detach(self, req: Request) -> list[int]:
-        """End ``req`` here but hand its blocks (and their references) to the caller:
-        prefill pins them under a lease until decode has pulled them."""
+        """End ``req`` here but hand the blocks it holds (and their references) to the
+        caller: prefill pins them under a lease until decode has pulled them. Entries
+        before ``req.num_dropped_blocks`` left a sliding window and are not among them."""
         self.running.remove(req)
         req.status = Status.FINISHED
-        if req.num_dropped_blocks:
-            raise RuntimeError(f"{req.request_id}: blocks left the window before the handoff")
-        blocks, req.block_ids = req.block_ids, []
+        blocks, req.block_ids = req.held_block_ids, []
         return blocks
 
     def finish(self, req: Request, reason: str) -> None:

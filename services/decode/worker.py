@@ -178,7 +178,7 @@ class DecodeWorker(WorkerThread):
         hold = os.environ.get(HOLD_PULLS_ENV)
         if hold and os.path.exists(hold):
             return
-        need = self.engine.blocks_for_prompt(pp.handle.num_tokens)
+        need = self.engine.blocks_for_prompt(pp.handle.num_tokens) - pp.handle.first_block
         if need > self.engine.pool.num_free_blocks:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
@@ -230,7 +230,13 @@ class DecodeWorker(WorkerThread):
         msg = pp.msg
         assert msg.first_token is not None
         out = self.engine.add_prefilled(
-            rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
+            rid,
+            msg.prompt_token_ids,
+            msg.first_token,
+            msg.sampling,
+            blocks,
+            msg.num_cached_tokens,
+            first_block=pp.handle.first_block,
         )
         self._emit(out, pp.marks)
 

@@ -189,6 +189,7 @@ class PrefillWorker(WorkerThread):
             epoch=self.svc.epoch,
             layout=self.engine.runner.layout,
             block_ids=done.block_ids,
+            first_block=done.first_block,
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,
