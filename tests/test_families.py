@@ -143,7 +143,13 @@ def test_config_reads_each_family_as_transformers_does(checkpoints: dict[str, Pa
     assert not ModelConfig.from_dir(checkpoints["qwen2"]).qk_norm
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# The new switches run in the fast tier; the families that only re-check old paths, slow.
+FAST = ("qwen2-sliding", "qwen3")
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def test_greedy_tokens_identical_to_transformers(
     checkpoints: dict[str, Path], prompts: list[list[int]], family: str
 ) -> None:
@@ -151,7 +157,9 @@ def test_greedy_tokens_identical_to_transformers(
     assert engine_greedy(checkpoints[family], prompts) == want
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2-sliding"])
+@pytest.mark.parametrize(
+    "family", ["mistral", pytest.param("qwen2-sliding", marks=pytest.mark.slow)]
+)
 def test_windows_across_small_blocks_and_chunked_prefill(
     checkpoints: dict[str, Path], prompts: list[list[int]], family: str
 ) -> None:
