@@ -93,6 +93,7 @@ class DecodeWorker(WorkerThread):
             "pdserve:kv_transfer_failures",
             "pdserve:kv_notification_failures",
             "pdserve:num_preemptions",
+            "pdserve:prefix_cache_replayed_tokens",
             "pdserve:bad_messages",
         )
 

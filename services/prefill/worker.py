@@ -72,7 +72,11 @@ class PrefillWorker(WorkerThread):
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
         self.metrics = svc.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
-        self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
+        self.metrics.declare(
+            "pdserve:num_preemptions",
+            "pdserve:bad_messages",
+            "pdserve:prefix_cache_replayed_tokens",
+        )
         for rank in range(self.leases.num_ranks):
             self.metrics.declare(
                 "pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank
