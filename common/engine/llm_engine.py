@@ -14,6 +14,7 @@ import torch
 
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.kv_groups import kv_cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
@@ -61,8 +62,16 @@ class EngineCore(Generic[OutputT]):
             self.model_config, self.model_dir, config
         )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
+        self.kv_groups = kv_cache_groups(self.model_config.layer_windows)
+        # One table serves every layer (common/engine/kv_groups.py): blocks behind the
+        # window go back to the pool only when every layer slides with one window.
+        group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
         self.scheduler = Scheduler(
-            self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+            self.pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            group,
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
@@ -88,7 +97,7 @@ class EngineCore(Generic[OutputT]):
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         longest = min(num + sampling.max_tokens, self.max_model_len) if self.holds_output else num
-        needed = -(-longest // self.config.block_size)
+        needed = self.scheduler.max_blocks(longest, num)
         if needed > self.pool.num_blocks:
             raise RequestError(
                 f"the request needs up to {needed} KV blocks but the cache has "

@@ -1,6 +1,7 @@
-"""Random-weight Llama checkpoints of any shape, for tensor-parallel tests and benchmarks:
-``save_random_llama`` builds them with transformers' own classes (the reference for tests),
-``write_random_llama`` writes big ones fast for benchmarks (``random_shape_model``).
+"""Random-weight checkpoints of any shape and family, for tensor-parallel tests and benchmarks:
+``save_random_model`` / ``save_random_llama`` build them with transformers' own classes (the
+reference for tests), ``write_random_llama`` writes big ones fast for benchmarks
+(``random_shape_model``).
 
 They reuse a real tokenizer so that prompts, chat templates and detokenization behave as
 with a real model; only the weights (and so the generated text) are noise.
@@ -39,19 +40,15 @@ def save_random_llama(
     sliding_window: int | None = None,
     tokenizer_from: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write a random LlamaForCausalLM (float32 safetensors) plus a tokenizer into ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(path)
-    source = resolve_model(tokenizer_from)
-    if vocab_size is None:
-        vocab_size = _tokenizer_vocab_size(source)
-    # Keys outside LlamaConfig's typed signature: rope_scaling, and sliding_window, which is
-    # not a LlamaConfig field (transformers' Llama ignores it) but lands in config.json,
-    # where pdserve's ModelConfig reads it.
-    untyped: dict[str, Any] = {"rope_scaling": rope_scaling, "sliding_window": sliding_window}
-    config = LlamaConfig(
+    """Write a random LlamaForCausalLM (float32 safetensors) plus a tokenizer into ``path``;
+    with ``sliding_window`` a MistralForCausalLM (the same weights, every layer windowed):
+    transformers' Llama ignores sliding_window, and so does pdserve."""
+    window = {"sliding_window": sliding_window} if sliding_window else {}
+    return save_random_model(
+        path,
+        "mistral" if sliding_window else "llama",
+        seed=seed,
+        tokenizer_from=tokenizer_from,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -59,12 +56,37 @@ def save_random_llama(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
         tie_word_embeddings=False,
-        **untyped,
+        **window,
+    )
+
+
+def save_random_model(
+    path: str | os.PathLike[str],
+    model_type: str,
+    *,
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    **config: Any,
+) -> Path:
+    """Write a random checkpoint of transformers' own classes for ``model_type`` (its
+    config class with ``config`` as keyword arguments, its ForCausalLM), float32
+    safetensors, plus the tokenizer of ``tokenizer_from`` (default: the embedded model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(path)
+    source = resolve_model(tokenizer_from)
+    hf_config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size or _tokenizer_vocab_size(source),
         **_special_token_ids(source),
+        **config,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     _copy_tokenizer(source, out)
     return out

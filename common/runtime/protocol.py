@@ -105,6 +105,9 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     num_tokens: int
     replicas: list[Replica]
     lease_deadline: float  # unix time; decode heartbeats extend it
+    # Table entries before block_ids[0]: behind a sliding window, never published (a model
+    # whose every layer slides, common/engine/kv_groups.py); block_ids hold the rest.
+    first_block: int = 0
 
 
 class PrefillDone(Message, kw_only=True, omit_defaults=True):

@@ -115,6 +115,7 @@ class DecodeEngineThread(EngineThread):
             "pdserve:kv_transfer_failures",
             "pdserve:kv_notification_failures",
             "pdserve:num_preemptions",
+            "pdserve:prefix_cache_replayed_tokens",
             "pdserve:bad_messages",
         )
 
@@ -200,7 +201,7 @@ class DecodeEngineThread(EngineThread):
             return
         if self.ctx.faults.pulls_held():
             return
-        need = self.engine.blocks_for_prompt(pp.handle.num_tokens)
+        need = self.engine.blocks_for_prompt(pp.handle.num_tokens) - pp.handle.first_block
         if need > self.engine.pool.num_free_blocks:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
@@ -252,7 +253,13 @@ class DecodeEngineThread(EngineThread):
         msg = pp.msg
         assert msg.first_token is not None
         out = self.engine.add_prefilled(
-            rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
+            rid,
+            msg.prompt_token_ids,
+            msg.first_token,
+            msg.sampling,
+            blocks,
+            msg.num_cached_tokens,
+            first_block=pp.handle.first_block,
         )
         self._emit(out, pp.marks)
 

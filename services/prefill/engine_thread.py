@@ -97,7 +97,11 @@ class PrefillEngineThread(EngineThread):
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
         self.metrics = ctx.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
-        self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
+        self.metrics.declare(
+            "pdserve:num_preemptions",
+            "pdserve:bad_messages",
+            "pdserve:prefix_cache_replayed_tokens",
+        )
         for rank in range(self.leases.num_ranks):
             self.metrics.declare(
                 "pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank
@@ -215,6 +219,7 @@ class PrefillEngineThread(EngineThread):
             epoch=self.ctx.epoch,
             layout=self.engine.runner.layout,
             block_ids=done.block_ids,
+            first_block=done.first_block,
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,
