@@ -29,6 +29,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--tokenizer", default=None)
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also: the GPU time of one eager decode forward by kernel (torch.profiler)",
+    )
     args = ap.parse_args()
     path = random_shape_model(args.shape, device="cuda", tokenizer_from=args.tokenizer)
     blocks = -(-(args.context + args.steps + 16) // 64)
@@ -80,6 +85,49 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
     print(out.getvalue())
+    if args.kernels:
+        kernel_table(engine, runner, execute)
+
+
+def kernel_table(engine: LLMEngine, runner, execute) -> None:  # noqa: ANN001
+    """One decode step's forward run eagerly (graphs off) under torch.profiler: GPU time by
+    kernel, grouped into GEMMs, attention, pointwise and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner.graphs = runner.graphs, None
+    captured = []
+    runner.execute = lambda plan: captured.append(plan) or execute(plan)
+    engine.step()
+    plan = captured[-1]
+    for _ in range(3):
+        execute(plan)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            execute(plan)
+        torch.cuda.synchronize()
+    runner.graphs = graphs
+    groups: dict[str, float] = {}
+    rows = []
+    for event in prof.key_averages():
+        us = event.device_time_total / 5
+        if us <= 0:
+            continue
+        name = event.key
+        kind = (
+            "gemm" if any(k in name.lower() for k in ("gemm", "gemv", "cutlass", "sm90", "matmul"))
+            else "attention" if "_decode_" in name or "_prefill_" in name or "write_kv" in name
+            else "pointwise" if any(k in name for k in ("rms_norm", "rotary", "silu"))
+            else "other"
+        )  # fmt: skip
+        groups[kind] = groups.get(kind, 0.0) + us
+        rows.append((us, name[:90]))
+    total = sum(groups.values())
+    print(f"eager forward, GPU time by kind: {total / 1e3:.3f} ms in all")
+    for kind, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:10s} {us / 1e3:8.3f} ms  {us / total:6.1%}")
+    for us, name in sorted(rows, reverse=True)[:12]:
+        print(f"  {us / 1e3:8.3f} ms  {name}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class FakeScheduler:
     running: list[Any] = []
     waiting: list[Any] = []
     num_preemptions = 0
+    num_replayed_tokens = 0
 
 
 class FakeEngine:
