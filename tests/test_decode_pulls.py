@@ -62,7 +62,7 @@ class FakeEngine:
 
     def add_prefilled(self, rid: str, prompt: list[int], first_token: int,
                       sampling: SamplingParams, block_ids: list[int] | None,
-                      num_cached_tokens: int = 0) -> RequestOutput:  # fmt: skip
+                      num_cached_tokens: int = 0, first_block: int = 0) -> RequestOutput:  # fmt: skip
         self.admitted.append((rid, block_ids))
         self.pool.free(block_ids or [])  # a request done at its first token frees its blocks
         return RequestOutput(request_id=rid, new_token_ids=[first_token], text="x", finished=True,
