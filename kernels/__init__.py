@@ -15,11 +15,34 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 
-import torch
 
-from pdserve.kernels import pointwise_ref, reference
+def _defer_to_installed_kernels() -> None:
+    """This folder imported by its bare name ``kernels`` (the repository root on sys.path:
+    ``python -m`` or pytest run there) while Hugging Face's ``kernels`` package is installed
+    (transformers >= 5.25 requires it and imports it): hand the importer that package
+    instead, which the ``import`` statement then returns from sys.modules."""
+    import importlib.machinery
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        return  # none installed: importers see this package, as before
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _defer_to_installed_kernels()
+
+import torch  # noqa: E402
+
+from pdserve.kernels import pointwise_ref, reference  # noqa: E402
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")

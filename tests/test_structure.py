@@ -193,3 +193,29 @@ def test_structure_doc_names_existing_paths() -> None:
             if not any(p.exists() for p in found):
                 missing.append(f"docs/structure.md:{number}: {name}")
     assert not missing, "docs/structure.md names paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_bare_kernels_name_is_hugging_faces_where_installed() -> None:
+    """transformers (>= 5.25 requires Hugging Face's ``kernels``) imports ``kernels`` by
+    its bare name; with the repository root on sys.path (python -m, pytest) our folder
+    answered and the import failed. Now the installed package answers, and
+    ``pdserve.kernels`` stays ours."""
+    import importlib.machinery
+
+    root = Path(__file__).resolve().parents[1]
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != root]
+    installed = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    code = (
+        "import kernels, pdserve.kernels as ours; print(kernels.__file__); print(ours.__file__)"
+        + ("; import transformers.activations" if installed else "")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    bare, ours = (Path(line) for line in out.stdout.split())
+    assert ours == root / "kernels" / "__init__.py"
+    if installed:
+        assert bare == Path(installed.origin)
+    else:
+        assert bare == ours
