@@ -169,10 +169,10 @@ def new_cache(layout: KVLayout, device: str) -> torch.Tensor:
     """A zeroed cache in the memory order kv_transfer expects, as its logical view."""
     import torch
 
-    from pdserve.common.transfer import kv_transfer
+    from pdserve.common.engine import kv_cache
 
     torch.set_num_threads(1)  # the local copy is one memcpy stream, as CMA is one reader
-    return kv_transfer.new_cache(layout, device)
+    return kv_cache.new_cache(layout, device)
 
 
 def storage_bytes(cache: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ def _check_cache(kv_cache: torch.Tensor, layout: KVLayout, who: str) -> None:
     if not storage_of(kv_cache, layout).is_contiguous():
         raise KVTransferError(
             f"{who}: KV cache must be a logical view of one {layout.order}-major "
-            "storage tensor (kv_transfer.new_cache): one registration, runs contiguous"
+            "storage tensor (engine/kv_cache.new_cache): one registration, runs contiguous"
         )
 
 
