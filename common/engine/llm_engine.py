@@ -57,10 +57,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
         )
+        self.sampler = Sampler(self.eos_token_ids)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self._arrivals = itertools.count()
@@ -68,7 +68,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        sampling.validate()
+        sampling.validate(self.model_config.vocab_size)
         num = len(prompt_token_ids)
         if num == 0:
             raise RequestError("the prompt is empty")
@@ -102,7 +102,10 @@ class LLMEngine:
         return Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
 
     def _track(self, req: Request) -> None:
-        self._requests[req.request_id] = (req, TextTracker(self.tokenizer, req.sampling.stop))
+        p = req.sampling
+        tracker = TextTracker(self.tokenizer, p.stop, min_tokens=p.min_tokens,
+                              include_stop=p.include_stop_str_in_output)  # fmt: skip
+        self._requests[req.request_id] = (req, tracker)
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -128,7 +131,10 @@ class LLMEngine:
         self.scheduler.on_step_done(reqs, plan)
         sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
         tokens = self.sampler(
-            logits, [r.sampling for r in sampled], [len(r.output_token_ids) for r in sampled]
+            logits,
+            [r.sampling for r in sampled],
+            [len(r.output_token_ids) for r in sampled],
+            [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
         return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
 
@@ -140,7 +146,8 @@ class LLMEngine:
         """The output for ``req``'s newest token; ends the request on a stop rule."""
         tracker = self._requests[req.request_id][1]
         reason = finish_reason(req, token_id, self.eos_token_ids, self.max_model_len)
-        if reason == "stop":  # a stop token's text is not part of the answer
+        if reason == "stop" and not req.sampling.include_stop_str_in_output:
+            # a stop token's text is not part of the answer
             text, hit_stop_string = "", False
         else:
             text, hit_stop_string = tracker.add(token_id)

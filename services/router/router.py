@@ -138,10 +138,16 @@ class Router:
     def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
         """Validates now (RequestError), then runs the request as the iterator is consumed."""
         ids = self._prompt_ids(gen)
-        gen.sampling.validate()
+        gen.sampling.validate(self.vocab_size)
         if len(ids) > self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
+        room = self.max_model_len - len(ids)
+        if gen.sampling.max_tokens > room:  # as the HTTP API refuses it, for SDK callers too
+            raise RequestError(
+                f"max_tokens {gen.sampling.max_tokens} plus the prompt's {len(ids)} tokens "
+                f"exceeds max_model_len {self.max_model_len}; ask for at most {max(room, 0)}"
             )
         rid = gen.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.requests:
