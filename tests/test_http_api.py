@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
@@ -33,6 +33,13 @@ openai = pytest.importorskip("openai")
 
 MODEL = "fake-model"
 OPENAPI_PATH = Path(openapi.__file__).with_name("openapi.json")
+
+
+def fake_logprobs(token: int, i: int, num: int) -> TokenLogprobs:
+    """The chosen token at -i/10, alternatives token+1.. below it."""
+    tops = [token + 1 + k for k in range(num)]
+    return TokenLogprobs(token_id=token, logprob=-i / 10, top_ids=tops,
+                         top_logprobs=[-i / 10 - 1 - k for k in range(num)])  # fmt: skip
 
 
 class FakeCore:
@@ -79,7 +86,14 @@ class FakeCore:
                     yield Failed(request_id=rid, reason="peer_down", message="decode-0 died")
                     return
                 text = detok.add(token) + (detok.flush() if i == len(out) - 1 else "")
-                yield TokenChunk(request_id=rid, trace_id="t", token_ids=[token], text=text)
+                logprobs = (
+                    []
+                    if gen.sampling.logprobs is None
+                    else [fake_logprobs(token, i, gen.sampling.logprobs)]
+                )
+                yield TokenChunk(
+                    request_id=rid, trace_id="t", token_ids=[token], text=text, logprobs=logprobs
+                )
             ended = True
             usage = Usage(prompt_tokens=len(ids), completion_tokens=len(out))
             reason = "length" if len(out) == limit else "stop"
@@ -315,7 +329,8 @@ def test_sdk_sees_errors(client: Any) -> None:
         ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "n": 0}, "n", "invalid_value"),
         ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
-        ({"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+        ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
         ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"max_tokens": 3}, None, "invalid_value"),  # no prompt
@@ -347,7 +362,9 @@ def test_completion_errors(port: int, body: Any, param: str | None, code: str | 
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "x"}],
@@ -518,7 +535,6 @@ CHAT = [{"role": "user", "content": "x"}]
         ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
         ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/completions", {"structured_outputs": {"json": {}}}, "structured_outputs"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
@@ -529,8 +545,6 @@ CHAT = [{"role": "user", "content": "x"}]
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object"}}}}, "response_format"),
@@ -678,3 +692,36 @@ def test_tokenize_detokenize_version(port: int, tokenizer: Tokenizer) -> None:
     error_of(*request(port, "POST", "/tokenize", {"prompt": "x", "model": "other"})[::2], 404)
     status, _, data = request(port, "GET", "/version")
     assert status == 200 and json.loads(data)["version"]
+
+
+def test_logprobs_in_openai_shapes(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    prompt = "Logprobs please"
+    ids = tokenizer.encode(prompt)[:3]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2)
+    assert core.submitted[-1].sampling.logprobs == 2
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [text(t) for t in ids] and lp.token_logprobs == [0.0, -0.1, -0.2]
+    assert lp.top_logprobs[1] == {text(ids[1] + 1): -1.1, text(ids[1] + 2): -2.1,
+                                  text(ids[1]): -0.1}  # the chosen one always there  # fmt: skip
+    assert lp.text_offset == [0, len(text(ids[0])), len(text(ids[0])) + len(text(ids[1]))]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = tokenizer.encode_chat(messages)[:2]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          logprobs=True, top_logprobs=1)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [text(t) for t in chat_ids]
+    assert content[1].logprob == -0.1 and content[1].bytes == list(text(chat_ids[1]).encode())
+    assert [(t.token, t.logprob) for t in content[1].top_logprobs] == [
+        (text(chat_ids[1] + 1), -1.1)
+    ]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                 logprobs=True, stream=True))  # fmt: skip
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [c.token for c in streamed] == [text(t) for t in chat_ids]
+    assert all(c.top_logprobs == [] for c in streamed)  # logprobs alone: no alternatives
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None and core.submitted[-1].sampling.logprobs is None

@@ -152,3 +152,49 @@ def test_sdk_validates_as_http_does(dep: Deployment) -> None:
             sdk.generate("hi", logit_bias={10**7: 1.0})
         result = sdk.generate(DAYS, max_tokens=6, repetition_penalty=2.0, ignore_eos=True)
         assert len(result.token_ids) == 6
+
+
+def hf_logprobs(hf_model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V]: transformers' log-softmax at each generated position (fp32 CPU)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+
+def test_logprobs_equal_transformers(client: Any, dep: Deployment, tok: Tokenizer,
+                                     hf_model: torch.nn.Module) -> None:  # fmt: skip
+    prompt = "The capital of France is"
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                    logprobs=5, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    from pdserve.services.router.client import Client
+
+    with Client(dep.cfg.front_address, timeout=60) as sdk:  # the SDK: token ids and logprobs
+        result = sdk.generate(prompt, max_tokens=8, logprobs=5, ignore_eos=True)
+    output = result.token_ids
+    assert [tok.decode([t], skip_special_tokens=False) for t in output] == lp.tokens
+    want = hf_logprobs(hf_model, tok.encode(prompt), output)
+    got = torch.tensor(lp.token_logprobs)
+    # position 0 is prefill's first token, the rest decode's
+    assert torch.allclose(got, want[torch.arange(8), torch.tensor(output)], atol=1e-4)
+    for i, entry in enumerate(result.logprobs):
+        top = want[i].topk(5)
+        assert entry.top_ids == top.indices.tolist()
+        assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
+        assert entry.logprob == lp.token_logprobs[i]
+    # chat, streamed and not: the same numbers, in OpenAI's chat shape
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                            temperature=0, logprobs=True, top_logprobs=3,
+                                            stream=True)  # fmt: skip
+    streamed = [c for ch in stream if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    chat_ids = [tok.encode(c.token, add_special_tokens=False) for c in content]
+    assert all(len(ids) >= 1 for ids in chat_ids)
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+               for c in content)  # greedy: the chosen token is the most likely  # fmt: skip

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from pdserve.common.engine.sampling import Sampler, SamplingParams, adjust_logits, sample_row
+from pdserve.common.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    adjust_logits,
+    sample_row,
+    token_logprobs,
+)
 from pdserve.common.errors import RequestError
 
 
@@ -134,3 +140,18 @@ def test_token_ids_outside_the_vocabulary_are_refused() -> None:
         SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
     with pytest.raises(RequestError, match="stop_token_ids: token id 7"):
         SamplingParams(stop_token_ids=(7,)).validate(vocab_size=5)
+
+
+def test_token_logprobs_are_the_raw_log_softmax() -> None:
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(logprobs=3, repetition_penalty=1.5, temperature=0.7),
+              SamplingParams(), SamplingParams(logprobs=0)]  # fmt: skip
+    tokens = [5, 6, 7]
+    out = token_logprobs(logits, params, tokens)
+    want = torch.log_softmax(logits, -1)
+    assert out[1] is None
+    assert out[0].token_id == 5 and abs(out[0].logprob - float(want[0, 5])) < 1e-6
+    top = want[0].topk(3)
+    assert out[0].top_ids == top.indices.tolist()  # before penalties and temperature
+    assert torch.allclose(torch.tensor(out[0].top_logprobs), top.values)
+    assert out[2].top_ids == [] and abs(out[2].logprob - float(want[2, 7])) < 1e-6

@@ -18,7 +18,7 @@ from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling import Sampler, SamplingParams
+from pdserve.common.engine.sampling import Sampler, SamplingParams, token_logprobs
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.errors import RequestError
@@ -136,7 +136,13 @@ class LLMEngine:
             [len(r.output_token_ids) for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
         )
-        return [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+        outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+        if any(r.sampling.logprobs is not None for r in sampled):
+            params = [r.sampling for r in sampled]
+            for out, lp in zip(outputs, token_logprobs(logits, params, tokens), strict=True):
+                if lp is not None:  # a RequestOutput, or prefill's Prefilled
+                    out.logprobs = [lp]
+        return outputs
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)

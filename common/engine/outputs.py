@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -17,6 +18,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for them
 
 
 class Completion(msgspec.Struct, kw_only=True):

@@ -6,9 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 
-__all__ = ["Sampler", "SamplingParams", "adjust_logits", "sample_row", "token_generator"]
+__all__ = [
+    "Sampler",
+    "SamplingParams",
+    "TokenLogprobs",
+    "adjust_logits",
+    "sample_row",
+    "token_generator",
+    "token_logprobs",
+]
 
 
 class Sampler:
@@ -44,6 +52,33 @@ class Sampler:
             if not p.is_greedy:
                 tokens[row] = sample_row(row_logits, p, token_generator(p.seed, n, logits.device))
         return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [S, V]
+    params: list[SamplingParams],
+    tokens: list[int],
+) -> list[TokenLogprobs | None]:
+    """Per row, the sampled token's logprob and its ``p.logprobs`` best alternatives, from
+    the log-softmax of the raw logits in fp32 (None for rows that asked for none)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device))
+    most = max(params[i].logprobs or 0 for i in rows)
+    top = logprobs.topk(most, dim=-1) if most else None  # [R, most]
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        out[i] = TokenLogprobs(
+            token_id=tokens[i],
+            logprob=float(chosen[j, 0]),
+            top_ids=top.indices[j, :k].tolist() if top is not None else [],
+            top_logprobs=top.values[j, :k].tolist() if top is not None else [],
+        )
+    return out
 
 
 def token_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator:

@@ -9,6 +9,19 @@ import msgspec
 from pdserve.common.errors import RequestError
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
+MAX_LOGPROBS = 20  # alternatives per token, at most (OpenAI's top_logprobs limit)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One sampled token's log-probability and the ``n`` most likely alternatives, from
+    the log-softmax of the model's raw logits (before penalties, bias and temperature:
+    vLLM's default, "raw_logprobs"). Array-like: it rides on every token chunk; new
+    fields only ever at the end."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []  # most likely first
+    top_logprobs: list[float] = []
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +43,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0  # EOS and stop tokens/strings are not allowed before this many
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text)
+    logprobs: int | None = None  # None: none; n: each token's logprob and n alternatives
 
     @property
     def is_greedy(self) -> bool:
@@ -72,6 +86,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias.items():
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")

@@ -232,6 +232,8 @@ class DecodeWorker(WorkerThread):
         out = self.engine.add_prefilled(
             rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
         )
+        if msg.first_logprobs is not None:
+            out.logprobs = [msg.first_logprobs]
         self._emit(out, pp.marks)
 
     def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
@@ -340,6 +342,7 @@ class DecodeWorker(WorkerThread):
                     token_ids=out.new_token_ids,
                     text=out.text,
                     timings=timings,
+                    logprobs=out.logprobs,
                 ),
             )
         if out.finished:

@@ -7,6 +7,7 @@ import msgspec
 
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import TokenLogprobs
 
 
 class Prefilled(msgspec.Struct, kw_only=True):
@@ -15,6 +16,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
     block_ids: list[int]  # pinned: the caller frees them (on release or lease expiry)
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] = []  # the first token's, when the request asked for them
 
 
 class PrefillEngine(LLMEngine):

@@ -45,7 +45,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.curve import CurveKeys, describe_failure
 from pdserve.common.runtime.protocol import (
@@ -105,6 +105,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # stop | length | abort
     usage: Usage
+    logprobs: list[TokenLogprobs]  # one per token, when asked for (logprobs=N)
 
 
 def _dealer(ctx: zmq.Context[_S], address: str, curve: CurveKeys | None) -> _S:
@@ -154,6 +155,7 @@ def _result(request_id: str, chunks: list[TokenChunk], finished: Finished) -> Re
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=finished.finish_reason,
         usage=finished.usage,
+        logprobs=[lp for c in chunks for lp in c.logprobs],
     )
 
 

@@ -32,12 +32,13 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
-from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer
 from pdserve.services.router.openapi import openapi
+from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -261,7 +262,7 @@ class OpenAIApi:
         prompts = await self._tokenize(request, _completion_prompts, req.prompt)
         echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
-        renderer = CompletionRenderer(request_id, model)
+        renderer = CompletionRenderer(request_id, model, self._token_text)
         return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                     req.max_tokens, renderer, echoes)  # fmt: skip
 
@@ -274,9 +275,12 @@ class OpenAIApi:
             last = req.messages[-1]
             echoes = [_content_text(last.content) if last.role == "assistant" else ""]
         request_id = self._request_id(request, "chatcmpl")
-        renderer = ChatRenderer(request_id, model)
+        renderer = ChatRenderer(request_id, model, self._token_text)
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
                                     renderer, echoes)  # fmt: skip
+
+    def _token_text(self, token_id: int) -> str:
+        return self.core.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _check(self, req: oa.SamplingRequest, unsupported: tuple[str, str] | None) -> str:
         """The model id the answer carries, once the request is one this server can do."""
@@ -366,10 +370,12 @@ class OpenAIApi:
         texts: list[list[str]] = (
             [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
         )
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
         finished: list[Finished | None] = [None] * num_choices
         async for index, event in batch.events():
             if isinstance(event, TokenChunk):
                 texts[index].append(event.text)
+                logprobs[index] += event.logprobs
             elif isinstance(event, Finished):
                 finished[index] = event
             else:
@@ -377,7 +383,8 @@ class OpenAIApi:
         done = [f for f in finished if f is not None]
         reasons = [f.finish_reason for f in done]
         usage = oa.usage_of([f.usage for f in done], n)
-        return _json(renderer.body(["".join(t) for t in texts], reasons, usage))
+        body = renderer.body(["".join(t) for t in texts], reasons, usage, logprobs, echoes or [])
+        return _json(body)
 
     async def _stream(
         self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
@@ -397,8 +404,9 @@ class OpenAIApi:
                     await _send(response, renderer.delta(index, echoes[index]))
             async for index, event in batch.events():
                 if isinstance(event, TokenChunk):
-                    if event.text:  # a partial character yields no text: no empty delta
-                        await _send(response, renderer.delta(index, event.text))
+                    # a partial character yields no text: no empty delta, unless logprobs
+                    if event.text or event.logprobs:
+                        await _send(response, renderer.delta(index, event.text, event.logprobs))
                 elif isinstance(event, Finished):
                     done[index] = event
                     await _send(response, renderer.finish(index, event.finish_reason))

@@ -15,13 +15,12 @@ fuzzers read cannot drift from what the server decodes.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.common.runtime.protocol import Usage
 
 T = TypeVar("T")
@@ -93,7 +92,7 @@ NO_STRUCTURED_OUTPUT = (
     "JSON in the prompt and validate the answer"
 )
 NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
-NO_LOGPROBS = "logprobs are not supported yet"
+NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generated tokens')"
 
 # Fields this server takes only at their default: (field, allowed values, why). Declared
 # so that they are seen (an unknown field is ignored, as OpenAI does); null is always the
@@ -106,7 +105,7 @@ _COMMON_REFUSALS: tuple[_Refusal, ...] = (
     ("guided_grammar", (None,), NO_STRUCTURED_OUTPUT),
     ("guided_decoding_backend", (None,), NO_STRUCTURED_OUTPUT),
     ("structured_outputs", (None,), NO_STRUCTURED_OUTPUT),
-    ("prompt_logprobs", (None, 0), NO_LOGPROBS),
+    ("prompt_logprobs", (None, 0), NO_PROMPT_LOGPROBS),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("bad_words", (None, []), "bad_words is not supported"),
     ("allowed_token_ids", (None,), "allowed_token_ids is not supported"),
@@ -202,15 +201,20 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.requested_logprobs,
         )
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
-    ("logprobs", (None,), NO_LOGPROBS),
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
 )
 
@@ -218,12 +222,18 @@ _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
 class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Prompt
     echo: bool | None = None  # the prompt's text before the completion
-    logprobs: Annotated[int | None, only({"type": "null"})] = None
+    logprobs: NumLogprobs | None = None  # each token's logprob and this many alternatives
     suffix: Annotated[str | None, only({"maxLength": 0})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
+        if self.echo and self.logprobs is not None:
+            return "echo", f"echo with logprobs: {NO_PROMPT_LOGPROBS}"
         return self._refused(_COMPLETION_REFUSALS) or self._common_unsupported()
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -241,8 +251,6 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
 
 
 _CHAT_REFUSALS: tuple[_Refusal, ...] = (
-    ("logprobs", (None, False), NO_LOGPROBS),
-    ("top_logprobs", (None, 0), NO_LOGPROBS),
     ("tools", (None, []), NO_TOOLS),
     ("functions", (None, []), NO_TOOLS),
     ("function_call", (None, "none"), NO_TOOLS),
@@ -262,8 +270,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template: str | None = None  # replaces the model's template (vLLM's)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
     response_format: ResponseFormat | None = None
-    logprobs: Annotated[bool | None, only({"enum": [False, None]})] = None
-    top_logprobs: Annotated[NonNegative | None, only({"maximum": 0})] = None
+    logprobs: bool | None = None  # each generated token's logprob
+    top_logprobs: NumLogprobs | None = None  # and this many alternatives (needs logprobs)
     tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
     tool_choice: NullableAny = None
     parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as OpenAI does
@@ -279,6 +287,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         if kind != "text":
             return "response_format", (f"response_format type {kind!r}: "
                                        f"{NO_STRUCTURED_OUTPUT}; only 'text' is served")  # fmt: skip
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", ("continue_final_message and "
                                               "add_generation_prompt cannot both be true")  # fmt: skip
@@ -287,6 +297,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
                 what = "tool calls" if message.role == "assistant" else f"{message.role} messages"
                 return f"messages[{i}]", f"messages[{i}]: {what} in the history: {NO_TOOLS}"
         return self._common_unsupported()
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -313,11 +327,39 @@ class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None  # only when some were cached
 
 
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's legacy shape: per token its text, logprob, best alternatives (text ->
+    logprob, the chosen token always among them) and offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None  # stop | length | abort; null in a stream until the end
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -338,7 +380,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -359,7 +401,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -442,69 +484,3 @@ def usage_of(usages: list[Usage], n: int = 1) -> UsageInfo:
     details = PromptTokensDetails(cached_tokens=cached) if cached else None
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
-
-
-# -- rendering the core's events -----------------------------------------------------------
-
-
-class Renderer:
-    """Turns generated text into one endpoint's bodies and stream chunks (the subclasses
-    add delta, finish, usage_chunk and body)."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-
-    def start(self, index: int) -> msgspec.Struct | None:
-        return None
-
-
-class CompletionRenderer(Renderer):
-    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
-        return Completion(id=self.request_id, object="text_completion", created=self.created,
-                          model=self.model, choices=choices, usage=usage)  # fmt: skip
-
-    def delta(self, index: int, text: str) -> Completion:
-        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)])
-
-    def finish(self, index: int, finish_reason: str) -> Completion:
-        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: UsageInfo) -> Completion:
-        return self._chunk([], usage)
-
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> Completion:
-        choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
-        return self._chunk(choices, usage)
-
-
-class ChatRenderer(Renderer):
-    def _chunk(self, choices: list[ChatChunkChoice],
-               usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
-        return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
-                                   created=self.created, model=self.model, choices=choices,
-                                   usage=usage)  # fmt: skip
-
-    def start(self, index: int) -> ChatCompletionChunk:
-        # OpenAI's first chunk names the role; clients key their message assembly on it.
-        delta = Delta(role="assistant", content="")
-        return self._chunk([ChatChunkChoice(index=index, delta=delta)])
-
-    def delta(self, index: int, text: str) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
-
-    def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
-        return self._chunk([choice])
-
-    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
-        return self._chunk([], usage)
-
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> ChatCompletion:
-        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
-                              finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
-        return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
-                              model=self.model, choices=choices, usage=usage)  # fmt: skip

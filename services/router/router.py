@@ -249,7 +249,7 @@ class Router:
         got_first = False
         last = state.arrived
         try:
-            first_token, num_cached, handle = None, 0, None
+            first_token, num_cached, handle, first_logprobs = None, 0, None, None
             if not self.cfg.colocated:
                 done = await self._prefill(state, ids, sampling)
                 if not isinstance(done, p.PrefillDone):
@@ -260,6 +260,7 @@ class Router:
                     done.num_cached_tokens,
                     done.handle,
                 )
+                first_logprobs = done.first_logprobs
                 state.marks.update(done.timings)
             decode = pick(self.decodes, timeout=self.peer_timeout)
             if decode is None:
@@ -276,6 +277,7 @@ class Router:
                     first_token=first_token,
                     num_cached_tokens=num_cached,
                     handle=handle,
+                    first_logprobs=first_logprobs,
                 ),
             )
             while True:
