@@ -35,10 +35,12 @@ MODEL = "fake-model"
 OPENAPI_PATH = Path(openapi.__file__).with_name("openapi.json")
 
 
-def fake_logprobs(token: int, i: int, num: int) -> TokenLogprobs:
-    """The chosen token at -i/10, alternatives token+1.. below it."""
+def fake_logprobs(token: int, i: int, num: int, seed: int | None = None) -> TokenLogprobs:
+    """The chosen token at -i/10 (minus seed % 5 when seeded: candidates then differ in
+    likelihood), alternatives token+1.. below -i/10."""
     tops = [token + 1 + k for k in range(num)]
-    return TokenLogprobs(token_id=token, logprob=-i / 10, top_ids=tops,
+    chosen = -i / 10 - (seed % 5 if seed is not None else 0)
+    return TokenLogprobs(token_id=token, logprob=chosen, top_ids=tops,
                          top_logprobs=[-i / 10 - 1 - k for k in range(num)])  # fmt: skip
 
 
@@ -89,7 +91,7 @@ class FakeCore:
                 logprobs = (
                     []
                     if gen.sampling.logprobs is None
-                    else [fake_logprobs(token, i, gen.sampling.logprobs)]
+                    else [fake_logprobs(token, i, gen.sampling.logprobs, gen.sampling.seed)]
                 )
                 yield TokenChunk(
                     request_id=rid, trace_id="t", token_ids=[token], text=text, logprobs=logprobs
@@ -328,7 +330,12 @@ def test_sdk_sees_errors(client: Any) -> None:
         ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "n": 0}, "n", "invalid_value"),
-        ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of", "unsupported_parameter"),
+        (
+            {"prompt": "hi", "n": 1, "best_of": 2, "stream": True},
+            "best_of",
+            "unsupported_parameter",
+        ),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
         ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
@@ -587,8 +594,11 @@ def test_n_choices_with_seeds(client: Any, core: FakeCore, tokenizer: Tokenizer)
     out = client.completions.create(model=MODEL, prompt=[prompt, "four"], n=3, max_tokens=2,
                                     seed=11, temperature=0.8)  # fmt: skip
     assert [c.index for c in out.choices] == list(range(6))
-    assert [g.sampling.seed for g in core.submitted] == [11, 12, 13, 11, 12, 13]
-    assert [g.prompt_token_ids for g in core.submitted][:3] == [tokenizer.encode(prompt)] * 3
+    # each prompt's first choice goes first (its KV then serves the others from the cache)
+    assert [g.request_id.rsplit("-", 1)[1] for g in core.submitted[:2]] == ["0", "3"]
+    by_index = sorted(core.submitted, key=lambda g: int(g.request_id.rsplit("-", 1)[1]))
+    assert [g.sampling.seed for g in by_index] == [11, 12, 13, 11, 12, 13]
+    assert [g.prompt_token_ids for g in by_index][:3] == [tokenizer.encode(prompt)] * 3
     # a prompt counts once however many choices it has, as OpenAI counts it
     assert out.usage.prompt_tokens == len(tokenizer.encode(prompt)) + len(tokenizer.encode("four"))
     assert out.usage.completion_tokens == 3 * 2 + 3 * 1
@@ -725,3 +735,17 @@ def test_logprobs_in_openai_shapes(client: Any, core: FakeCore, tokenizer: Token
     assert all(c.top_logprobs == [] for c in streamed)  # logprobs alone: no alternatives
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None and core.submitted[-1].sampling.logprobs is None
+
+
+def test_best_of_answers_the_most_likely(client: Any, core: FakeCore) -> None:
+    # seeds 13, 14, 15 -> the fake's logprobs -3, -4, -0 per token: candidates 2, 0 win
+    out = client.completions.create(model=MODEL, prompt="a b c d", max_tokens=3, n=2, seed=13,
+                                    logprobs=0, extra_body={"best_of": 3})  # fmt: skip
+    assert [c.logprobs.token_logprobs[0] for c in out.choices] == [0.0, -3.0]
+    assert [c.index for c in out.choices] == [0, 1]
+    out = client.completions.create(model=MODEL, prompt="a b c d", max_tokens=4, n=2,
+                                    extra_body={"best_of": 3})  # fmt: skip
+    assert all(g.sampling.logprobs == 0 for g in core.submitted[-3:])
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.logprobs is None for c in out.choices)  # not asked for: not shown
+    assert out.usage.completion_tokens == 3 * 4  # every candidate was generated

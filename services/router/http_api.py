@@ -330,9 +330,9 @@ class OpenAIApi:
         renderer: Renderer,
         echoes: list[str] | None = None,
     ) -> web.StreamResponse:
-        """One Generate per choice: n per prompt, choice index = prompt index x n + j (the
-        n requests share the prompt's KV blocks through the prefix cache)."""
-        n = req.num_choices
+        """One Generate per candidate: best_of (else n) per prompt, index = prompt index x
+        n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
+        n = req.num_candidates
         num_choices = len(prompts) * n
         ids = [renderer.request_id] if num_choices == 1 else [
             f"{renderer.request_id}-{i}" for i in range(num_choices)
@@ -352,21 +352,31 @@ class OpenAIApi:
         batch = Batch()
         self._in_flight.update(ids)
         try:
-            for gen in gens:
-                batch.add(self.core.submit(gen))
-            for event in await batch.first_events():
-                if isinstance(event, Failed):
-                    raise ApiError.from_failed(event)
+            # The first candidate of each prompt first: once it has a token, its prompt's
+            # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill
+            # by prefix affinity) reuse them instead of computing the prompt again.
+            stages = [range(0, num_choices, n)] + ([] if n == 1 else [
+                [i for i in range(num_choices) if i % n]
+            ])  # fmt: skip
+            for stage in stages:
+                for index in stage:
+                    batch.add(self.core.submit(gens[index]), index)
+                for event in await batch.first_events():
+                    if isinstance(event, Failed):
+                        raise ApiError.from_failed(event)
             if req.is_stream:
                 return await self._stream(request, batch, renderer, req.include_usage,
                                           num_choices, n, choice_echoes)  # fmt: skip
-            return await self._collect(batch, renderer, num_choices, n, choice_echoes)
+            return await self._collect(batch, renderer, num_choices, n, choice_echoes,
+                                       req.num_choices, req.requested_logprobs is not None)  # fmt: skip
         finally:
             await batch.close()
             self._in_flight.difference_update(ids)
 
     async def _collect(self, batch: Batch, renderer: Renderer, num_choices: int, n: int,
-                       echoes: list[str] | None) -> web.Response:  # fmt: skip
+                       echoes: list[str] | None, keep: int,
+                       show_logprobs: bool) -> web.Response:  # fmt: skip
+        """``n`` candidates per prompt, of which the ``keep`` most likely are answered."""
         texts: list[list[str]] = (
             [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
         )
@@ -381,9 +391,19 @@ class OpenAIApi:
             else:
                 raise ApiError.from_failed(event)
         done = [f for f in finished if f is not None]
-        reasons = [f.finish_reason for f in done]
-        usage = oa.usage_of([f.usage for f in done], n)
-        body = renderer.body(["".join(t) for t in texts], reasons, usage, logprobs, echoes or [])
+        usage = oa.usage_of([f.usage for f in done], n)  # every candidate was generated
+        chosen = list(range(len(done)))
+        if keep < n:  # best_of: per prompt, the candidates with the highest summed logprob
+            chosen = [i for start in range(0, len(done), n) for i in sorted(
+                range(start, start + n), key=lambda i: -sum(lp.logprob for lp in logprobs[i])
+            )[:keep]]  # fmt: skip
+        body = renderer.body(
+            ["".join(texts[i]) for i in chosen],
+            [done[i].finish_reason for i in chosen],
+            usage,
+            [logprobs[i] if show_logprobs else [] for i in chosen],
+            [echoes[i] for i in chosen] if echoes else [],
+        )
         return _json(body)
 
     async def _stream(

@@ -133,7 +133,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None  # extension (vLLM's)
     min_tokens: NonNegative | None = None  # extension (vLLM's)
     n: Count | None = None  # choices per prompt, each its own request (KV shared by prefix)
-    best_of: Count | None = None  # only equal to n: choosing the best needs logprobs
+    best_of: Count | None = None  # candidates per prompt; the n most likely are returned
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
@@ -163,9 +163,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         return None
 
     def _common_unsupported(self) -> tuple[str, str] | None:  # (param, message)
-        if self.best_of is not None and self.best_of != self.num_choices:
-            return "best_of", (f"best_of={self.best_of} with n={self.num_choices} is not "
-                               "supported: picking the best needs logprobs; use n alone")  # fmt: skip
+        if self.best_of is not None and self.best_of < self.num_choices:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.num_choices})"
+        if self.num_candidates > self.num_choices and self.is_stream:
+            return "best_of", "best_of > n cannot stream: the best are known only at the end"
         if self.logit_bias:
             bad = next((k for k in self.logit_bias if not k.isdigit()), None)
             if bad is not None:
@@ -175,6 +176,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    @property
+    def num_candidates(self) -> int:
+        """Requests per prompt: best_of when it asks for more than n."""
+        return max(self.best_of or 1, self.num_choices)
 
     @property
     def is_stream(self) -> bool:
@@ -201,7 +207,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            logprobs=self.requested_logprobs,
+            # best_of ranks candidates by their tokens' summed logprobs
+            logprobs=0
+            if self.requested_logprobs is None and self.num_candidates > self.num_choices
+            else self.requested_logprobs,
         )
 
     @property
