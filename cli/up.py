@@ -37,6 +37,13 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         help="the model ids the API answers to (default: the model's folder name)",
     )
     p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins CORS lets in, e.g. https://app.example ('*': any)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' (or set PDSERVE_API_KEY)",
@@ -89,6 +96,7 @@ def _start(args: argparse.Namespace) -> Any:
         base_port=args.zmq_port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
         model=args.model,
         device=args.device,
         prefill_instances=args.prefill_instances,

@@ -749,3 +749,31 @@ def test_best_of_answers_the_most_likely(client: Any, core: FakeCore) -> None:
     assert [c.index for c in out.choices] == [0, 1]
     assert all(c.logprobs is None for c in out.choices)  # not asked for: not shown
     assert out.usage.completion_tokens == 3 * 4  # every candidate was generated
+
+
+def test_cors_off_by_default_and_on_for_allowed_origins(port: int, core: FakeCore) -> None:
+    origin = {"Origin": "https://app.example"}
+    _, headers, _ = request(port, "GET", "/v1/models", headers=origin)
+    assert "Access-Control-Allow-Origin" not in headers
+    server = Server(core, allowed_origins=["https://app.example"], api_key="k")
+    try:
+        preflight = {**origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+        status, headers, _ = request(server.port, "OPTIONS", "/v1/completions", headers=preflight)
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        body = {"prompt": "hi", "max_tokens": 1, "stream": True}
+        auth = {**origin, "Authorization": "Bearer k"}
+        status, headers, _ = request(server.port, "POST", "/v1/completions", body, auth)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        status, headers, _ = request(server.port, "GET", "/v1/models", headers=origin)
+        assert status == 401 and headers["Access-Control-Allow-Origin"]  # readable errors
+        other = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        assert request(server.port, "OPTIONS", "/v1/completions", headers=other)[0] == 403
+        _, headers, _ = request(
+            server.port, "GET", "/health", headers={"Origin": "https://evil.example"}
+        )
+        assert "Access-Control-Allow-Origin" not in headers
+    finally:
+        server.stop()

@@ -49,6 +49,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # When set, the HTTP API wants `Authorization: Bearer <api_key>` on every route but
     # /health and /metrics. PDSERVE_API_KEY sets it without putting it on a command line.
     api_key: str = ""
+    allowed_origins: list[str] = []  # browser origins CORS lets in ("*": any); empty: off
     router_address: str = ""  # the ZMQ SDK's front door; derived when empty
     prefill_instances: int = 1
     decode_instances: int = 1

@@ -37,6 +37,7 @@ from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.cors import Cors
 from pdserve.services.router.openapi import openapi
 from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
 
@@ -548,10 +549,11 @@ def _package_version() -> str:
         return "0+unknown"
 
 
-def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
-             api_key: str = "") -> web.Application:  # fmt: skip
+def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
+             allowed_origins: Sequence[str] = ()) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
-    ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``."""
+    ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
+    ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
     middlewares: list[Any] = [_error_middleware]
     if api_key:
         middlewares.append(_key_middleware(api_key))
@@ -560,6 +562,8 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
         client_max_size=MAX_BODY_BYTES,
         handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
     )
+    if allowed_origins:
+        Cors(allowed_origins).install(app)
     api = OpenAIApi(core, served_model_names)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
