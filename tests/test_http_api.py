@@ -375,7 +375,7 @@ def test_completion_errors(port: int, body: Any, param: str | None, code: str | 
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format"),
+          "response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )  # fmt: skip
 def test_chat_errors(port: int, body: Any, param: str) -> None:
@@ -538,15 +538,18 @@ CHAT = [{"role": "user", "content": "x"}]
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
-        ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
-        ("/v1/completions", {"structured_outputs": {"json": {}}}, "structured_outputs"),
+        ("/v1/completions", {"guided_json": "{no", "guided_regex": "a"}, "guided_json"),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ("/v1/completions", {"structured_outputs": {"json": {}, "regex": "a"}},
+         "structured_outputs"),
+        ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
-        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"},
+                                  "response_format": {"type": "json_object"}}, "guided_json"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -554,7 +557,8 @@ CHAT = [{"role": "user", "content": "x"}]
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+            "name": "x"}}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
         ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": True},
          "continue_final_message"),
         ("/v1/chat/completions", {"messages": [
@@ -574,13 +578,29 @@ def test_unsupported_fields_are_refused_by_name(port: int, core: FakeCore, path:
     assert param.split("[")[0] in error["message"] and not core.submitted
 
 
-def test_response_format_refusal_reads_clearly(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="structured output is not supported") as e:
+def test_structured_output_reaches_the_engine(client: Any, core: FakeCore) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for extra, kind, spec in [
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "s", "schema": schema}}}, "json", schema),
+        ({"extra_body": {"guided_json": json.dumps(schema)}}, "json", schema),
+        ({"extra_body": {"guided_regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ({"extra_body": {"guided_choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x"'}}}, "grammar",
+         'root ::= "x"'),
+        ({"response_format": {"type": "text"}}, None, None),
+    ]:  # fmt: skip
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, **extra)
+        got = core.submitted[-1].sampling.structured
+        if kind is None:
+            assert got is None
+            continue
+        assert got.kind == kind
+        assert (json.loads(got.spec) if kind in ("json", "choice") else got.spec) == spec
+    with pytest.raises(openai.BadRequestError, match="'yaml' is not one of"):
         client.chat.completions.create(model=MODEL, messages=CHAT,
-                                       response_format={"type": "json_object"})  # fmt: skip
-    assert "json_object" in str(e.value) and "enum" not in str(e.value)
-    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
-                                   response_format={"type": "text"})  # fmt: skip
+                                       response_format={"type": "yaml"})  # fmt: skip
 
 
 def test_tool_choice_none_without_tools_is_accepted(client: Any, core: FakeCore) -> None:

@@ -1,5 +1,7 @@
 """Sampler: greedy, temperature, top-k, top-p, per-request seeds; parameter validation."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -155,3 +157,36 @@ def test_token_logprobs_are_the_raw_log_softmax() -> None:
     assert out[0].top_ids == top.indices.tolist()  # before penalties and temperature
     assert torch.allclose(torch.tensor(out[0].top_logprobs), top.values)
     assert out[2].top_ids == [] and abs(out[2].logprob - float(want[2, 7])) < 1e-6
+
+
+def test_structured_output_constrains_every_token(model_dir: Any) -> None:
+    pytest.importorskip("xgrammar")
+    import json
+
+    from pdserve.common.engine.sampling_params import StructuredOutput
+    from pdserve.common.engine.structured import GrammarTable
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    vocab = 49152
+    grammars = GrammarTable(model_dir, vocab)
+    sampler = Sampler(frozenset(tokenizer.eos_token_ids), grammars)
+    choice = StructuredOutput(kind="choice", spec=json.dumps(["yes", "no way"]))
+    p = SamplingParams(temperature=1.0, seed=1, structured=choice)
+    gen = torch.Generator().manual_seed(0)
+    output: list[int] = []
+    while not output or output[-1] not in tokenizer.eos_token_ids:
+        logits = torch.randn(1, vocab, generator=gen)
+        output += sampler(logits, [p], [len(output)], [([1], output)], ["r1"])
+        assert len(output) < 10
+    assert tokenizer.decode(output) in ("yes", "no way")
+    # a second matcher (decode) made mid-way first replays the tokens sampled elsewhere
+    grammars.prune([])
+    schema = StructuredOutput(kind="json", spec=json.dumps({"enum": ["alpha", "beta"]}))
+    q = SamplingParams(structured=schema)
+    first = tokenizer.encode('"', add_special_tokens=False)
+    logits = torch.randn(1, vocab, generator=gen)
+    token = sampler(logits, [q], [1], [([1], first)], ["r2"])[0]
+    assert tokenizer.decode([*first, token]) in ('"a', '"al', '"alpha', '"b', '"be', '"beta')
+    with pytest.raises(RequestError, match="does not compile"):
+        grammars.compile(StructuredOutput(kind="json", spec="{not json"))

@@ -21,6 +21,7 @@ from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import Sampler, SamplingParams, token_logprobs
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.engine.structured import GrammarTable
 from pdserve.common.errors import RequestError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import resolve_model
@@ -60,7 +61,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
         )
-        self.sampler = Sampler(self.eos_token_ids)
+        grammars = GrammarTable(self.model_dir, self.model_config.vocab_size)
+        self.sampler = Sampler(self.eos_token_ids, grammars)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self._arrivals = itertools.count()
@@ -69,6 +71,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         sampling.validate(self.model_config.vocab_size)
+        if sampling.structured is not None and self.sampler.grammars is not None:
+            self.sampler.grammars.compile(sampling.structured)  # a bad schema fails here
         num = len(prompt_token_ids)
         if num == 0:
             raise RequestError("the prompt is empty")
@@ -135,6 +139,7 @@ class LLMEngine:
             [r.sampling for r in sampled],
             [len(r.output_token_ids) for r in sampled],
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
+            [r.request_id for r in sampled],
         )
         outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
         if any(r.sampling.logprobs is not None for r in sampled):
@@ -142,6 +147,8 @@ class LLMEngine:
             for out, lp in zip(outputs, token_logprobs(logits, params, tokens), strict=True):
                 if lp is not None:  # a RequestOutput, or prefill's Prefilled
                     out.logprobs = [lp]
+        if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
+            self.sampler.grammars.prune(self._requests)
         return outputs
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:

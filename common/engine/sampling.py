@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.common.engine.structured import GrammarTable
 
 __all__ = [
     "Sampler",
@@ -29,8 +30,12 @@ class Sampler:
     they too act the same on the first token (prefill) and on the rest (decode).
     """
 
-    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, eos_token_ids: frozenset[int] = frozenset(), grammars: GrammarTable | None = None
+    ) -> None:
+        """``grammars``: the structured-output matchers; None: such requests are refused."""
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
 
     def __call__(
         self,
@@ -38,20 +43,39 @@ class Sampler:
         params: list[SamplingParams],
         num_generated: list[int],
         histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> list[int]:
         """``histories``: per row, (prompt token ids, output token ids so far); needed
-        only by rows whose params adjust logits (penalties, logit_bias, min_tokens)."""
+        only by rows whose params adjust logits (penalties, logit_bias, min_tokens,
+        structured output, which also needs ``request_ids``)."""
         tokens = logits.argmax(dim=-1).tolist()
         for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
             row_logits = logits[row]
             if p.adjusts_logits:
                 prompt, output = histories[row] if histories is not None else ((), ())
                 row_logits = adjust_logits(row_logits, p, prompt, output, self.eos_token_ids)
+                if p.structured is not None:
+                    self._grammar_mask(row_logits, p, output, request_ids, row)
                 if p.is_greedy:
                     tokens[row] = int(row_logits.argmax())
             if not p.is_greedy:
                 tokens[row] = sample_row(row_logits, p, token_generator(p.seed, n, logits.device))
+            if p.structured is not None and self.grammars is not None and request_ids:
+                self.grammars.accept(request_ids[row], tokens[row])
         return tokens
+
+    def _grammar_mask(
+        self,
+        row_logits: torch.Tensor,  # [V]
+        p: SamplingParams,
+        output: Sequence[int],
+        request_ids: Sequence[str] | None,
+        row: int,
+    ) -> None:
+        assert p.structured is not None
+        if self.grammars is None or request_ids is None:
+            raise RuntimeError("a structured-output request reached a sampler without grammars")
+        self.grammars.mask(row_logits, request_ids[row], p.structured, output)
 
 
 def token_logprobs(

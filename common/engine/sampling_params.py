@@ -24,6 +24,18 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float] = []
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the output: ``json`` (spec: a JSON schema), ``json_object`` (any
+    JSON object), ``regex``, ``choice`` (spec: a JSON list of strings), ``grammar``
+    (xgrammar's EBNF)."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Map-like on the wire, so fields added later (with defaults) stay compatible."""
 
@@ -44,6 +56,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text)
     logprobs: int | None = None  # None: none; n: each token's logprob and n alternatives
+    structured: StructuredOutput | None = None  # grammar-constrained output (structured.py)
 
     @property
     def is_greedy(self) -> bool:
@@ -58,6 +71,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.structured
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -85,6 +99,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise RequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.structured.kind!r}"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

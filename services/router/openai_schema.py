@@ -22,6 +22,7 @@ from msgspec import Meta
 
 from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.common.runtime.protocol import Usage
+from pdserve.services.router.structured_request import StructuredError, structured_of
 
 T = TypeVar("T")
 
@@ -80,17 +81,13 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"  # json_object / json_schema: refused by name (no structured output yet)
-    json_schema: Any = None
+    type: str = "text"  # text | json_object | json_schema (structured_request.py)
+    json_schema: Any = None  # {"name", "schema", "strict"}
 
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-NO_STRUCTURED_OUTPUT = (
-    "structured output is not supported yet (no grammar-constrained decoding); ask for "
-    "JSON in the prompt and validate the answer"
-)
 NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
 NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generated tokens')"
 
@@ -99,12 +96,6 @@ NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generate
 # default. Each is refused with a 400 naming it rather than silently ignored.
 _Refusal = tuple[str, tuple[Any, ...], str]
 _COMMON_REFUSALS: tuple[_Refusal, ...] = (
-    ("guided_json", (None,), NO_STRUCTURED_OUTPUT),
-    ("guided_regex", (None,), NO_STRUCTURED_OUTPUT),
-    ("guided_choice", (None,), NO_STRUCTURED_OUTPUT),
-    ("guided_grammar", (None,), NO_STRUCTURED_OUTPUT),
-    ("guided_decoding_backend", (None,), NO_STRUCTURED_OUTPUT),
-    ("structured_outputs", (None,), NO_STRUCTURED_OUTPUT),
     ("prompt_logprobs", (None, 0), NO_PROMPT_LOGPROBS),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("bad_words", (None, []), "bad_words is not supported"),
@@ -141,12 +132,13 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None  # extension (vLLM's)
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     user: str | None = None  # for the caller's records; changes nothing
-    guided_json: NullableAny = None
-    guided_regex: NullableAny = None
-    guided_choice: NullableAny = None
-    guided_grammar: NullableAny = None
-    guided_decoding_backend: NullableAny = None
-    structured_outputs: NullableAny = None
+    response_format: ResponseFormat | None = None  # json_object / json_schema: constrained
+    guided_json: Any = None  # vLLM's structured output (structured_request.py)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: NullableAny = None
     use_beam_search: NullableAny = None
     bad_words: NullableAny = None
@@ -171,6 +163,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             bad = next((k for k in self.logit_bias if not k.isdigit()), None)
             if bad is not None:
                 return "logit_bias", f"logit_bias keys are token ids, got {bad!r}"
+        try:
+            structured_of(self)
+        except StructuredError as exc:
+            return exc.param, str(exc)
         return self._refused(_COMMON_REFUSALS)
 
     @property
@@ -211,6 +207,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             logprobs=0
             if self.requested_logprobs is None and self.num_candidates > self.num_choices
             else self.requested_logprobs,
+            structured=structured_of(self),
         )
 
     @property
@@ -278,7 +275,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     continue_final_message: bool | None = None  # extend the final message (vLLM's)
     chat_template: str | None = None  # replaces the model's template (vLLM's)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
-    response_format: ResponseFormat | None = None
     logprobs: bool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many alternatives (needs logprobs)
     tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
@@ -292,10 +288,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         refused = self._refused(_CHAT_REFUSALS)
         if refused is not None:
             return refused
-        kind = "text" if self.response_format is None else self.response_format.type
-        if kind != "text":
-            return "response_format", (f"response_format type {kind!r}: "
-                                       f"{NO_STRUCTURED_OUTPUT}; only 'text' is served")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.continue_final_message and self.add_generation_prompt:
