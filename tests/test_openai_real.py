@@ -9,6 +9,7 @@ monolithic engine, or by what they must do to the text.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,47 @@ def test_logprobs_equal_transformers(client: Any, dep: Deployment, tok: Tokenize
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
                for c in content)  # greedy: the chosen token is the most likely  # fmt: skip
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "is_capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "is_capital"],
+    "additionalProperties": False,
+}
+CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Oslo", "Tokyo", "Lima",
+          "Cairo", "Lyon", "Milan", "Porto", "Munich", "Osaka", "Quito", "Sydney", "Toronto",
+          "Dublin", "Prague"]  # fmt: skip
+
+
+def test_structured_output_validates(client: Any) -> None:
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    prompts = [f"Describe the city of {c} as JSON with city, country and is_capital:\n"
+               for c in CITIES]  # fmt: skip
+    out = client.completions.create(
+        model=NAME, prompt=prompts, max_tokens=60, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "city", "schema": CITY_SCHEMA}}},
+    )  # fmt: skip
+    assert len(out.choices) == 20
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), CITY_SCHEMA)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
+        temperature=1.0, seed=3, extra_body={"guided_choice": ["yes", "no"]},
+    )  # fmt: skip
+    assert chat.choices[0].message.content in ("yes", "no")
+    obj = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Give me a JSON object."}],
+        max_tokens=60, temperature=0, response_format={"type": "json_object"},
+    )  # fmt: skip
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # the grammar holds at every token: what came out is a JSON object's prefix
+        assert obj.choices[0].message.content.lstrip().startswith("{")
