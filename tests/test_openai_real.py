@@ -243,3 +243,19 @@ def test_structured_output_validates(client: Any) -> None:
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:  # the grammar holds at every token: what came out is a JSON object's prefix
         assert obj.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_colocated_gives_the_same_answers(tmp_path: Path, model_dir: Path, client: Any) -> None:
+    """Decode computing the prompt itself: the same penalties, logprobs and constraints."""
+    body = {"model": NAME, "prompt": DAYS, "max_tokens": 10, "temperature": 0, "logprobs": 3,
+            "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5,
+                           "logit_bias": {"11": 3.0}, "min_tokens": 5}}  # fmt: skip
+    want = client.completions.create(**body).choices[0]
+    with deployment(tmp_path, model_dir, engine={"max_model_len": 512}, colocated=True,
+                    served_model_name=[NAME]) as colocated:  # fmt: skip
+        local = openai.OpenAI(base_url=f"{colocated.url}/v1", api_key="x", max_retries=0)
+        got = local.completions.create(**body).choices[0]
+    assert got.text == want.text
+    assert got.logprobs.tokens == want.logprobs.tokens
+    assert torch.allclose(torch.tensor(got.logprobs.token_logprobs),
+                          torch.tensor(want.logprobs.token_logprobs), atol=1e-4)  # fmt: skip
