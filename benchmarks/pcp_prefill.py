@@ -11,6 +11,7 @@ Writes a table, JSON and, with --plot, a PNG (matplotlib if installed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -19,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from pdserve.cli.provenance import provenance
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import resolve_model
-from pdserve.services.prefill.rank_group import RankGroup
+from pdserve.services.ranks.group import RankGroup
 
 
 def plans(length: int, chunk: int, block_size: int) -> list[StepPlan]:
@@ -96,7 +98,7 @@ def time_pulls(group: RankGroup, device: str, repeats: int = 5) -> dict[str, flo
                         blocks[a:b],
                         i,
                     )
-                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                    for i, (a, b) in enumerate(itertools.pairwise(bounds))
                 ]
                 while not all(consumer.poll(pull) for pull in pulls):
                     pass
@@ -139,7 +141,7 @@ def main() -> None:
                 ModelConfig.from_dir(model_dir), model_dir, cfg
             )
         else:
-            runner = RankGroup(cfg, n, f"bench-pcp{n}", 1)
+            runner = RankGroup.prefill(cfg, n, f"bench-pcp{n}", 1)
         try:
             time_prefill(runner, min(lengths), args.chunk, 64, 1)  # warm-up
             for length in lengths:
@@ -169,6 +171,7 @@ def main() -> None:
             if isinstance(runner, RankGroup):
                 runner.close()
     result = {
+        **provenance(),
         "model": str(model_dir),
         "device": args.device,
         "cpu_count": os.cpu_count(),

@@ -33,7 +33,7 @@ def main(src: str, dst: str) -> None:
         ("itl", "ITL (ms)", ["median", "p99"]),
     ]
     colors = {mode: f"C{i}" for i, mode in enumerate(series)}
-    for ax, (key, title, stats) in zip(axes.flat, panels):
+    for ax, (key, title, stats) in zip(axes.flat, panels, strict=True):
         for mode, runs in series.items():
             runs = sorted(runs, key=lambda r: r.get("load") or cfg["num_prompts"])
             xs = [r.get("load") or cfg["num_prompts"] for r in runs]

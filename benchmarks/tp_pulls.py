@@ -27,9 +27,9 @@ from typing import Any
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
+from pdserve.cli.provenance import provenance
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.parallel.tp import kv_heads_of
 
@@ -231,7 +231,7 @@ def main() -> None:
                     "dtype": "bfloat16",
                     "block_size": 64,
                     "device": "cpu",
-                    "command": " ".join(sys.argv),
+                    **provenance(),
                     "rows": rows,
                 },
                 indent=1,

@@ -57,6 +57,26 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=("1b", "8b"),
+        help="a random bf16 Llama of this shape (1B: Llama 3.2's, 8B: Llama 3.1's), written once "
+        "into the model cache, instead of --model",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="with --shape: that many layers instead of the shape's own",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="with --shape: a model directory whose tokenizer (and vocabulary) the random "
+        "checkpoint takes (default: the embedded model's)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument(
         "--dtype",
@@ -418,8 +438,12 @@ def bench_config(
 ) -> dict[str, Any]:
     import torch
 
+    from pdserve.cli.provenance import provenance
+
     config: dict[str, Any] = {
+        **provenance(),
         "model": args.model or "embedded default",
+        "shape": args.shape,
         "model_dir": str(engine.model_dir),
         "device": args.device,
         "device_name": device_name(args.device),
@@ -534,6 +558,22 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
     configure_logging("WARNING")
+    if args.shape is not None:
+        if args.model is not None:
+            raise SystemExit("pdserve bench engine: give --model or --shape, not both")
+        from pdserve.common.model.random import random_shape_model
+
+        progress(f"random {args.shape} checkpoint")
+        args.model = str(
+            random_shape_model(
+                args.shape,
+                num_layers=args.layers,
+                device=args.device,
+                tokenizer_from=args.tokenizer,
+            )
+        )
+    elif args.layers is not None:
+        raise SystemExit("pdserve bench engine: --layers needs --shape")
     load_at_start = os.getloadavg()[0]
     engine = build_engine(args)
     sync = make_sync(args.device)

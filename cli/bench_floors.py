@@ -50,13 +50,10 @@ def _best(fn, repeats: int = 5) -> float:  # noqa: ANN001
     return best
 
 
-def measure(engine: LLMEngine) -> Ceilings:
+def _copy_seconds(device: torch.device, size: int) -> float:
+    """Best time of a ``size``-byte device copy; the buffers are freed on return."""
     import torch
 
-    runner = engine.runner
-    device, dtype = runner.device, runner.dtype
-    cfg = engine.model_config
-    size = 2**30 if device.type == "cuda" else 2**28
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
 
@@ -65,8 +62,17 @@ def measure(engine: LLMEngine) -> Ceilings:
         _sync(device)
 
     copy()
-    copy_s = _best(copy)
-    del src, dst
+    return _best(copy)
+
+
+def measure(engine: LLMEngine) -> Ceilings:
+    import torch
+
+    runner = engine.runner
+    device, dtype = runner.device, runner.dtype
+    cfg = engine.model_config
+    size = 2**30 if device.type == "cuda" else 2**28
+    copy_s = _copy_seconds(device, size)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

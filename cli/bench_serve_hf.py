@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -21,7 +22,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     import torch
     import transformers
 
-    from pdserve.cli.bench_serve import _stats, make_prompts
+    from pdserve.cli.serve_load import make_prompts, stats
     from pdserve.common.model.files import resolve_model
 
     transformers.logging.set_verbosity_error()
@@ -31,27 +32,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     model = (
         transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     )
-    eos = model.generation_config.eos_token_id
-    pad = model.generation_config.pad_token_id
-    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
-
-    def generate(batch: list[list[int]]) -> None:
-        ids = torch.tensor(batch, dtype=torch.long, device=device)
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if out.shape[1] != ids.shape[1] + args.output_len:
-            raise RuntimeError(
-                f"HF generated {out.shape[1] - ids.shape[1]} tokens, not {args.output_len}"
-            )
+    generate = _batch_generate(model, device, args.output_len)
 
     runs = []
     for index, load in enumerate(loads):
@@ -78,7 +59,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
             "cached_prompt_tokens": 0, "request_throughput": n / duration,
             "output_throughput": n * args.output_len / duration,
             "total_token_throughput": n * (args.input_len + args.output_len) / duration,
-            **_stats("ttft", []), **_stats("tpot", []), **_stats("itl", []), **_stats("e2el", latencies),
+            **stats("ttft", []), **stats("tpot", []), **stats("itl", []), **stats("e2el", latencies),
         }  # fmt: skip
         runs.append(
             {
@@ -90,7 +71,36 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
                 "requests": [],
             }
         )
-    del model
+    del generate, model
     if device == "cuda":
         torch.cuda.empty_cache()
     return runs
+
+
+def _batch_generate(model: Any, device: str, output_len: int) -> Callable[[list[list[int]]], None]:
+    """``generate`` of exactly ``output_len`` greedy tokens for a batch of equal-length prompts."""
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    def generate(batch: list[list[int]]) -> None:
+        ids = torch.tensor(batch, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if out.shape[1] != ids.shape[1] + output_len:
+            raise RuntimeError(
+                f"HF generated {out.shape[1] - ids.shape[1]} tokens, not {output_len}"
+            )
+
+    return generate

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli.provenance import provenance
 
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
@@ -286,8 +287,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3])]
-        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[3:], widths[3:])])
+        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3], strict=True)]
+        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[3:], widths[3:], strict=True)])
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 
@@ -340,8 +341,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(rows))
     if args.json is not None:
-        config = bench_config(args, load_start)
-        config["per_shape"] = shapes
+        config = {**provenance(), **bench_config(args, load_start), "per_shape": shapes}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
             json.dumps({"benchmark": "transfer", "config": config, "rows": rows}, indent=2) + "\n"

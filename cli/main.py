@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import bench, generate, keys, serve, up
+from pdserve.cli import bench, generate, keys, provenance, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is not None:  # called from Python: sys.argv is the caller's
+        provenance.record_command(["pdserve", *argv])
     from pdserve.common.errors import PdserveError
 
     try:

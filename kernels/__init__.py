@@ -28,6 +28,7 @@ __all__ = [
     "ENV_VAR",
     "backend_name",
     "decode_attention",
+    "decode_splits",
     "prefill_attention",
     "rms_norm",
     "rotary",
@@ -145,7 +146,19 @@ def decode_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    num_splits: int | None = None,  # decode_splits() of the (padded) batch; None: of this one
 ) -> torch.Tensor:  # [S, H_q, D]
     return _impl(q.device).decode_attention(
-        q, layer_cache, context_lens, block_tables, scale, sliding_window
+        q, layer_cache, context_lens, block_tables, scale, sliding_window, num_splits
     )
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
+    """How many programs the Triton decode kernel splits each (sequence, KV head) over at
+    this batch size (1 for the torch reference). It sets the summation order: a decode step
+    and its CUDA-graph replay pass the same value to :func:`decode_attention`."""
+    device = torch.device(device)
+    if backend_name(device) != "triton":
+        return 1
+    splits: int = _impl(device).decode_splits(num_seqs, num_kv_heads, device)
+    return splits

@@ -38,13 +38,16 @@ def gather_kv(
     layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
     block_table: torch.Tensor,  # [max_blocks] int
     context_len: int,
+    first_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``context_len`` cached K and V of one sequence, each [H_kv, context_len, D]."""
+    """The cached K and V of positions ``first_block * B .. context_len - 1`` of one
+    sequence, each [H_kv, n, D]."""
     block_size = layer_cache.shape[3]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = layer_cache[block_table[:num_blocks].long()]  # [n, 2, H_kv, B, D]
+    blocks = layer_cache[block_table[first_block:num_blocks].long()]  # [n, 2, H_kv, B, D]
     kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, H_kv, n*B, D]
-    return kv[0, :, :context_len], kv[1, :, :context_len]
+    num = context_len - first_block * block_size
+    return kv[0, :, :num], kv[1, :, :num]
 
 
 def _attend(
@@ -53,12 +56,13 @@ def _attend(
     v: torch.Tensor,  # [H_kv, ctx, D]
     scale: float,
     sliding_window: int | None,
+    first_pos: int = 0,  # the position of k[:, 0]
 ) -> torch.Tensor:  # [q_len, H_q, D]
     q_len, num_heads, _ = q.shape
-    ctx = k.shape[1]
+    ctx = first_pos + k.shape[1]
     group = num_heads // k.shape[0]
     q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # [q_len, 1]
-    k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
+    k_pos = torch.arange(first_pos, ctx, device=q.device)[None, :]  # [1, n]
     visible = k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
@@ -82,10 +86,15 @@ def prefill_attention(
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx_lens = context_lens.tolist()
+    block_size = layer_cache.shape[3]
     for s, ctx in enumerate(ctx_lens):
         lo, hi = starts[s], starts[s + 1]
-        k, v = gather_kv(layer_cache, block_tables[s], ctx)
-        out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window)
+        # A window starts reading at the block of its first query's first key: blocks
+        # before it may have gone back to the pool (common/engine/kv_groups.py).
+        first_key = 0 if sliding_window is None else max(ctx - (hi - lo) - sliding_window + 1, 0)
+        first_block = first_key // block_size
+        k, v = gather_kv(layer_cache, block_tables[s], ctx, first_block)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window, first_block * block_size)
     return out
 
 
@@ -96,6 +105,7 @@ def decode_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    num_splits: int | None = None,  # the Triton kernel's flash-decoding split; one softmax here
 ) -> torch.Tensor:  # [S, H_q, D]
     """All sequences in one padded SDPA call: a per-sequence loop costs more than the
     padding at decode sizes."""

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pdserve.cli.bench_serve import (
+from pdserve.cli.bench_serve import format_table
+from pdserve.cli.main import main
+from pdserve.cli.serve_load import (
     RequestRecord,
     arrival_offsets,
     compute_metrics,
-    format_table,
     make_prompts,
     percentile,
 )
-from pdserve.cli.main import main
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
 
@@ -152,7 +152,12 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
                "--output-len", "3", "--max-concurrency", "1", "--json", str(out)])  # fmt: skip
     assert rc == 1  # failures make the exit status non-zero, after the table and the JSON
-    [run] = json.loads(out.read_text())["runs"]
+    payload = json.loads(out.read_text())
+    # how the results were made: the commit ("unknown" without git) and the command as typed
+    config = payload["config"]
+    assert config["command"].startswith(f"pdserve bench serve --url {fake_url} ")
+    assert config["git_commit"] == "unknown" or len(config["git_commit"]) >= 40
+    [run] = payload["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 2)
     failed = [r for r in run["requests"] if not r["ok"]]
     assert all("429" in r["error"] and "overloaded" in r["error"] for r in failed)
@@ -182,6 +187,6 @@ def test_bench_serve_against_a_deployment(model_dir: Path, tmp_path: Path) -> No
     # every TTFT part was measured (common/runtime/ttft.py); they add up to the router's TTFT,
     # which the client's includes
     parts = [metrics[f"mean_ttft_{part}_ms"] for part in PARTS]
-    assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts))
+    assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts, strict=True))
     assert all(metrics[f"median_ttft_{part}_ms"] is not None for part in PARTS)
     assert sum(parts) <= metrics["mean_ttft_ms"] + 1.0

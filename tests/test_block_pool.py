@@ -28,7 +28,7 @@ def test_prefix_match_shares_blocks_and_counts_references() -> None:
     tokens = list(range(8))
     hashes = hash_blocks(tokens, 4)
     blocks = pool.allocate(2)
-    for b, h in zip(blocks, hashes):
+    for b, h in zip(blocks, hashes, strict=True):
         pool.register(b, h)
     assert pool.match_prefix(hashes) == blocks
     assert [pool.ref_count(b) for b in blocks] == [2, 2]

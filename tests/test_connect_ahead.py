@@ -1,6 +1,6 @@
 """Decode connects ahead (services/decode/service.py): the asyncio side of a real
 DecodeService against a fake producer side channel (a ZMQ ROUTER answering handshakes
-the way prefill does), its worker replaced by a list of submitted commands. No engine,
+the way prefill does), its engine thread replaced by a list of submitted commands. No engine,
 no NIXL: what is checked is which handshakes happen, and when."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import zmq.asyncio
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.engine_commands import Command, Connected, HandshakeFailed
 from pdserve.common.runtime.ports import free_port
 from pdserve.common.runtime.service_config import DeploymentConfig, InstanceAddresses
 from pdserve.services.decode.service import DecodeService
@@ -58,16 +59,20 @@ class FakeProducer:
 
 
 class Commands:
-    """Stands in for the DecodeWorker: records what the service submits."""
+    """Stands in for the DecodeEngineThread: records what the service submits."""
 
     def __init__(self) -> None:
-        self.submitted: list[tuple[Any, ...]] = []
+        self.submitted: list[Command] = []
 
-    def submit(self, command: tuple[Any, ...]) -> None:
+    def submit(self, command: Command) -> None:
         self.submitted.append(command)
 
     def connected(self) -> list[tuple[tuple[str, int], list[str]]]:
-        return [(c[1], [r.agent_name for r in c[2]]) for c in self.submitted if c[0] == "connected"]
+        return [
+            (c.key, [r.agent_name for r in c.replies])
+            for c in self.submitted
+            if isinstance(c, Connected)
+        ]
 
 
 def run(num_ranks: int, scenario: Any) -> None:
@@ -78,7 +83,7 @@ def run(num_ranks: int, scenario: Any) -> None:
     async def main() -> None:
         svc = DecodeService(cfg, 0, torch_threads=1)
         svc.loop = asyncio.get_running_loop()
-        svc.decode_worker = Commands()  # type: ignore[assignment]
+        svc.decode_engine = Commands()  # type: ignore[assignment]
         producer = FakeProducer(svc.ctx, side, num_ranks)
         server = asyncio.create_task(producer.serve())
         try:
@@ -106,7 +111,7 @@ def decode_request(rid: str, h: p.KVHandle) -> p.DecodeRequest:
 
 def test_connects_ahead_once_per_epoch_and_again_after_a_restart() -> None:
     async def scenario(svc: DecodeService, producer: FakeProducer, side: str) -> None:
-        commands: Commands = svc.decode_worker  # type: ignore[assignment]
+        commands: Commands = svc.decode_engine  # type: ignore[assignment]
         await svc._probe(side)
         await svc._probe(side)  # same epoch: nothing new
         assert commands.connected() == [((ENGINE, 1), [f"{ENGINE}-e1-r0"])]
@@ -126,7 +131,7 @@ def test_connects_ahead_once_per_epoch_and_again_after_a_restart() -> None:
 def test_every_rank_of_a_pcp_producer_is_fetched_ahead() -> None:
     async def scenario(svc: DecodeService, producer: FakeProducer, side: str) -> None:
         await svc._probe(side)
-        commands: Commands = svc.decode_worker  # type: ignore[assignment]
+        commands: Commands = svc.decode_engine  # type: ignore[assignment]
         assert commands.connected() == [((ENGINE, 1), [f"{ENGINE}-e1-r0", f"{ENGINE}-e1-r1"])]
         assert producer.asked == [("", 0, 0), (ENGINE, 1, 1)]
 
@@ -135,7 +140,7 @@ def test_every_rank_of_a_pcp_producer_is_fetched_ahead() -> None:
 
 def test_a_handle_of_an_epoch_not_seen_yet_still_handshakes_lazily() -> None:
     async def scenario(svc: DecodeService, producer: FakeProducer, side: str) -> None:
-        commands: Commands = svc.decode_worker  # type: ignore[assignment]
+        commands: Commands = svc.decode_engine  # type: ignore[assignment]
         producer.epoch = 3  # restarted since the last probe (there was none)
         svc.on_decode(b"router", decode_request("a", handle(3, 1, side)))
         await svc._handshakes[(ENGINE, 3)]
@@ -146,8 +151,8 @@ def test_a_handle_of_an_epoch_not_seen_yet_still_handshakes_lazily() -> None:
         # a handle of an epoch the producer no longer has: refused, the request fails
         svc.on_decode(b"router", decode_request("b", handle(2, 1, side)))
         await svc._handshakes[(ENGINE, 2)]
-        failed = [c for c in commands.submitted if c[0] == "handshake_failed"]
-        assert failed == [("handshake_failed", (ENGINE, 2), "stale")]
+        failed = [c for c in commands.submitted if isinstance(c, HandshakeFailed)]
+        assert failed == [HandshakeFailed(key=(ENGINE, 2), message="stale")]
 
     run(1, scenario)
 

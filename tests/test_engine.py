@@ -77,7 +77,7 @@ def test_greedy_tokens_identical_to_transformers(
     prompts = prompt_ids(engine)
     assert len({len(p) for p in prompts}) > 4  # varied lengths
     ours = engine.generate(prompts, SamplingParams(max_tokens=32))  # all 8 batched together
-    for prompt, got in zip(prompts, ours):
+    for prompt, got in zip(prompts, ours, strict=True):
         assert got.token_ids == hf_greedy(hf_model, prompt, 32)
     assert sum(len(c.token_ids) == 32 for c in ours) >= 4  # most run the full length
 

@@ -27,7 +27,7 @@ import pytest
 from pdserve.cli.deployment import Deployment
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
-from pdserve.services.decode.worker import HOLD_PULLS_ENV
+from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from tests.e2e import deployment
 from tests.fault_storm import storm
 from tests.fault_tools import (

@@ -407,9 +407,10 @@ def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
     instance loudly (RankFailed, fatal: the service exits to be restarted), naming the rank."""
     from multiprocessing import Pipe
 
-    from pdserve.services.ranks.group import RankFailed, RankProcesses
+    from pdserve.services.ranks import messages as m
+    from pdserve.services.ranks.group import RankFailed, RankGroup
 
-    group = object.__new__(RankProcesses)  # only its pipe: no rank processes
+    group = object.__new__(RankGroup)  # only its pipe: no rank processes
     ours, theirs = Pipe()
     group.conns, group.procs = [ours], [None]
     for raw in (
@@ -417,9 +418,11 @@ def test_rank_pipe_garbage_is_a_named_rank_failure() -> None:
         b"\x91" * 100_000 + b"\xc0",
         msgspec.msgpack.encode(5),
         msgspec.msgpack.encode([]),
+        msgspec.msgpack.encode(["done"]),  # the tuples of before: an unknown tag now
+        msgspec.msgpack.encode(["Logits", "not a shape", b""]),
     ):
         theirs.send_bytes(raw)
         with pytest.raises(RankFailed, match="rank 0"):
             group._recv(0)
-    theirs.send_bytes(msgspec.msgpack.encode(("done",)))
-    assert group._recv(0) == ["done"]
+    theirs.send_bytes(m.encode(m.StepDone()))
+    assert group._recv(0) == m.StepDone()

@@ -93,7 +93,7 @@ def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     # the step wrote its 5 slots and nothing else (the padding rows write nothing)
     changed = (kv_graphed != kv_before).flatten(1, 3).any(dim=(1, 3)).cpu()  # [blocks, offsets]
     expected = torch.zeros_like(changed)
-    for table, n in zip(tables, lens):
+    for table, n in zip(tables, lens, strict=True):
         expected[table[n // 16], n % 16] = True
     assert torch.equal(changed, expected)
     graphs, runner.graphs = runner.graphs, None
@@ -106,3 +106,92 @@ def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
     # a prefill step (and any batch above the largest graph) still runs eagerly
     assert graphs.run(StepPlan(seqs=[ScheduledSeq("x", [1, 2], 0, tables[0], True)])) is None
+
+
+def test_8b_shape_graphs_match_eager(model_dir: Path) -> None:
+    """The Llama-3-8B layer shape (hidden 4096, 32 heads over 8 KV heads, head_dim 128) at 4
+    layers, with a head-major KV cache past 2^31 elements (where #13 crashed): greedy tokens
+    with CUDA graphs equal the eager engine's, for batches that straddle the captured sizes
+    (17 sequences finishing at different lengths: 17 -> 1 running, padded to 24, 16, 8, ...)."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.model.random import random_shape_model
+
+    path = random_shape_model("8b", num_layers=4, device="cuda", tokenizer_from=model_dir)
+    lens = [1, 5, 63, 64, 65, 100, 130, 200, 257, 300, 511, 512, 600, 700, 900, 1000, 1500]
+    prompts = [[(i * 131 + j * 17) % 40000 + 5 for j in range(n)] for i, n in enumerate(lens)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(lens))]
+    tokens = {}
+    for graphs in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                device="cuda",
+                dtype="bfloat16",
+                kv_order="head",
+                num_kv_blocks=4800,  # 8 heads x 4800 blocks x 65,536 elements > 2^31
+                max_num_seqs=32,
+                max_num_batched_tokens=4096,
+                enable_prefix_caching=False,
+                cuda_graphs=graphs,
+            )
+        )
+        assert (engine.runner.graphs is not None) == graphs
+        assert engine.runner.kv_cache.numel() > 2**31
+        tokens[graphs] = [c.token_ids for c in engine.generate(prompts, params)]
+        del engine
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
+
+
+def test_sliding_window_graphs_match_eager(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mistral-style model (every layer windowed, W = 48 over 16-token blocks, so blocks
+    behind the window return to the pool and their table entries are NULL_BLOCK) decodes
+    the same greedy tokens with CUDA graphs as kernel by kernel, and as the torch reference
+    kernels do in float32."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.model.random import save_random_llama
+
+    path = save_random_llama(
+        tmp_path / "mistral",
+        num_layers=2,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=512,
+        sliding_window=48,
+        tokenizer_from=model_dir,
+    )
+    lens = [1, 20, 47, 48, 49, 200, 333]
+    prompts = [[(i * 131 + j * 17) % 40000 + 5 for j in range(n)] for i, n in enumerate(lens)]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    tokens = {}
+    for name, graphs, backend in (
+        ("graphs", True, "triton"),
+        ("eager", False, "triton"),
+        ("torch", False, "torch"),
+    ):
+        monkeypatch.setenv("PDSERVE_KERNELS", backend)
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                device="cuda",
+                dtype="float32",
+                block_size=16,
+                num_kv_blocks=256,
+                max_num_seqs=8,
+                enable_prefix_caching=False,
+                cuda_graphs=graphs,
+            )
+        )
+        assert (engine.runner.graphs is not None) == graphs
+        tokens[name] = [c.token_ids for c in engine.generate(prompts, params)]
+        del engine
+        torch.cuda.empty_cache()
+    assert tokens["graphs"] == tokens["eager"]
+    assert tokens["eager"] == tokens["torch"]

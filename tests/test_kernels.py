@@ -19,6 +19,7 @@ read of a slot that should not be read, or an output element left unwritten, sho
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import zlib
@@ -146,7 +147,10 @@ DECODE_CASES = {
     "lens": ([1, 55, 63, 64, 65, 200], 4, 4, 64, 16, False),  # 55 - 24 ends a block
     "lens-gqa3": ([1, 55, 63, 64, 65, 200], 6, 2, 128, 32, False),
     "gqa4": ([200, 17, 64], 8, 2, 64, 64, False),
+    # several chunks of DECODE_CHUNK_TOKENS, split over programs (flash-decoding)
+    "chunks-gqa4": ([700, 1, 300, 513, 256], 8, 2, 64, 16, False),
     "long": ([4000, 1, 2500, 777] * 8, 32, 8, 128, 16, True),
+    "long-batch1-gqa8": ([12000], 64, 8, 128, 64, True),
 }
 
 
@@ -202,10 +206,11 @@ def test_prefill_attention(ops, device, gen, case, dtype, window):
     assert torch.equal(ops.prefill_attention(q, *args), out)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=str)
-def test_decode_attention(ops, device, gen, case, dtype, window):
+def test_decode_attention(ops, device, gen, case, dtype, window, splits):
     ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gpu_only = DECODE_CASES[case]
     _skip_big(device, gpu_only)
     paged = Paged(ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
@@ -214,12 +219,32 @@ def test_decode_attention(ops, device, gen, case, dtype, window):
     args = (paged.layer, paged.context_lens, paged.block_tables, scale, window)
 
     out = torch.full_like(q, NAN)
-    ops._decode_into(out, q, *args)
+    ops._decode_into(out, q, *args, splits)
     assert not out.isnan().any(), "output elements left unwritten (or NaN read)"
     ref = reference.decode_attention(*map(cpu64, (q, *args)))
     assert rel_err(out, ref) < TOL[dtype]
     assert out.dtype == q.dtype
-    assert torch.equal(ops.decode_attention(q, *args), out)
+    assert torch.equal(ops.decode_attention(q, *args, splits), out)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_bits_independent_of_table_width(ops, device, gen, window):
+    """A split's run of blocks is cut from the context length alone, never from the width
+    of the block tables (a replayed CUDA graph's are wider than an eager step's): with the
+    same number of splits both give the same bits."""
+    paged = Paged([700, 1, 300, 513], 2, 64, 16, torch.bfloat16, device, gen)
+    q = random_q(4, 8, 2, 64, torch.bfloat16, device, gen)
+    wide = torch.zeros(4, paged.block_tables.shape[1] + 40, dtype=torch.int32, device=device)
+    wide[:, : paged.block_tables.shape[1]] = paged.block_tables
+    for splits in (1, 3, 32):
+        narrow_out = ops.decode_attention(
+            q, paged.layer, paged.context_lens, paged.block_tables, 0.125, window, splits
+        )
+        wide_out = ops.decode_attention(
+            q, paged.layer, paged.context_lens, wide, 0.125, window, splits
+        )
+        assert not narrow_out.isnan().any()
+        assert torch.equal(narrow_out, wide_out), splits
 
 
 def test_dispatch_picks_triton(ops, device, gen, monkeypatch):
@@ -412,3 +437,75 @@ def test_silu_and_mul(pointwise, device, gen, dtype, inner):
         assert rel_err(got, want) < 1e-6
     else:
         assert_rounds_as_torch(got, want, device)
+
+
+# ---------------------------------------------------------------------------------------
+# A cache past 2^31 elements (GPU only): an 8B model's head-major cache is one (#13).
+
+
+def dense_attention(q, k, v, scale):
+    """q [q_len, H_q, D], k/v [ctx, H_kv, D] float64: causal, the queries the last q_len."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [ctx, H_q, D]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    future = torch.arange(ctx)[None, :] > (ctx - q_len + torch.arange(q_len))[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernels_past_2_31_elements(head_dim, group):
+    """Head-major storage [H_kv, N, L, 2, B, D] whose upper heads start past element 2^31
+    (before #13 a head's offset overflowed int32: writes and reads landed elsewhere, and
+    with CUDA graphs' memory in the way the first prefill died with an illegal address).
+    write_kv, prefill and decode against dense float64 attention, blocks from the top."""
+    ops = pytest.importorskip("pdserve.kernels.triton_ops")
+    gen = torch.Generator().manual_seed(head_dim * 10 + group)
+    num_kv_heads, num_layers, block_size, dtype = 8, 2, 64, torch.bfloat16
+    per_head_block = num_layers * 2 * block_size * head_dim
+    num_blocks = 2**31 // ((num_kv_heads - 1) * per_head_block) + 64
+    assert num_kv_heads * num_blocks * per_head_block > 2**31
+    storage = (num_kv_heads, num_blocks, num_layers, 2, block_size, head_dim)
+    cache = torch.full(storage, NAN, dtype=dtype, device="cuda").permute(LOGICAL_FROM_STORAGE)
+    layer = cache[:, LAYER]
+    ctx_lens = [300, 1000, 77]
+    blocks = [math.ceil(c / block_size) for c in ctx_lens]
+    ids = (num_blocks - 1 - torch.randperm(sum(blocks), generator=gen)).tolist()
+    tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
+    keys, values, slots = [], [], []
+    for s, (ctx, n) in enumerate(zip(ctx_lens, blocks, strict=True)):
+        tables[s, :n] = torch.tensor(ids[:n])
+        del ids[:n]
+        pos = torch.arange(ctx)
+        slots.append(tables[s, pos // block_size].long() * block_size + pos % block_size)
+        for kv in (keys, values):
+            kv.append(torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype))
+    k, v, slot = torch.cat(keys).cuda(), torch.cat(values).cuda(), torch.cat(slots).cuda()
+    ops.write_kv(layer, k, v, slot)
+    # every written element where it belongs, read back through torch's own indexing
+    got = layer[slot // block_size, :, :, slot % block_size]  # [T, 2, H_kv, D]
+    assert torch.equal(got[:, 0], k) and torch.equal(got[:, 1], v)
+
+    num_heads, scale = num_kv_heads * group, head_dim**-0.5
+    tables, ctx = tables.cuda(), torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    # decode: one query per sequence
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, generator=gen).to(dtype).cuda()
+    out = ops.decode_attention(q, layer, ctx, tables, scale)
+    ref = torch.cat([
+        dense_attention(q[s : s + 1].cpu().double(), keys[s].double(), values[s].double(), scale)
+        for s in range(len(ctx_lens))
+    ])  # fmt: skip
+    assert rel_err(out, ref) < TOL[dtype]
+    # prefill: every position of every sequence
+    q = torch.randn(sum(ctx_lens), num_heads, head_dim, generator=gen).to(dtype).cuda()
+    cu = torch.tensor([0, *itertools.accumulate(ctx_lens)], dtype=torch.int32, device="cuda")
+    out = ops.prefill_attention(q, layer, cu, ctx, tables, scale)
+    ref = torch.cat([
+        dense_attention(q[cu[s] : cu[s + 1]].cpu().double(), keys[s].double(), values[s].double(), scale)
+        for s in range(len(ctx_lens))
+    ])  # fmt: skip
+    assert rel_err(out, ref) < TOL[dtype]

@@ -309,7 +309,7 @@ def test_save_random_llama(tmp_path: Path, model_dir: Path) -> None:
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (1, 128, 4)
     assert cfg.vocab_size == Tokenizer.from_dir(model_dir).vocab_size
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
-    assert cfg.sliding_window == 64
+    assert cfg.model_type == "mistral" and cfg.layer_windows == (64,)
     assert (
         Tokenizer.from_dir(first)
         .apply_chat_template([{"role": "user", "content": "hi"}])

@@ -19,7 +19,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.model.config import ModelConfig
-from pdserve.services.prefill.rank_group import RankGroup
+from pdserve.services.ranks.group import RankGroup
 from tests.e2e import deployment
 from tests.test_serving import assert_pools_full, metrics, total
 
@@ -48,7 +48,7 @@ def prompts(mono: LLMEngine) -> list[list[int]]:
 def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: int) -> None:
     cfg = EngineConfig(model=str(model_dir), num_kv_blocks=12)
     ref = ModelRunner.from_config(ModelConfig.from_dir(model_dir), model_dir, cfg)
-    group = RankGroup(cfg, num_ranks, "prefill-test", 1)
+    group = RankGroup.prefill(cfg, num_ranks, "prefill-test", 1)
     try:
         ids = torch.randint(
             0, 49152, (200,), generator=torch.Generator().manual_seed(num_ranks)
@@ -145,7 +145,7 @@ def test_64_concurrent_requests_release_every_replica(
 
 
 def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model_dir: Path) -> None:
-    from pdserve.services.prefill.rank import DROP_RELEASES_ENV
+    from pdserve.common.runtime.fault_hooks import DROP_RELEASES_ENV
     from pdserve.services.router.client import Client
 
     with deployment(

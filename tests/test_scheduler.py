@@ -21,11 +21,11 @@ def run_to_end(s: Scheduler, reqs: list[Request], max_tokens: int) -> int:
         plan, chosen = s.schedule()
         assert plan.seqs, "no progress"
         assert plan.num_tokens <= s.max_num_batched_tokens
-        for seq, req in zip(plan.seqs, chosen):
+        for seq, req in zip(plan.seqs, chosen, strict=True):
             assert seq.start_position == req.num_computed_tokens
             assert len(req.block_ids) * B >= seq.context_len
         s.on_step_done(chosen, plan)
-        for seq, req in zip(plan.seqs, chosen):
+        for seq, req in zip(plan.seqs, chosen, strict=True):
             if seq.sample:
                 req.output_token_ids.append(1000 + steps)
                 if len(req.output_token_ids) >= max_tokens:

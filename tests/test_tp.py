@@ -34,8 +34,8 @@ def test_every_consumer_head_comes_from_a_producer_rank_holding_it(
             got = []
             for sl in pull_plan(kv_heads, ptp, dtp, rank):
                 p_first, p_count = kv_heads_of(kv_heads, ptp, sl.producer_tp_rank)
-                assert 0 <= sl.src_head and sl.src_head + sl.count <= p_count
-                got += [(p_first + sl.src_head + i, sl.dst_head + i) for i in range(sl.count)]
+                assert 0 <= sl.src_head and sl.src_head + sl.num_heads <= p_count
+                got += [(p_first + sl.src_head + i, sl.dst_head + i) for i in range(sl.num_heads)]
             assert got == [(first + i, i) for i in range(count)], (ptp, dtp, rank)
 
 
@@ -106,7 +106,7 @@ def test_plan_reads_each_local_head_of_each_block_once(
     for rank, specs in enumerate(plan):
         seen = []
         for spec in specs:
-            for src, dst, n in spec.heads:
+            for _src, dst, n in spec.heads:
                 for h in range(n):
                     seen += [(dst + h, lo) for lo in spec.local_block_ids]
             assert [remote[local.index(b)] for b in spec.local_block_ids] == spec.remote_block_ids
@@ -217,7 +217,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
     from pdserve.common.model.random import save_random_llama
-    from pdserve.services.decode.rank_group import DecodeRankGroup
+    from pdserve.services.ranks.group import RankGroup
 
     model = save_random_llama(
         tmp_path / "m",
@@ -232,7 +232,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     mono = LLMEngine(cfg)
     prompts = [mono.tokenizer.encode(p) for p in PROMPTS]
     want = [o.token_ids for o in mono.generate(prompts, SamplingParams(max_tokens=10))]
-    ranks = DecodeRankGroup(cfg, 4, "test-replicated")
+    ranks = RankGroup.decode(cfg, 4, "test-replicated")
     try:
         assert ranks.layout.num_kv_heads == 1
         engine = LLMEngine(cfg, runner=ranks)

@@ -92,19 +92,38 @@ class BlockPool:
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The cached blocks of the longest run of leading ``hashes``, each now referenced
         once more (the caller owns them as if allocated)."""
-        if not self.enable_prefix_caching:
-            return []
         found = []
         for h in hashes:
-            block = self._block_of.get(h)
+            block = self.cached_block(h)
             if block is None:
                 break
             found.append(block)
-        for block in found:
+        self.take(found)
+        return found
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block holding ``block_hash``, if the prefix cache still has it."""
+        if not self.enable_prefix_caching:
+            return None
+        return self._block_of.get(block_hash)
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Reference cached blocks (from ``cached_block``) once more, as if allocated."""
+        for block in blocks:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]
             self._ref_counts[block] += 1
-        return found
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Forget a free cached block's hash (its slot becomes a plain free block); False
+        when it is not cached or still in use."""
+        block = self._block_of.get(block_hash)
+        if block is None or self._ref_counts[block]:
+            return False
+        del self._free_cached[block]
+        del self._block_of[self._hash_of.pop(block)]
+        heapq.heappush(self._free_plain, block)
+        return True
 
     def count_cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks are cached, without taking them."""

@@ -21,6 +21,7 @@ import time
 import structlog
 import torch
 
+from pdserve import kernels
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.attention import AttentionMetadata
 
@@ -32,6 +33,14 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 def graph_sizes(max_batch: int) -> list[int]:
     """Captured sizes up to ``max_batch`` (always included)."""
     return sorted({b for b in BATCH_SIZES if b < max_batch} | {max_batch})
+
+
+def padded_batch(num_seqs: int, max_batch: int) -> int:
+    """The captured size a decode step of ``num_seqs`` sequences replays (itself past the
+    largest, or with no graphs at all)."""
+    if max_batch < 1 or num_seqs > max_batch:
+        return num_seqs
+    return next(s for s in graph_sizes(max_batch) if s >= num_seqs)
 
 
 def is_decode_step(plan: StepPlan) -> bool:
@@ -68,6 +77,7 @@ class DecodeGraphs:
                 decode_context_lens=self._inputs[3, :size], decode_block_tables=self._tables[:size],
                 prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
+                decode_splits=kernels.decode_splits(size, kv_cache.shape[3], device),
             )  # fmt: skip
             self._keep.append(meta)
             args = (
@@ -95,13 +105,15 @@ class DecodeGraphs:
         n = len(plan.seqs)
         if n > self.sizes[-1] or not is_decode_step(plan):
             return None
-        size = next(s for s in self.sizes if s >= n)
+        size = padded_batch(n, self.sizes[-1])
         width = max(len(s.block_ids) for s in plan.seqs)
         if width > self._tables.shape[1]:
             return None
         bs, pad = self.block_size, size - n
         positions = [s.start_position for s in plan.seqs]
-        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(plan.seqs, positions)]
+        slots = [
+            s.block_ids[p // bs] * bs + p % bs for s, p in zip(plan.seqs, positions, strict=True)
+        ]
         host = torch.tensor([
             [s.token_ids[0] for s in plan.seqs] + [0] * pad,
             positions + [0] * pad,

@@ -116,14 +116,3 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return self.unit_index(
             head, first_block
         ) * self.head_block_bytes, num_blocks * self.head_block_bytes
-
-    @staticmethod
-    def runs(block_ids: list[int]) -> list[tuple[int, int]]:
-        """Maximal runs of consecutive ids as (first, count), in the order given."""
-        runs: list[tuple[int, int]] = []
-        for block in block_ids:
-            if runs and runs[-1][0] + runs[-1][1] == block:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((block, 1))
-        return runs

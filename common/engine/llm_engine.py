@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import structlog
 import torch
 
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.kv_groups import kv_cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
@@ -38,7 +39,14 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> torch.Tensor: ...
 
 
-class LLMEngine:
+OutputT = TypeVar("OutputT")
+
+
+class EngineCore(Generic[OutputT]):
+    """Scheduler + runner + sampler. What a sampled token makes of its request is the
+    subclass's hook, ``_advance``: the monolithic engine streams it (``LLMEngine``), prefill
+    hands the request over with its blocks pinned (``PrefillEngine``)."""
+
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
 
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
@@ -55,8 +63,16 @@ class LLMEngine:
             self.model_config, self.model_dir, config
         )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
+        self.kv_groups = kv_cache_groups(self.model_config.layer_windows)
+        # One table serves every layer (common/engine/kv_groups.py): blocks behind the
+        # window go back to the pool only when every layer slides with one window.
+        group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
         self.scheduler = Scheduler(
-            self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+            self.pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            group,
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
@@ -85,7 +101,7 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         longest = min(num + sampling.max_tokens, self.max_model_len) if self.holds_output else num
-        needed = -(-longest // self.config.block_size)
+        needed = self.scheduler.max_blocks(longest, num)
         if needed > self.pool.num_blocks:
             raise RequestError(
                 f"the request needs up to {needed} KV blocks but the cache has "
@@ -126,14 +142,14 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             return []
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(reqs, plan)
-        sampled = [req for req, seq in zip(reqs, plan.seqs) if seq.sample]
+        sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
         tokens = self.sampler(
             logits,
             [r.sampling for r in sampled],
@@ -141,15 +157,37 @@ class LLMEngine:
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
             [r.request_id for r in sampled],
         )
-        outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens)]
+        outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
         if any(r.sampling.logprobs is not None for r in sampled):
             params = [r.sampling for r in sampled]
             for out, lp in zip(outputs, token_logprobs(logits, params, tokens), strict=True):
-                if lp is not None:  # a RequestOutput, or prefill's Prefilled
-                    out.logprobs = [lp]
+                if lp is not None:  # a RequestOutput, or prefill's Prefilled: both have it
+                    cast(Any, out).logprobs = [lp]
         if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
             self.sampler.grammars.prune(self._requests)
         return outputs
+
+    def _output(
+        self, req: Request, tokens: list[int], text: str, reason: str | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    def _advance(self, req: Request, token_id: int) -> OutputT:
+        """The hook: ``req`` sampled ``token_id`` (not yet appended to its output)."""
+        raise NotImplementedError
+
+
+class LLMEngine(EngineCore[RequestOutput]):
+    """The monolithic engine: every sampled token streamed, requests end on stop rules."""
 
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
@@ -173,20 +211,6 @@ class LLMEngine:
         del self._requests[req.request_id]
         return self._output(req, [token_id], text, reason)
 
-    def _output(
-        self, req: Request, tokens: list[int], text: str, reason: str | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=len(req.output_token_ids),
-        )
-
     # -- convenience ----------------------------------------------------------------------
 
     def generate(
@@ -198,10 +222,10 @@ class LLMEngine:
             [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         )
         ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p)
-        texts = {rid: [] for rid in ids}
-        tokens = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             outputs = self.step()

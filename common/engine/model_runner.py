@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from pdserve import kernels
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.engine.cuda_graphs import DecodeGraphs
+from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
@@ -87,6 +87,7 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         kv_order: str = "head",
         cuda_graph_max_batch: int = 0,
+        cuda_graphs: bool = True,
         max_model_len: int | None = None,
     ) -> None:
         self.cfg = cfg
@@ -124,7 +125,10 @@ class ModelRunner:
         # logical [N, L, 2, H_kv, B, D] over head-major storage (common/engine/kv_layout.py)
         self.kv_cache = new_cache(self.layout, self.device)
         self.graphs: DecodeGraphs | None = None
+        # Graph sizes pad decode batches; eager steps pad the same way for the kernels' split
+        # (AttentionMetadata.decode_splits), graphs on or off, so both sum alike.
         self._graph_max_batch = cuda_graph_max_batch
+        self._use_graphs = cuda_graphs
         self._max_model_len = max_model_len or cfg.max_position_embeddings
         self._capture_graphs()
         log.info(
@@ -149,7 +153,8 @@ class ModelRunner:
         """CUDA graphs of decode steps (common/engine/cuda_graphs.py), where they can run."""
         par = self.parallel
         if (
-            self._graph_max_batch < 1
+            not self._use_graphs
+            or self._graph_max_batch < 1
             or self.device.type != "cuda"
             or par.tp_size > 1
             or par.pcp_size > 1
@@ -186,9 +191,8 @@ class ModelRunner:
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_order=config.kv_order,
-            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch)
-            if config.cuda_graphs
-            else 0,
+            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+            cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
             **kwargs,
         )
@@ -253,6 +257,9 @@ class ModelRunner:
             prefill_cu_seqlens_q=as_tensor(cu),
             prefill_context_lens=as_tensor([s.context_len for s in prefills]),
             prefill_block_tables=_block_tables(prefills, dev),
+            decode_splits=kernels.decode_splits(
+                padded_batch(len(decodes), self._graph_max_batch), self.layout.num_kv_heads, dev
+            ),
         )
         return (
             as_tensor(tokens, torch.int64),

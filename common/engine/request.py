@@ -35,11 +35,15 @@ class Request:
         self.sampling = sampling
         self.arrival_order = arrival_order
         self.status = Status.WAITING
+        # The block table: entry i holds positions i * block_size ..; the leading
+        # ``num_dropped_blocks`` are NULL_BLOCK (returned: behind a sliding window).
         self.block_ids: list[int] = []
+        self.num_dropped_blocks = 0
         self.block_hashes: list[BlockHash] = []
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_replayed_tokens = 0  # cached but recomputed: a window's blocks were lost
         self.finish_reason: str | None = None
 
     @property
@@ -55,6 +59,11 @@ class Request:
         if stop <= num_prompt:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this request references (its table without the dropped entries)."""
+        return self.block_ids[self.num_dropped_blocks :]
 
     @property
     def num_tokens(self) -> int:

@@ -4,22 +4,34 @@ Each step it takes running requests first (decodes and unfinished prefill chunks
 admits waiting requests while token budget, sequence slots and blocks allow. When the pool
 runs dry mid-decode, the latest arrival is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back from the prefix cache).
+
+With ``group`` a sliding-window group covering every layer (common/engine/kv_groups.py),
+blocks that fall wholly behind the window go back to the pool as the sequence advances;
+their table entries become ``NULL_BLOCK``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.block_pool import BlockHash, BlockPool, hash_blocks
+from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        group: KVCacheGroup | None = None,
     ) -> None:
         self.pool = pool
+        # The one group the block tables serve; full attention unless it is sliding.
+        self.group = group or KVCacheGroup(layers=())
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -27,6 +39,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
+        # prompt tokens recomputed because a sliding window lost blocks of a cached prefix
+        self.num_replayed_tokens = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -34,6 +48,11 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def max_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` (prompt included) holds at once."""
+        chunk = min(num_prompt_tokens, self.max_num_batched_tokens)
+        return self.group.max_blocks(num_tokens, self.block_size, chunk)
 
     def schedule(self) -> tuple[StepPlan, list[Request]]:
         budget = self.max_num_batched_tokens
@@ -59,6 +78,7 @@ class Scheduler:
                 self._release_blocks(req)
                 break
             req.block_ids += self.pool.allocate(needed)
+            self.num_replayed_tokens += req.num_replayed_tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -101,10 +121,45 @@ class Scheduler:
         self._extend_hashes(req)
         # The last token is always computed so that there are logits to sample from.
         max_blocks = (req.num_tokens - 1) // self.block_size
-        req.block_ids = self.pool.match_prefix(req.block_hashes[:max_blocks])
+        hashes = req.block_hashes[:max_blocks]
+        if self.group.is_sliding:
+            req.block_ids = self._match_window(req, hashes)
+        else:
+            req.block_ids = self.pool.match_prefix(hashes)
         req.num_computed_tokens = len(req.block_ids) * self.block_size
         if req.num_cached_tokens == 0:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        self._drop_outside_window(req)
+
+    def _match_window(self, req: Request, hashes: list[BlockHash]) -> list[int]:
+        """The longest cached prefix whose window is cached: resuming at block ``n`` needs
+        only the blocks the window of position ``n * B`` reaches, not the whole prefix.
+        When a block inside that window was lost, the prefix is cut back to where the
+        window is whole: at most the window's tokens are replayed (and counted)."""
+        blocks = [self.pool.cached_block(h) for h in hashes]
+        # The longest prefix whose last block is still cached: what a full-attention
+        # cache would have resumed from had it kept every block.
+        longest = next((n for n in range(len(blocks), 0, -1) if blocks[n - 1] is not None), 0)
+        for n in range(longest, 0, -1):
+            first = self.group.num_blocks_outside(n * self.block_size, self.block_size)
+            window = blocks[first:n]
+            if None not in window:
+                taken = [b for b in window if b is not None]
+                self.pool.take(taken)
+                req.num_replayed_tokens = (longest - n) * self.block_size
+                req.num_dropped_blocks = first
+                return [NULL_BLOCK] * first + taken
+        req.num_replayed_tokens = longest * self.block_size
+        return []
+
+    def _drop_outside_window(self, req: Request) -> None:
+        """Return the blocks no later query of ``req`` can see (a sliding group only)."""
+        num = self.group.num_blocks_outside(req.num_computed_tokens, self.block_size)
+        if num > req.num_dropped_blocks:
+            table = req.block_ids
+            self.pool.free(table[req.num_dropped_blocks : num])
+            table[req.num_dropped_blocks : num] = [NULL_BLOCK] * (num - req.num_dropped_blocks)
+            req.num_dropped_blocks = num
 
     def _extend_hashes(self, req: Request) -> None:
         done = len(req.block_hashes)
@@ -115,8 +170,9 @@ class Scheduler:
             req.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
     def _release_blocks(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
+        self.pool.free(req.held_block_ids)
         req.block_ids = []
+        req.num_dropped_blocks = 0
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
 
@@ -129,22 +185,25 @@ class Scheduler:
 
     def on_step_done(self, reqs: list[Request], plan: StepPlan) -> None:
         """Advance progress and make newly full blocks findable by later prompts."""
-        for req, seq in zip(reqs, plan.seqs):
+        for req, seq in zip(reqs, plan.seqs, strict=True):
             req.num_computed_tokens += len(seq.token_ids)
             self.num_computed_tokens += len(seq.token_ids)
             num_full = req.num_computed_tokens // self.block_size
             if num_full > req.num_registered_blocks:
                 self._extend_hashes(req)
-                for i in range(req.num_registered_blocks, num_full):
+                first = max(req.num_registered_blocks, req.num_dropped_blocks)
+                for i in range(first, num_full):
                     self.pool.register(req.block_ids[i], req.block_hashes[i])
                 req.num_registered_blocks = num_full
+            self._drop_outside_window(req)
 
     def detach(self, req: Request) -> list[int]:
-        """End ``req`` here but hand its blocks (and their references) to the caller:
-        prefill pins them under a lease until decode has pulled them."""
+        """End ``req`` here but hand the blocks it holds (and their references) to the
+        caller: prefill pins them under a lease until decode has pulled them. Entries
+        before ``req.num_dropped_blocks`` left a sliding window and are not among them."""
         self.running.remove(req)
         req.status = Status.FINISHED
-        blocks, req.block_ids = req.block_ids, []
+        blocks, req.block_ids = req.held_block_ids, []
         return blocks
 
     def finish(self, req: Request, reason: str) -> None:
@@ -155,5 +214,5 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         if req.block_ids:
-            self.pool.free(req.block_ids)
+            self.pool.free(req.held_block_ids)
             req.block_ids = []

@@ -26,6 +26,9 @@ class AttentionMetadata:
     # Context parallelism: gathers this rank's new K/V [2, T, H_kv, D] from every rank, in
     # the order ``slot_mapping`` describes; None when one rank computes everything.
     kv_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # kernels.decode_splits of the decode batch as a CUDA graph would pad it: an eager step
+    # and a replayed graph then sum each softmax in the same order. None: of the batch as is.
+    decode_splits: int | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -58,6 +61,7 @@ def paged_attention(
             meta.decode_block_tables,
             scale,
             sliding_window,
+            meta.decode_splits,
         )
     out = torch.empty_like(q)
     if nd:
@@ -68,6 +72,7 @@ def paged_attention(
             meta.decode_block_tables,
             scale,
             sliding_window,
+            meta.decode_splits,
         )
     out[nd:] = kernels.prefill_attention(
         q[nd:],

@@ -1,4 +1,15 @@
-"""The parts of a Hugging Face Llama-family config.json that the model code needs."""
+"""The parts of a Hugging Face Llama-family config.json that the model code needs.
+
+One model implementation serves every family; what differs between them is a handful of
+switches read here, each the way transformers' own config and model classes read it:
+
+| model_type | q/k/v bias | o_proj bias | q/k norm | sliding window on |
+| --- | --- | --- | --- | --- |
+| llama | attention_bias | attention_bias | no | no layer (HF ignores sliding_window) |
+| mistral | no | no | no | every layer, when sliding_window is set |
+| qwen2 | always | no | no | layer_types, else layers >= max_window_layers if use_sliding_window |
+| qwen3 | attention_bias | attention_bias | yes | as qwen2 |
+"""
 
 from __future__ import annotations
 
@@ -10,7 +21,9 @@ import msgspec
 
 from pdserve.common.errors import ModelLoadError
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,8 +41,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # HF's rope_scaling dict ({"rope_type": "llama3", "factor": ..., ...}), None for plain RoPE.
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
+    # The window W of the sliding layers (a query at p sees keys p - W < k <= p), None: none.
     sliding_window: int | None = None
-    attention_bias: bool = False
+    # Per layer FULL_ATTENTION or SLIDING_ATTENTION, as HF's ``config.layer_types``.
+    layer_types: tuple[str, ...] = ()
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -37,6 +55,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.window_of(i) for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -47,17 +75,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"models ({', '.join(sorted(LLAMA_FAMILY))})"
             )
         num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
         rope = _rope_parameters(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # Mistral/Qwen2 configs carry sliding_window but may switch it off.
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        window, layer_types = _attention_kinds(model_type, raw, num_layers)
+        bias = raw.get("attention_bias", False)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
@@ -67,8 +96,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rope_scaling=rope or None,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             sliding_window=window,
-            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            mlp_bias=raw.get("mlp_bias", False),
+            layer_types=layer_types,
+            attention_bias={"qwen2": True, "mistral": False}.get(model_type, bias),
+            o_proj_bias=bias and model_type in ("llama", "qwen3"),
+            qk_norm=model_type == "qwen3",
+            mlp_bias=model_type == "llama" and raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -95,3 +127,31 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     if params.get("rope_type", "default") == "default":
         return {"rope_theta": params["rope_theta"]}
     return params
+
+
+def _attention_kinds(
+    model_type: str, raw: dict[str, Any], num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer_types) as transformers decides them for ``model_type``."""
+    full = (FULL_ATTENTION,) * num_layers
+    window = raw.get("sliding_window")
+    if model_type == "llama" or not window:
+        return None, full
+    if model_type == "mistral":  # MistralAttention passes config.sliding_window on every layer
+        return window, (SLIDING_ATTENTION,) * num_layers
+    # Qwen2/Qwen3 (Qwen2Config.__post_init__): no window unless use_sliding_window; the
+    # layer kinds from layer_types when given, else sliding from max_window_layers on.
+    if not raw.get("use_sliding_window", False):
+        return None, full
+    given = raw.get("layer_types")
+    if given is None:
+        first = raw.get("max_window_layers", 28)
+        given = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if len(given) != num_layers or set(given) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ModelLoadError(
+            f"layer_types {given!r} must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} "
+            f"for each of the {num_layers} layers"
+        )
+    if SLIDING_ATTENTION not in given:
+        return None, full
+    return window, tuple(given)

@@ -248,9 +248,11 @@ def _load_with_transformers(source: Path) -> tuple[Any, Any]:
         ) from exc
     kwargs: dict[str, Any] = {"gguf_file": source.name, "local_files_only": True}
     with _wrap_transformers_errors(source):
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # a (model, info) pair with output_loading_info, whatever the annotation says
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             source.parent, dtype=torch.float32, output_loading_info=True, **kwargs
         )
+        model, info = loaded
     _check_no_missing_weights(source, model, info["missing_keys"])
     with _wrap_transformers_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)

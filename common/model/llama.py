@@ -52,30 +52,35 @@ def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     its parameter as a view into it, so the state dict and the memory stay as they were."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     sizes = [lin.weight.shape[0] for lin in linears]
-    for lin, part in zip(linears, weight.split(sizes)):
+    for lin, part in zip(linears, weight.split(sizes), strict=True):
         lin.weight = nn.Parameter(part, requires_grad=False)
     if linears[0].bias is None:
         return weight, None
     bias = torch.cat([lin.bias.detach() for lin in linears])
-    for lin, part in zip(linears, bias.split(sizes)):
+    for lin, part in zip(linears, bias.split(sizes), strict=True):
         lin.bias = nn.Parameter(part, requires_grad=False)
     return weight, bias
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext, layer: int) -> None:
         super().__init__()
         self.par = par
         self.num_heads = q_heads_of(cfg.num_attention_heads, par.tp_size, par.tp_rank)[1]
         self.num_kv_heads = kv_heads_of(cfg.num_key_value_heads, par.tp_size, par.tp_rank)[1]
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.window_of(layer)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
+        )
+        # Qwen3: [head_dim] weights, the same on every TP rank
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed (pack_weights)
 
     def pack(self) -> None:
@@ -96,14 +101,20 @@ class Attention(nn.Module):
             )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of [T * H, D]
+            q = self.q_norm(q.reshape(-1, d))
+            k = self.k_norm(k.reshape(-1, d))
         q = q.view(num_tokens, self.num_heads, d)
         k = k.view(num_tokens, self.num_kv_heads, d)
         v = v.view(num_tokens, self.num_kv_heads, d)
         q, k = kernels.rotary(q, k, *rope)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, self.sliding_window)
-        return self.par.all_reduce_tp(
-            self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-        )
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.par.tp_size == 1:
+            return self.o_proj(out)
+        # row-parallel: partial sums reduced, the bias added once after
+        out = self.par.all_reduce_tp(F.linear(out, self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
 class MLP(nn.Module):
@@ -135,9 +146,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, par)
+        self.self_attn = Attention(cfg, par, layer)
         self.mlp = MLP(cfg, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -166,7 +177,7 @@ class LlamaBackbone(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, par) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, par, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -202,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Pack q/k/v and gate/up of every layer (CUDA: fewer, larger GEMMs)."""
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.pack()
             layer.mlp.pack()
 

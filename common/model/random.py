@@ -1,4 +1,7 @@
-"""Random-weight Llama checkpoints of any shape, for tensor-parallel tests and benchmarks.
+"""Random-weight checkpoints of any shape and family, for tensor-parallel tests and benchmarks:
+``save_random_model`` / ``save_random_llama`` build them with transformers' own classes (the
+reference for tests), ``write_random_llama`` writes big ones fast for benchmarks
+(``random_shape_model``).
 
 They reuse a real tokenizer so that prompts, chat templates and detokenization behave as
 with a real model; only the weights (and so the generated text) are noise.
@@ -12,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.files import cache_root, resolve_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,15 +40,15 @@ def save_random_llama(
     sliding_window: int | None = None,
     tokenizer_from: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write a random LlamaForCausalLM (float32 safetensors) plus a tokenizer into ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(path)
-    source = resolve_model(tokenizer_from)
-    if vocab_size is None:
-        vocab_size = _tokenizer_vocab_size(source)
-    config = LlamaConfig(
+    """Write a random LlamaForCausalLM (float32 safetensors) plus a tokenizer into ``path``;
+    with ``sliding_window`` a MistralForCausalLM (the same weights, every layer windowed):
+    transformers' Llama ignores sliding_window, and so does pdserve."""
+    window = {"sliding_window": sliding_window} if sliding_window else {}
+    return save_random_model(
+        path,
+        "mistral" if sliding_window else "llama",
+        seed=seed,
+        tokenizer_from=tokenizer_from,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -54,14 +57,36 @@ def save_random_llama(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         rope_scaling=rope_scaling,
-        # Not a LlamaConfig field (transformers' Llama ignores it), but it lands in
-        # config.json, where pdserve's ModelConfig reads it.
-        sliding_window=sliding_window,
         tie_word_embeddings=False,
+        **window,
+    )
+
+
+def save_random_model(
+    path: str | os.PathLike[str],
+    model_type: str,
+    *,
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    **config: Any,
+) -> Path:
+    """Write a random checkpoint of transformers' own classes for ``model_type`` (its
+    config class with ``config`` as keyword arguments, its ForCausalLM), float32
+    safetensors, plus the tokenizer of ``tokenizer_from`` (default: the embedded model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(path)
+    source = resolve_model(tokenizer_from)
+    hf_config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size or _tokenizer_vocab_size(source),
         **_special_token_ids(source),
+        **config,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     _copy_tokenizer(source, out)
     return out
@@ -89,3 +114,114 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
+
+
+# Model shapes for benchmarks (``pdserve bench engine --shape``): Llama 3.2 1B's and Llama 3.1
+# 8B's layers, heads and MLP, with the embedded tokenizer's vocabulary.
+SHAPES: dict[str, dict[str, int]] = {
+    "1b": dict(
+        num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192
+    ),
+    "8b": dict(
+        num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336
+    ),
+}
+
+
+def write_random_llama(
+    path: str | os.PathLike[str],
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int = 16384,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A random Llama checkpoint (HF names and config.json, no transformers model built)
+    written tensor by tensor: weights are drawn on ``device``, so an 8B shape takes seconds
+    on a GPU. transformers loads it like any Llama (HF reference columns use it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(tokenizer_from)
+    vocab = _tokenizer_vocab_size(source)
+    head_dim = hidden_size // num_heads
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02
+        return w.to(torch_dtype).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch_dtype)
+
+    state = {
+        "model.embed_tokens.weight": weight(vocab, hidden_size),
+        "model.norm.weight": ones(hidden_size),
+        "lm_head.weight": weight(vocab, hidden_size),
+    }
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        state[p + "self_attn.q_proj.weight"] = weight(num_heads * head_dim, hidden_size)
+        state[p + "self_attn.k_proj.weight"] = weight(num_kv_heads * head_dim, hidden_size)
+        state[p + "self_attn.v_proj.weight"] = weight(num_kv_heads * head_dim, hidden_size)
+        state[p + "self_attn.o_proj.weight"] = weight(hidden_size, num_heads * head_dim)
+        state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
+        state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
+        state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
+        state[p + "input_layernorm.weight"] = ones(hidden_size)
+        state[p + "post_attention_layernorm.weight"] = ones(hidden_size)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        **_special_token_ids(source),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    _copy_tokenizer(source, out)
+    return out
+
+
+def random_shape_model(
+    shape: str,
+    *,
+    num_layers: int | None = None,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    tokenizer_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The checkpoint of a named shape (``SHAPES``), written once into the model cache."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: expected one of {', '.join(SHAPES)}")
+    dims = dict(SHAPES[shape])
+    if num_layers is not None:
+        dims["num_layers"] = num_layers
+    path = cache_root() / "random" / f"llama-{shape}-{dims['num_layers']}l-{dtype}"
+    if not (path / "model.safetensors").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        write_random_llama(tmp, **dims, dtype=dtype, device=device, tokenizer_from=tokenizer_from)
+        tmp.replace(path)
+    return path

@@ -103,6 +103,8 @@ class RotaryEmbedding(torch.nn.Module):
     """cos / sin of positions for HF's rotate_half layout (pairs i and i + D/2); the
     rotation itself is ``kernels.rotary``."""
 
+    inv_freq: torch.Tensor  # [D/2], a buffer
+
     def __init__(
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
     ) -> None:

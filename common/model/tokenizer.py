@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -212,7 +212,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """Accept {% generation %}...{% endgeneration %}, which transformers uses to mark
     assistant tokens for training masks; at inference it renders its body unchanged."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -14,13 +14,13 @@ from typing import NamedTuple
 
 
 class HeadSlice(NamedTuple):
-    """Heads [src_head, src_head + count) of producer TP rank ``producer_tp_rank`` go to
-    local heads [dst_head, dst_head + count)."""
+    """Heads [src_head, src_head + num_heads) of producer TP rank ``producer_tp_rank`` go to
+    local heads [dst_head, dst_head + num_heads)."""
 
     producer_tp_rank: int
     src_head: int
     dst_head: int
-    count: int
+    num_heads: int
 
 
 def check_tp(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
@@ -68,17 +68,8 @@ def pull_plan(
             copies = producer_tp // num_kv_heads
             rank, src = head * copies + consumer_rank % copies, 0
         last = slices[-1] if slices else None
-        if last and last.producer_tp_rank == rank and last.src_head + last.count == src:
-            slices[-1] = last._replace(count=last.count + 1)
+        if last and last.producer_tp_rank == rank and last.src_head + last.num_heads == src:
+            slices[-1] = last._replace(num_heads=last.num_heads + 1)
         else:
             slices.append(HeadSlice(rank, src, dst, 1))
     return slices
-
-
-def producer_tp_ranks_read(num_kv_heads: int, producer_tp: int, consumer_tp: int) -> set[int]:
-    """The producer TP ranks some consumer rank reads from (others are only released)."""
-    return {
-        s.producer_tp_rank
-        for d in range(consumer_tp)
-        for s in pull_plan(num_kv_heads, producer_tp, consumer_tp, d)
-    }

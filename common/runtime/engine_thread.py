@@ -1,8 +1,11 @@
 """The bridge between a service's asyncio loop and its engine thread.
 
-Model steps and NIXL calls block, so each service runs them in one worker thread (NIXL
-agents are not thread-safe: one thread owns the agent). The loop hands commands over a
-thread-safe queue; the thread hands results back with ``call_soon_threadsafe``.
+Model steps and NIXL calls block, so each service runs them in one engine thread (NIXL
+agents are not thread-safe: one thread owns the agent). The loop hands typed commands
+(common/runtime/engine_commands.py) over a thread-safe queue; the thread gets a narrow
+``EngineContext`` (config, ids, metrics, the callables that answer), never the service,
+and hands results back with ``call_soon_threadsafe``. State crosses the two threads only
+as those messages, or as snapshots the thread replaces whole (an attribute assignment).
 """
 
 from __future__ import annotations
@@ -12,16 +15,24 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.engine_commands import Barrier, Command
+from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog
 
-log = structlog.get_logger("pdserve.worker")
+if TYPE_CHECKING:
+    from pdserve.common.runtime.service_config import DeploymentConfig
+
+log = structlog.get_logger("pdserve.worker")  # the name operators' log queries know
 
 
-def report_engine(metrics: Any, engine: Any, num_pending: int, preemptions_seen: int) -> int:
+def report_engine(metrics: Metrics, engine: Any, num_pending: int, preemptions_seen: int) -> int:
     """Set a service engine's pool and queue gauges and count new preemptions; returns the
     preemption total now seen (the scheduler counts in total, the metric in increments)."""
     sched = engine.scheduler
@@ -30,33 +41,49 @@ def report_engine(metrics: Any, engine: Any, num_pending: int, preemptions_seen:
     metrics.set("pdserve:num_requests_waiting", len(sched.waiting) + num_pending)
     if sched.num_preemptions > preemptions_seen:
         metrics.inc("pdserve:num_preemptions", sched.num_preemptions - preemptions_seen)
+    replayed = sched.num_replayed_tokens - metrics.value("pdserve:prefix_cache_replayed_tokens")
+    if replayed > 0:
+        metrics.inc("pdserve:prefix_cache_replayed_tokens", replayed)
     return int(sched.num_preemptions)
 
 
-class WorkerThread(threading.Thread):
-    """Runs ``setup()`` once, then ``run_once(commands)`` until stopped.
+@dataclass(frozen=True, kw_only=True)
+class EngineContext:
+    """What an engine thread knows of its service. ``reply`` runs on the service's loop
+    (through ``EngineThread.post``): it sends to a router through the front ROUTER."""
 
-    ``run_once`` gets the commands that arrived since the last call; when the worker
-    reports itself idle, the thread waits up to ``idle_wait`` for the next command.
-    Every turn kicks the systemd watchdog (when the service set one): a model step that
-    hangs stops the pings. Commands are ``(kind, *args)`` tuples that subclasses
-    dispatch to ``_on_<kind>``; ``("barrier", event)`` is understood by every worker.
+    cfg: DeploymentConfig
+    instance: int
+    torch_threads: int
+    metrics: Metrics
+    reply: Callable[[bytes, p.Message], None]
+    faults: FaultHooks = FaultHooks()
+
+
+class EngineThread(threading.Thread):
+    """Runs ``setup()`` once, then turns until stopped: each turn hands the commands that
+    arrived since the last one to their handlers (``handlers``: command type -> method),
+    then does one unit of work (``run_once``). When that reports nothing more pending,
+    the thread waits up to ``idle_wait`` for the next command. Every turn kicks the
+    systemd watchdog (when the service set one): a model step that hangs stops the pings.
     """
 
     idle_wait = 0.005
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+    def __init__(self, ctx: EngineContext, loop: asyncio.AbstractEventLoop, name: str) -> None:
         super().__init__(name=name, daemon=True)
+        self.ctx = ctx
         self.loop = loop
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self._stop_event = threading.Event()
         self.watchdog: Watchdog | None = None
-        # Called on the service's loop when run_once raised: the engine cannot go on.
+        # Called on the service's loop when a turn raised: the engine cannot go on.
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.handlers: dict[type[Command], Callable[[Any], None]] = {Barrier: self._on_barrier}
 
-    def submit(self, command: Any) -> None:
+    def submit(self, command: Command) -> None:
         self.inbox.put(command)
 
     def stop(self) -> None:
@@ -68,19 +95,22 @@ class WorkerThread(threading.Thread):
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(callback, *args)
 
+    def reply(self, identity: bytes, msg: p.Message) -> None:
+        """Send ``msg`` to the router ``identity`` (from the service's loop)."""
+        self.post(self.ctx.reply, identity, msg)
+
     def setup(self) -> None:  # pragma: no cover - overridden
         pass
 
-    def run_once(self, commands: list[Any]) -> bool:  # pragma: no cover - overridden
-        """Handle commands, do one unit of work; True when there is more work pending."""
+    def run_once(self) -> bool:  # pragma: no cover - overridden
+        """One unit of work; True when there is more work pending."""
         return False
 
     def teardown(self) -> None:
         pass
 
-    def _on_barrier(self, done: threading.Event) -> None:
-        """Set ``done``: every command submitted before it has been handled."""
-        done.set()
+    def _on_barrier(self, cmd: Barrier) -> None:
+        cmd.done.set()
 
     def run(self) -> None:
         try:
@@ -104,24 +134,29 @@ class WorkerThread(threading.Thread):
                 commands = self._drain(block=not busy)
                 if self._stop_event.is_set():
                     break
-                busy = self.run_once(commands)
+                for command in commands:
+                    self.handlers[type(command)](command)
+                busy = self.run_once()
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
             self.failed = exc
             log.error(
-                "worker_failed", worker=self.name, error=str(exc), traceback=traceback.format_exc()
+                "worker_failed",
+                worker=self.name,
+                error=str(exc),
+                traceback=traceback.format_exc(),
             )
             if self.on_fatal is not None:
                 self.post(self.on_fatal, exc)
         finally:
             self.teardown()
 
-    def _drain(self, block: bool) -> list[Any]:
-        commands: list[Any] = []
+    def _drain(self, block: bool) -> list[Command]:
+        commands: list[Command | None] = []
         if block:
             try:
                 commands.append(self.inbox.get(timeout=self.idle_wait))
             except queue.Empty:
-                return commands
+                return []
         while True:
             try:
                 commands.append(self.inbox.get_nowait())

@@ -30,6 +30,7 @@ COUNTERS = {
     "pdserve:kv_expired_requests": "requests whose KV lease expired before release",
     "pdserve:kv_replica_releases": "releases received by a producer rank",
     "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
+    "pdserve:prefix_cache_replayed_tokens": "cached prompt tokens recomputed because a sliding window lost blocks (at most the window per hit)",
     "pdserve:bad_messages": "malformed or unexpected wire messages received",
     "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
@@ -66,7 +67,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[float, float]]:
         out, total = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
             out.append((bound, float(total)))
         return out

@@ -12,7 +12,7 @@ the end.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -106,6 +106,9 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     num_tokens: int
     replicas: list[Replica]
     lease_deadline: float  # unix time; decode heartbeats extend it
+    # Table entries before block_ids[0]: behind a sliding window, never published (a model
+    # whose every layer slides, common/engine/kv_groups.py); block_ids hold the rest.
+    first_block: int = 0
 
 
 class PrefillDone(Message, kw_only=True, omit_defaults=True):
@@ -219,14 +222,14 @@ class MetricsReport(Message, kw_only=True):
     samples: list[MetricSample]
 
 
-ClientToRouter = Union[Generate, Abort]
-RouterToClient = Union[TokenChunk, Finished, Failed]
-RouterToPrefill = Union[PrefillRequest, Abort, Ping, MetricsQuery]
-PrefillToRouter = Union[PrefillDone, Failed, Pong, MetricsReport]
-RouterToDecode = Union[DecodeRequest, Abort, Ping, MetricsQuery]
-DecodeToRouter = Union[TokenChunk, Finished, Failed, Pong, MetricsReport]
-ToSideChannel = Union[Handshake, Heartbeat, Release]
-FromSideChannel = Union[HandshakeReply, SideReply, Failed]
+ClientToRouter = Generate | Abort
+RouterToClient = TokenChunk | Finished | Failed
+RouterToPrefill = PrefillRequest | Abort | Ping | MetricsQuery
+PrefillToRouter = PrefillDone | Failed | Pong | MetricsReport
+RouterToDecode = DecodeRequest | Abort | Ping | MetricsQuery
+DecodeToRouter = TokenChunk | Finished | Failed | Pong | MetricsReport
+ToSideChannel = Handshake | Heartbeat | Release
+FromSideChannel = HandshakeReply | SideReply | Failed
 
 T = TypeVar("T")
 

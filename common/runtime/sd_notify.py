@@ -67,7 +67,7 @@ class Watchdog:
     """Sends ``WATCHDOG=1`` at most every half timeout, from the loop that must stay alive.
 
     ``kick`` is cheap (a clock read) and meant to be called on every turn of a busy loop.
-    With ``needs_loop`` (prefill and decode, whose worker thread kicks) it also pings only
+    With ``needs_loop`` (prefill and decode, whose engine thread kicks) it also pings only
     while ``loop_tick`` was called within the timeout: a stuck asyncio loop stops the
     pings as surely as a stuck engine step.
     """

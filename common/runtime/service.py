@@ -2,11 +2,11 @@
 
 A service binds one ROUTER socket for the router, decodes each frame with its direction's
 typed decoder, and dispatches by message type. Malformed frames are counted, logged and
-answered, never fatal. Model work happens in the service's WorkerThread.
+answered, never fatal. Model work happens in the service's EngineThread.
 
-Lifecycle (systemd ``Type=notify``, see common/runtime/sd_notify.py): READY=1 once the worker
-loaded the weights and the sockets are bound; WATCHDOG=1 from the worker's loop while
-the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
+Lifecycle (systemd ``Type=notify``, see common/runtime/sd_notify.py): READY=1 once the
+engine thread loaded the weights and the sockets are bound; WATCHDOG=1 from the engine
+thread's loop while the asyncio loop also turns. SIGTERM drains: new requests are refused with Failed
 "draining" (and Pongs say not ready, so the router stops picking this instance), work in
 flight gets ``drain_seconds`` to finish, what is left then ends with Failed "draining";
 the process exits 0. A second SIGTERM or SIGINT cuts the drain short.
@@ -35,7 +35,9 @@ import zmq.asyncio
 
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import WireSecurity
-from pdserve.common.runtime.engine_thread import WorkerThread
+from pdserve.common.runtime.engine_commands import Abort, Barrier
+from pdserve.common.runtime.engine_thread import EngineContext, EngineThread
+from pdserve.common.runtime.fault_hooks import FaultHooks
 from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog, notify
 from pdserve.common.runtime.service_config import DeploymentConfig
@@ -62,7 +64,7 @@ class Service(abc.ABC):
         self.ctx = zmq.asyncio.Context()
         self._decoder: p.Decoder[Any] = p.Decoder(inbound)
         self.handlers: dict[type, Handler] = {p.Ping: self.on_ping, p.MetricsQuery: self.on_metrics}
-        self.worker: WorkerThread | None = None
+        self.engine_thread: EngineThread | None = None
         self.stopping = asyncio.Event()
         self.stop_now = asyncio.Event()  # a second signal: end the drain at once
         self.draining = False
@@ -73,15 +75,25 @@ class Service(abc.ABC):
         self.front: zmq.asyncio.Socket | None = None
         self.log = log.bind(service=self.role, instance=instance)
         self.routers: dict[bytes, float] = {}  # router identity -> when it last pinged
-        self.exit_error: str | None = None  # set when the worker died: exit non-zero
+        self.exit_error: str | None = None  # set when the engine thread died: exit non-zero
         self.metrics.declare("pdserve:requests_refused", reason="overloaded")
         self.metrics.declare("pdserve:requests_refused", reason="draining")
 
     # -- lifecycle ------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def make_worker(self, loop: asyncio.AbstractEventLoop) -> WorkerThread:
+    def make_engine_thread(self, loop: asyncio.AbstractEventLoop) -> EngineThread:
         """The service's engine thread (not started)."""
+
+    def engine_context(self, torch_threads: int) -> EngineContext:
+        return EngineContext(
+            cfg=self.cfg,
+            instance=self.instance,
+            torch_threads=torch_threads,
+            metrics=self.metrics,
+            reply=self.reply,
+            faults=FaultHooks.from_env(),
+        )
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -92,16 +104,16 @@ class Service(abc.ABC):
             self.ctx, zmq.ROUTER, bind=self.address, curve=self.security.server
         )
         await self.start_sockets()
-        self.worker = self.make_worker(loop)
-        self.worker.watchdog = self.watchdog
-        self.worker.on_fatal = self.on_worker_failed
-        self.worker.start()
+        engine = self.engine_thread = self.make_engine_thread(loop)
+        engine.watchdog = self.watchdog
+        engine.on_fatal = self.on_engine_failed
+        engine.start()
         tasks = [asyncio.create_task(self._receive(self.front, self._decoder, self.handlers))]
         tasks += self.background_tasks()
         tasks.append(asyncio.create_task(self._watch_routers()))
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self._loop_ticks(self.watchdog)))
-        while not self.worker.ready.is_set():
+        while not engine.ready.is_set():
             if self.stopping.is_set():  # stopped while loading: nothing to drain
                 self.log.info("service_stopped_while_loading")
                 self.ctx.destroy(linger=0)
@@ -110,19 +122,18 @@ class Service(abc.ABC):
                 # The engine thread is inside torch/NIXL set-up and cannot be stopped;
                 # the interpreter's exit would abort on its native threads.
                 os._exit(0)
-            await asyncio.to_thread(self.worker.ready.wait, 0.2)
-        if self.worker.failed is not None:
-            self.log.error("service_failed", error=str(self.worker.failed))
-            notify(f"STATUS=failed: {self.worker.failed}")
-            raise SystemExit(f"{self.role} {self.instance}: {self.worker.failed}")
+            await asyncio.to_thread(engine.ready.wait, 0.2)
+        if engine.failed is not None:
+            self.log.error("service_failed", error=str(engine.failed))
+            notify(f"STATUS=failed: {engine.failed}")
+            raise SystemExit(f"{self.role} {self.instance}: {engine.failed}")
         self.log.info("service_ready", address=self.address)
-        self.on_ready()
         notify("READY=1", f"STATUS={self.role} {self.instance} serving at {self.address}")
         await self.stopping.wait()
         await self.drain()
         self.log.info("service_stopping")
-        self.worker.stop()
-        await asyncio.to_thread(self.worker.join, 10)
+        engine.stop()
+        await asyncio.to_thread(engine.join, 10)
         for t in tasks:
             t.cancel()
         self.ctx.destroy(linger=0)
@@ -155,11 +166,12 @@ class Service(abc.ABC):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 break
-            try:  # poll: requests end on the worker thread's schedule
+            try:  # poll: requests end on the engine thread's schedule
                 await asyncio.wait_for(self.stop_now.wait(), min(0.05, remaining))
             except TimeoutError:
                 pass
-        if not self.inflight or self.worker is None:
+        engine = self.engine_thread
+        if not self.inflight or engine is None:
             return
         self.log.warning("drain_timeout", request_ids=list(self.inflight), drain_seconds=seconds)
         for rid, (identity, trace) in list(self.inflight.items()):
@@ -175,29 +187,26 @@ class Service(abc.ABC):
                     ),
                 ),
             )
-            self.worker.submit(("abort", rid))
-        # Let the worker act on the aborts (release producers' KV) before it stops.
+            engine.submit(Abort(request_id=rid))
+        # Let the engine thread act on the aborts (release producers' KV) before it stops.
         done = threading.Event()
-        self.worker.submit(("barrier", done))
+        engine.submit(Barrier(done=done))
         await asyncio.to_thread(done.wait, 5.0)
-        await asyncio.sleep(0)  # and the loop send what the worker posted
+        await asyncio.sleep(0)  # and the loop send what the engine thread posted
 
     def num_busy(self) -> int:
         """What the drain waits for: requests in flight (prefill adds pinned KV leases)."""
         return len(self.inflight)
 
-    async def start_sockets(self) -> None:
-        pass
+    async def start_sockets(self) -> None:  # noqa: B027 (an optional hook, empty by default)
+        """Bind the role's sockets besides the front ROUTER (prefill: its side channel)."""
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         return []
 
-    def on_ready(self) -> None:
-        pass
-
     @property
     def is_ready(self) -> bool:
-        w = self.worker
+        w = self.engine_thread
         return w is not None and w.ready.is_set() and w.failed is None and not self.draining
 
     # -- messages -------------------------------------------------------------------------
@@ -340,10 +349,10 @@ class Service(abc.ABC):
         )
         for rid in rids:
             del self.inflight[rid]
-            if self.worker is not None:
-                self.worker.submit(("abort", rid))
+            if self.engine_thread is not None:
+                self.engine_thread.submit(Abort(request_id=rid))
 
-    def on_worker_failed(self, exc: BaseException) -> None:
+    def on_engine_failed(self, exc: BaseException) -> None:
         """The engine thread died (a rank process died, a step raised): fail every request
         in flight now, answer pings as not ready, and exit non-zero (after a moment for
         the replies to leave) so that the supervisor restarts the service."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -29,8 +29,11 @@ HEARTBEAT_IVL_MS = 1_000
 HEARTBEAT_TIMEOUT_MS = 5_000
 
 
+_S = TypeVar("_S", bound=zmq.Socket[Any])
+
+
 def make_socket(
-    ctx: zmq.Context[Any],
+    ctx: zmq.Context[_S],
     kind: int,
     *,
     bind: str | None = None,
@@ -40,7 +43,7 @@ def make_socket(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     curve: CurveKeys | None = None,
     monitor_events: int = 0,
-) -> zmq.Socket[Any]:
+) -> _S:
     """A configured socket, bound or connected. Works for sync and asyncio contexts
     (an asyncio context's first CURVE server socket needs a running loop).
 
@@ -77,7 +80,7 @@ def make_socket(
         watch_handshakes(sock, bind or connect or "", curve)
     if bind is not None:
         sock.bind(bind)
-    else:
+    elif connect is not None:  # one of the two, checked above
         sock.connect(connect)
     return sock
 

@@ -1,16 +1,22 @@
-"""Pulls of one consumer agent: the READ specs a decode rank posts, and LocalPuller, which
-posts them on a KVConsumer and reports each request once, when all its READs ended.
-Used in the decode engine's thread (TP 1) and in each decode rank process (TP > 1)."""
+"""Pulls of one consumer agent: the READ specs a decode rank posts; ``Puller``, what the
+decode engine thread needs of whatever runs them; and ``LocalPuller``, which posts them on a
+KVConsumer and reports each request once, when all its READs ended. LocalPuller runs in the
+decode engine's thread (TP 1) and in each decode rank process (TP > 1), where the engine
+thread drives the ranks through ``services/decode/pullers.RankPuller``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime import protocol as p
+
+if TYPE_CHECKING:
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
 
 
 class PullSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -31,10 +37,28 @@ class PullResult:
     seconds: float = 0.0
 
 
-class LocalPuller:
-    """TP 1: the KVConsumer lives in the decode engine's thread."""
+class Puller(Protocol):
+    """Pulls of whole requests: every ``start`` is answered by exactly one ``PullResult``
+    from ``poll``, once no READ of the request is in flight any more."""
 
-    def __init__(self, agent_name: str, runner: Any) -> None:
+    def connect(self, replies: list[p.HandshakeReply]) -> None:
+        """Connect to every replica rank of a producer life (raises KVTransferError)."""
+
+    def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
+        """Post ``plan`` (the READs of each decode rank, services/decode/pullers.py)."""
+
+    def poll(self) -> list[PullResult]: ...
+
+    def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
+        """Release every replica rank; returns the indices no notification reached."""
+
+    def close(self) -> None: ...
+
+
+class LocalPuller:
+    """One KVConsumer in this thread: the decode engine's at TP 1, a decode rank's."""
+
+    def __init__(self, agent_name: str, runner: ModelRunner) -> None:
         from pdserve.common.transfer.kv_consumer import KVConsumer
 
         self.consumer = KVConsumer(
@@ -43,7 +67,7 @@ class LocalPuller:
             layout=runner.layout,
             compat=runner.kv_compat(),
         )
-        self._pulls: dict[str, list[Any]] = {}
+        self._pulls: dict[str, list[Pull]] = {}
         self._results: list[PullResult] = []
 
     def connect(self, replies: list[p.HandshakeReply]) -> None:
@@ -73,9 +97,6 @@ class LocalPuller:
             out.append(PullResult(rid, None, *pull_stats(pulls)))
         return out
 
-    def in_flight(self, rid: str) -> bool:
-        return rid in self._pulls
-
     @property
     def busy(self) -> bool:
         return bool(self._pulls)
@@ -87,9 +108,11 @@ class LocalPuller:
         self.consumer.close()
 
 
-def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpec]) -> list[Any]:
+def start_pulls(
+    consumer: KVConsumer, rid: str, handle: p.KVHandle, specs: list[PullSpec]
+) -> list[Pull]:
     """Post one READ per spec; on a failure the ones already posted are aborted."""
-    pulls: list[Any] = []
+    pulls: list[Pull] = []
     try:
         for spec in specs:
             sub = msgspec.structs.replace(handle, block_ids=spec.remote_block_ids)
@@ -99,7 +122,7 @@ def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpe
                     sub,
                     spec.local_block_ids,
                     spec.replica,
-                    heads=[tuple(h) for h in spec.heads],
+                    heads=[(src, dst, n) for src, dst, n in spec.heads],
                 )
             )
     except Exception:
@@ -109,7 +132,7 @@ def start_pulls(consumer: Any, rid: str, handle: p.KVHandle, specs: list[PullSpe
     return pulls
 
 
-def pull_stats(pulls: list[Any]) -> tuple[int, int, float]:
+def pull_stats(pulls: list[Pull]) -> tuple[int, int, float]:
     """(bytes, descriptors, seconds) of a request's finished pulls on one rank."""
     seconds = max((pull.transfer_seconds or 0.0 for pull in pulls), default=0.0)
     return (

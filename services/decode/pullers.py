@@ -5,7 +5,8 @@ decode rank reads its KV heads from the producer TP rank(s) holding them (common
 from the first PCP replica or, with ``pull_from = "striped"``, one share of the blocks
 from each replica. Whatever was read from, every replica is released exactly once.
 
-A puller runs the plan: ``common.kv_pulls.LocalPuller`` with the KVConsumer in this process (TP 1),
+A ``Puller`` (common/transfer/kv_pulls.py) runs the plan: ``LocalPuller`` with the KVConsumer
+in this process (TP 1),
 :class:`RankPuller` through the decode rank processes (TP > 1), where each rank's agent
 posts its own READs and rank 0 sends the releases (it connects to every producer rank).
 Both report a request once, when every READ of it has ended.
@@ -13,15 +14,18 @@ Both report a request once, when every READ of it has ended.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from pdserve.common.parallel.tp import pull_plan
 from pdserve.common.runtime import protocol as p
 from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
 from pdserve.common.transfer.kv_transfer import KVTransferError
+from pdserve.services.ranks import messages as m
+
+if TYPE_CHECKING:
+    from pdserve.services.ranks.group import RankGroup
 
 
 def plan_pulls(
@@ -42,7 +46,7 @@ def plan_pulls(
     for rank in range(consumer_tp):
         specs = []
         for sl in pull_plan(num_kv_heads, producer_tp, consumer_tp, rank):
-            for share, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            for share, (a, b) in enumerate(itertools.pairwise(bounds)):
                 # decode ranks start their shares on different replicas: more source links busy
                 replica = grid[(sl.producer_tp_rank, (share + rank) % pcp if striped else 0)]
                 specs.append(
@@ -50,7 +54,7 @@ def plan_pulls(
                         replica,
                         handle.block_ids[a:b],
                         local_blocks[a:b],
-                        [(sl.src_head, sl.dst_head, sl.count)],
+                        [(sl.src_head, sl.dst_head, sl.num_heads)],
                     )
                 )
         plan.append(specs)
@@ -69,14 +73,13 @@ class _Outstanding:
 class RankPuller:
     """TP > 1: every decode rank process pulls its own heads."""
 
-    def __init__(self, ranks: Any) -> None:
-        self.ranks = ranks  # DecodeRankGroup
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
         self._out: dict[str, _Outstanding] = {}
 
     def connect(self, replies: list[p.HandshakeReply]) -> None:
-        raw = [p.encode(r) for r in replies]
         errors = [
-            self.ranks.call(rank, "connected", "connect", raw)[1]
+            self.ranks.call(rank, m.Connect(replies), m.Connected).error
             for rank in range(self.ranks.num_ranks)
         ]
         if any(errors):
@@ -85,24 +88,25 @@ class RankPuller:
     def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
         ranks = {rank for rank, specs in enumerate(plan) if specs}
         self._out[rid] = _Outstanding(ranks)
-        encoded = msgspec.msgpack.encode(handle)
         for rank in ranks:
-            self.ranks.send(rank, "pull", rid, encoded, msgspec.msgpack.encode(plan[rank]))
+            self.ranks.send(rank, m.StartPull(rid, handle, plan[rank]))
 
     def poll(self) -> list[PullResult]:
         done = []
         for rank, event in self.ranks.take_events():
-            rid = event[1]
+            if isinstance(event, m.Released):  # a producer's event: no decode rank sends it
+                continue
+            rid = event.request_id
             out = self._out.get(rid)
             if out is None or rank not in out.ranks:
                 continue
             out.ranks.discard(rank)
-            if event[0] == "pull_failed":
-                out.error = out.error or event[2]
+            if isinstance(event, m.PullFailed):
+                out.error = out.error or event.message
             else:
-                out.num_bytes += event[2]
-                out.num_descriptors += event[3]
-                out.seconds = max(out.seconds, event[4])
+                out.num_bytes += event.num_bytes
+                out.num_descriptors += event.num_descriptors
+                out.seconds = max(out.seconds, event.seconds)
             if not out.ranks:  # only when no READ of the request is still in flight
                 del self._out[rid]
                 done.append(
@@ -110,15 +114,8 @@ class RankPuller:
                 )
         return done
 
-    def in_flight(self, rid: str) -> bool:
-        return rid in self._out
-
     def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
-        return list(
-            self.ranks.call(
-                0, "unreached", "release", msgspec.msgpack.encode(handle), rid, trace_id
-            )[1]
-        )
+        return self.ranks.call(0, m.ReleaseAll(handle, rid, trace_id), m.Unreached).indices
 
     def close(self) -> None:
         self.ranks.close()

@@ -18,10 +18,17 @@ from typing import Any
 import zmq
 
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.engine_commands import (
+    Abort,
+    Connected,
+    Decode,
+    HandshakeFailed,
+    ProducerKey,
+)
 from pdserve.common.runtime.service import Service
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
-from pdserve.services.decode.worker import DecodeWorker, ProducerKey
+from pdserve.services.decode.engine_thread import DecodeContext, DecodeEngineThread
 
 HANDSHAKE_TIMEOUT = 10.0
 CONNECT_AHEAD_SECONDS = 2.0
@@ -41,11 +48,15 @@ class DecodeService(Service):
         self._side_locks: dict[str, asyncio.Lock] = {}
         self._handshakes: dict[ProducerKey, asyncio.Task[None]] = {}
         self._side_decoder: p.Decoder[Any] = p.Decoder(p.FromSideChannel)
+        self.decode_engine: DecodeEngineThread  # made at start (make_engine_thread)
 
-    def make_worker(self, loop: asyncio.AbstractEventLoop) -> DecodeWorker:
+    def make_engine_thread(self, loop: asyncio.AbstractEventLoop) -> DecodeEngineThread:
         self.loop = loop
-        self.decode_worker = DecodeWorker(self)
-        return self.decode_worker
+        ctx = DecodeContext(
+            **vars(self.engine_context(self.torch_threads)), send_side=self.send_side
+        )
+        self.decode_engine = DecodeEngineThread(ctx, loop)
+        return self.decode_engine
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         return [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._connect_ahead())]
@@ -64,10 +75,10 @@ class DecodeService(Service):
             if key not in self._handshakes:
                 addresses = [r.side_channel for r in handle.replicas]
                 self._handshakes[key] = asyncio.create_task(self._handshake(key, addresses))
-        self.decode_worker.submit(("decode", identity, msg))
+        self.decode_engine.submit(Decode(identity=identity, request=msg))
 
     def on_abort(self, identity: bytes, msg: p.Abort) -> None:
-        self.decode_worker.submit(("abort", msg.request_id))
+        self.decode_engine.submit(Abort(request_id=msg.request_id))
 
     # -- side channels ----------------------------------------------------------------------
 
@@ -100,7 +111,7 @@ class DecodeService(Service):
             message = str(exc) or type(exc).__name__
             self.log.warning("handshake_failed", engine_id=key[0], epoch=key[1], error=message)
             self._handshakes.pop(key, None)  # a later request may try again
-            self.decode_worker.submit(("handshake_failed", key, message))
+            self.decode_engine.submit(HandshakeFailed(key=key, message=message))
             return
         self.metrics.inc("pdserve:kv_handshakes", mode="lazy" if first is None else "ahead")
         self.log.info(
@@ -110,7 +121,7 @@ class DecodeService(Service):
             ahead=first is not None,
             num_ranks=len(replies),
         )
-        self.decode_worker.submit(("connected", key, replies))
+        self.decode_engine.submit(Connected(key=key, replies=replies))
 
     async def _connect_ahead(self) -> None:
         addresses = (
@@ -176,11 +187,8 @@ class DecodeService(Service):
             await asyncio.sleep(self.cfg.heartbeat_seconds)
             if not self.is_ready:
                 continue
-            for address, (
-                engine_id,
-                epoch,
-                rids,
-            ) in self.decode_worker.pending_by_producer().items():
+            targets = self.decode_engine.pending_by_producer  # the engine thread's snapshot
+            for address, (engine_id, epoch, rids) in targets.items():
                 self.send_side(
                     address, p.Heartbeat(engine_id=engine_id, epoch=epoch, request_ids=rids)
                 )

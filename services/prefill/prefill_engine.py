@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.llm_engine import EngineCore
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import TokenLogprobs
 
@@ -14,20 +14,23 @@ class Prefilled(msgspec.Struct, kw_only=True):
     request_id: str
     first_token: int
     block_ids: list[int]  # pinned: the caller frees them (on release or lease expiry)
+    first_block: int  # the table entry of block_ids[0]: those before left a sliding window
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] = []  # the first token's, when the request asked for them
 
 
-class PrefillEngine(LLMEngine):
+class PrefillEngine(EngineCore[Prefilled]):
     holds_output = False
 
-    def _advance(self, req: Request, token_id: int) -> Prefilled:  # type: ignore[override]
+    def _advance(self, req: Request, token_id: int) -> Prefilled:
         req.output_token_ids.append(token_id)
         del self._requests[req.request_id]
+        first_block = req.num_dropped_blocks
         return Prefilled(
             request_id=req.request_id,
             first_token=token_id,
+            first_block=first_block,
             block_ids=self.scheduler.detach(req),
             num_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,

@@ -10,10 +10,11 @@ from typing import Any
 import zmq
 
 from pdserve.common.runtime import protocol as p
-from pdserve.common.runtime.service import Service
+from pdserve.common.runtime.engine_commands import Abort, Heartbeat, Prefill, SideRelease
+from pdserve.common.runtime.service import Handler, Service
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
-from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.services.prefill.engine_thread import PrefillContext, PrefillEngineThread
 
 
 class PrefillService(Service):
@@ -28,20 +29,33 @@ class PrefillService(Service):
         self.engine_id = f"prefill-{instance}"
         # A new epoch on every start: handles issued by an earlier life are refused.
         self.epoch = time.time_ns()
-        self.handshake_replies: list[p.HandshakeReply] = []  # one per PCP rank
+        # One per rank, published by the engine thread once its agents exist.
+        self.handshake_replies: list[p.HandshakeReply] = []
+        self.prefill_engine: PrefillEngineThread | None = None
         self.side: Any = None
         self.handlers[p.PrefillRequest] = self.on_prefill
         self.handlers[p.Abort] = self.on_abort
-        self.side_handlers = {
+        self.side_handlers: dict[type, Handler] = {
             p.Handshake: self.on_handshake,
             p.Heartbeat: self.on_heartbeat,
             p.Release: self.on_release,
         }
         self.log = self.log.bind(engine_id=self.engine_id, pid=os.getpid())
 
-    def make_worker(self, loop: asyncio.AbstractEventLoop) -> PrefillWorker:
-        self.loop = loop
-        return PrefillWorker(self)
+    def make_engine_thread(self, loop: asyncio.AbstractEventLoop) -> PrefillEngineThread:
+        base = self.engine_context(self.torch_threads)
+        ctx = PrefillContext(
+            **vars(base),
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            side_channel=self.side_channel,
+            publish_handshakes=self._set_handshake_replies,
+        )
+        self.prefill_engine = PrefillEngineThread(ctx, loop)
+        return self.prefill_engine
+
+    def _set_handshake_replies(self, replies: list[p.HandshakeReply]) -> None:
+        self.handshake_replies = replies
 
     async def start_sockets(self) -> None:
         self.side = make_socket(
@@ -54,8 +68,8 @@ class PrefillService(Service):
 
     def num_busy(self) -> int:
         # Pinned KV counts too: a decode may still be pulling it.
-        leases = getattr(self.worker, "leases", None)
-        return len(self.inflight) + (len(leases) if leases is not None else 0)
+        engine = self.prefill_engine
+        return len(self.inflight) + (engine.num_leases if engine is not None else 0)
 
     def load(self) -> tuple[int, int]:
         return int(self.metrics.value("pdserve:num_requests_running")), int(
@@ -65,13 +79,13 @@ class PrefillService(Service):
     # -- router -----------------------------------------------------------------------------
 
     def on_prefill(self, identity: bytes, msg: p.PrefillRequest) -> None:
-        assert self.worker is not None
-        self.worker.submit(("prefill", identity, msg))
+        assert self.engine_thread is not None
+        self.engine_thread.submit(Prefill(identity=identity, request=msg))
 
     def on_abort(self, identity: bytes, msg: p.Abort) -> None:
-        assert self.worker is not None
+        assert self.engine_thread is not None
         self.inflight.pop(msg.request_id, None)  # an aborted prefill sends no reply
-        self.worker.submit(("abort", msg.request_id))
+        self.engine_thread.submit(Abort(request_id=msg.request_id))
 
     # -- side channel -----------------------------------------------------------------------
 
@@ -103,9 +117,9 @@ class PrefillService(Service):
         self.send(self.side, identity, answer)
 
     def on_heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
-        assert self.worker is not None
-        self.worker.submit(("heartbeat", msg))
+        assert self.engine_thread is not None
+        self.engine_thread.submit(Heartbeat(beat=msg))
 
     def on_release(self, identity: bytes, msg: p.Release) -> None:
-        assert self.worker is not None
-        self.worker.submit(("side_release", msg, msg.rank))
+        assert self.engine_thread is not None
+        self.engine_thread.submit(SideRelease(release=msg))

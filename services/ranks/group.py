@@ -1,4 +1,6 @@
-"""RankProcesses: a coordinator's handle on the TP x PCP rank processes of one instance.
+"""RankGroup: a coordinator's handle on the TP x PCP rank processes of one instance, of
+either role (services/ranks/process.py): prefill ranks serve their KV with a producer
+agent, decode ranks read theirs with a consumer agent.
 
 It is the engine's StepRunner: a step plan is broadcast to every rank, rank 0's logits
 come back. Blocks are allocated once, by the coordinator's scheduler, so every rank uses
@@ -6,14 +8,14 @@ the same block ids. Ranks also send events the coordinator did not ask for (a pr
 received releases, a consumer's finished pulls); they are kept in arrival order and
 handed out by :meth:`take_events`.
 
-Pipe messages are msgpack tuples, never pickle (services/ranks/process.py lists them).
+Pipe messages are the Structs of services/ranks/messages.py (msgpack, never pickle).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -23,21 +25,24 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.errors import FatalError
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.ports import free_port
 from pdserve.common.runtime.protocol import HandshakeReply
+from pdserve.services.ranks import messages as m
 
 START_TIMEOUT = 600.0
 STEP_TIMEOUT = 600.0
-EVENT_KINDS = frozenset({"released", "pulled", "pull_failed"})
 
-_enc = msgspec.msgpack.Encoder()
+R = TypeVar("R", bound=m.RankMessage)
 
 
 class RankFailed(FatalError):
     """A rank process died or reported an error: the instance cannot go on."""
 
 
-class RankProcesses:
+class RankGroup:
+    """Built by ``RankGroup.prefill`` or ``RankGroup.decode``."""
+
     def __init__(
         self,
         role: str,
@@ -56,7 +61,7 @@ class RankProcesses:
         self.num_ranks = tp * pcp
         self.conns: list[Any] = []
         self.procs: list[Any] = []
-        self._events: list[tuple[int, list[Any]]] = []
+        self._events: list[tuple[int, m.Event]] = []
         setup = msgspec.json.encode({"config": config, "agent": agent or {}})
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
@@ -72,34 +77,52 @@ class RankProcesses:
         self.handshake_replies: list[HandshakeReply] = []
         layouts = []
         for rank in range(self.num_ranks):
-            msg = self._expect(rank, "ready", START_TIMEOUT)
-            if msg[1]:
-                self.handshake_replies.append(msgspec.msgpack.decode(msg[1], type=HandshakeReply))
-            layouts.append(msgspec.msgpack.decode(msg[2], type=KVLayout))
+            ready = self._expect(rank, m.Ready, START_TIMEOUT)
+            if ready.handshake is not None:
+                self.handshake_replies.append(ready.handshake)
+            layouts.append(ready.layout)
         self.layout: KVLayout = layouts[0]
 
+    @classmethod
+    def prefill(
+        cls, config: EngineConfig, pcp: int, engine_id: str, epoch: int, tp: int = 1
+    ) -> RankGroup:
+        """A prefill instance's TP x PCP ranks: each rank's agent serves its heads of every
+        block (a full replica of them under PCP) to decode instances."""
+        agent = {"engine_id": engine_id, "epoch": epoch}
+        return cls("prefill", config, f"prefill-{engine_id}", tp=tp, pcp=pcp, agent=agent)
+
+    @classmethod
+    def decode(cls, config: EngineConfig, tp: int, agent_name: str) -> RankGroup:
+        """A decode instance's TP ranks: each rank's agent reads its heads from the
+        producers (services/decode/pullers.py, RankPuller)."""
+        return cls("decode", config, agent_name, tp=tp, agent={"name": agent_name})
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        payload = _enc.encode(("step", msgspec.msgpack.encode(plan)))
+        payload = m.encode(m.Step(plan))  # encoded once for every rank
         for conn in self.conns:
             conn.send_bytes(payload)
         logits = torch.empty(0)
         for rank in range(self.num_ranks):
-            msg = self._expect(rank, "logits" if rank == 0 else "done", STEP_TIMEOUT)
             if rank == 0:
-                buf = np.frombuffer(msg[2], dtype=np.float32).reshape(msg[1])
+                out = self._expect(rank, m.Logits, STEP_TIMEOUT)
+                buf = np.frombuffer(out.data, dtype=np.float32).reshape(out.shape)
                 logits = torch.from_numpy(buf.copy())
+            else:
+                self._expect(rank, m.StepDone, STEP_TIMEOUT)
         return logits
 
-    def send(self, rank: int, *command: Any) -> None:
-        self.conns[rank].send_bytes(_enc.encode(command))
+    def send(self, rank: int, command: m.ToRank) -> None:
+        self.conns[rank].send_bytes(m.encode(command))
 
     def call(
-        self, rank: int, reply_kind: str, *command: Any, timeout: float = STEP_TIMEOUT
-    ) -> list[Any]:
-        self.send(rank, *command)
-        return self._expect(rank, reply_kind, timeout)
+        self, rank: int, command: m.ToRank, reply: type[R], timeout: float = STEP_TIMEOUT
+    ) -> R:
+        """Send ``command`` to ``rank`` and wait for its ``reply``."""
+        self.send(rank, command)
+        return self._expect(rank, reply, timeout)
 
-    def take_events(self) -> list[tuple[int, list[Any]]]:
+    def take_events(self) -> list[tuple[int, m.Event]]:
         """(rank, event) pairs received since the last call, without blocking."""
         for rank, conn in enumerate(self.conns):
             while conn.poll(0):
@@ -107,9 +130,20 @@ class RankProcesses:
         out, self._events = self._events, []
         return out
 
+    def poll_releases(self) -> list[tuple[int, p.Release]]:
+        """(rank, release) for each release a prefill rank's agent received: the lease
+        table frees a request only when every rank has reported it."""
+        return [
+            (rank, release)
+            for rank, event in self.take_events()
+            if isinstance(event, m.Released)
+            for release in event.releases
+        ]
+
     def cache_blocks(self, rank: int, block_ids: list[int]) -> np.ndarray:
         """Rank ``rank``'s copy of ``block_ids`` as float32 (tests compare replicas)."""
-        return np.frombuffer(self.call(rank, "blocks", "blocks", block_ids)[1], dtype=np.float32)
+        blocks = self.call(rank, m.ReadBlocks(block_ids), m.BlockBytes)
+        return np.frombuffer(blocks.data, dtype=np.float32)
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self.procs):
@@ -119,7 +153,7 @@ class RankProcesses:
     def close(self) -> None:
         for conn in self.conns:
             try:
-                conn.send_bytes(_enc.encode(("stop",)))
+                conn.send_bytes(m.encode(m.Stop()))
             except OSError:
                 pass
         for proc in self.procs:
@@ -127,22 +161,17 @@ class RankProcesses:
             if proc.is_alive():
                 proc.kill()
 
-    def _recv(self, rank: int) -> list[Any]:
+    def _recv(self, rank: int) -> m.FromRank:
         try:
-            msg = msgspec.msgpack.decode(self.conns[rank].recv_bytes())
+            return m.from_rank.decode(self.conns[rank].recv_bytes())
         except EOFError as exc:
             raise RankFailed(
                 f"rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})"
             ) from exc
         except (msgspec.DecodeError, RecursionError) as exc:  # the pipe is out of step: fatal
             raise RankFailed(f"rank {rank} sent an undecodable pipe message: {exc}") from exc
-        if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
-            raise RankFailed(
-                f"rank {rank} sent a pipe message that is not (kind, ...): {str(msg)[:100]}"
-            )
-        return msg
 
-    def _expect(self, rank: int, kind: str, timeout: float) -> list[Any]:
+    def _expect(self, rank: int, kind: type[R], timeout: float) -> R:
         """The next message of ``kind`` from ``rank``; events met on the way are kept."""
         conn, deadline = self.conns[rank], time.monotonic() + timeout
         while True:
@@ -150,22 +179,22 @@ class RankProcesses:
                 raise RankFailed(f"rank {rank} died (exit code {self.procs[rank].exitcode})")
             if not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
-                    raise RankFailed(f"rank {rank} gave no {kind!r} within {timeout:.0f} s")
+                    raise RankFailed(f"rank {rank} gave no {kind.__name__} within {timeout:.0f} s")
                 continue
             msg = self._recv(rank)
-            if msg[0] == kind:
+            if isinstance(msg, kind):
                 return msg
             self._take(rank, msg)
 
-    def _take(self, rank: int, msg: list[Any]) -> None:
-        if msg[0] in EVENT_KINDS:
+    def _take(self, rank: int, msg: m.FromRank) -> None:
+        if isinstance(msg, m.EVENTS):
             self._events.append((rank, msg))
-        elif msg[0] == "error":
+        elif isinstance(msg, m.RankError):
             # Often a collective that lost a dead peer: name the dead rank if there is one
             # (it may take a moment to be reaped).
             for _ in range(50):
                 self.check_alive()
                 time.sleep(0.01)
-            raise RankFailed(msg[1])
+            raise RankFailed(msg.message)
         else:
-            raise RankFailed(f"rank {rank} sent an unexpected {msg[0]!r}")
+            raise RankFailed(f"rank {rank} sent an unexpected {type(msg).__name__}")

@@ -4,13 +4,8 @@ heads of every block: a full replica of them under PCP) and its own NIXL agent.
 ``role`` "prefill": the agent is a KVProducer; releases it receives are reported.
 ``role`` "decode": the agent is a KVConsumer that pulls this rank's heads.
 
-Pipe messages are msgpack tuples, never pickle. In: ("step", plan) / ("blocks", ids) /
-("connect", [reply]) / ("pull", request_id, handle, [spec]) / ("release", handle,
-request_id, trace_id) / ("stop",). Out: ("ready", handshake or b"", layout) / ("done",) /
-("logits", shape, bytes) / ("blocks", bytes) / ("connected", error) / ("unreached",
-[index]) / ("error", text), and the events ("released", [Release]) / ("pulled",
-request_id, bytes, descriptors, seconds) / ("pull_failed", request_id, message). A rank
-never hides a completion: every release and every pull result is reported.
+Pipe messages are the Structs of services/ranks/messages.py (msgpack, never pickle). A
+rank never hides a completion: every release and every pull result is reported.
 """
 
 from __future__ import annotations
@@ -22,19 +17,9 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.runtime import protocol as p
-from pdserve.common.transfer.kv_pulls import PullSpec
-
-# Fault injection for tests only: a prefill rank that silently drops every release.
-DROP_RELEASES_ENV = "PDSERVE_TEST_DROP_RELEASES_RANK"
-
-_enc = msgspec.msgpack.Encoder()
-_plan = msgspec.msgpack.Decoder(StepPlan)
-_handle = msgspec.msgpack.Decoder(p.KVHandle)
-
-
-_specs = msgspec.msgpack.Decoder(list[PullSpec])
+from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.services.ranks import messages as m
 
 
 def rank_main(
@@ -44,7 +29,7 @@ def rank_main(
         _serve(role, rank, tp, pcp, dist_addr, setup, conn)
     except Exception as exc:  # reported to the coordinator, which fails the instance
         conn.send_bytes(
-            _enc.encode(("error", f"{role} rank {rank}: {exc}\n{traceback.format_exc()}"))
+            m.encode(m.RankError(f"{role} rank {rank}: {exc}\n{traceback.format_exc()}"))
         )
 
 
@@ -74,43 +59,45 @@ def _serve(
     runner.resize(int(num.item()))
     par = runner.parallel
     agent: _Role = (_Producer if role == "prefill" else _Consumer)(spec["agent"], rank, par, runner)
-    conn.send_bytes(_enc.encode(("ready", agent.handshake, msgspec.msgpack.encode(runner.layout))))
+    conn.send_bytes(m.encode(m.Ready(agent.handshake, runner.layout)))
     try:
         while True:
             if conn.poll(0.001 if agent.busy else 0.005):
-                cmd = msgspec.msgpack.decode(conn.recv_bytes())
-                if cmd[0] == "stop":
+                cmd = m.to_rank.decode(conn.recv_bytes())
+                if isinstance(cmd, m.Stop):
                     break
                 reply = (
-                    _step(cmd, rank, runner) if cmd[0] in ("step", "blocks") else agent.handle(cmd)
+                    _step(cmd, rank, runner)
+                    if isinstance(cmd, m.Step | m.ReadBlocks)
+                    else agent.handle(cmd)
                 )
                 if reply is not None:
-                    conn.send_bytes(_enc.encode(reply))
+                    conn.send_bytes(m.encode(reply))
             for event in agent.poll():
-                conn.send_bytes(_enc.encode(event))
+                conn.send_bytes(m.encode(event))
     finally:
         agent.close()
     dist.destroy_process_group()
 
 
-def _step(cmd: list[Any], rank: int, runner: Any) -> tuple[Any, ...]:
-    if cmd[0] == "step":
-        logits = runner.execute(_plan.decode(cmd[1]))
+def _step(cmd: m.Step | m.ReadBlocks, rank: int, runner: Any) -> m.RankMessage:
+    if isinstance(cmd, m.Step):
+        logits = runner.execute(cmd.plan)
         if rank != 0:
-            return ("done",)
-        return ("logits", list(logits.shape), logits.float().cpu().numpy().tobytes())
-    # ("blocks", ids): tests compare replicas byte for byte
-    return ("blocks", runner.kv_cache[cmd[1]].float().cpu().numpy().tobytes())
+            return m.StepDone()
+        return m.Logits(list(logits.shape), logits.float().cpu().numpy().tobytes())
+    # tests compare replicas byte for byte
+    return m.BlockBytes(runner.kv_cache[cmd.block_ids].float().cpu().numpy().tobytes())
 
 
 class _Role:
-    handshake: bytes = b""
+    handshake: p.HandshakeReply | None = None
     busy = False
 
-    def handle(self, cmd: list[Any]) -> tuple[Any, ...] | None:
-        raise ValueError(f"unknown rank command {cmd[0]!r}")
+    def handle(self, cmd: m.ToRank) -> m.RankMessage | None:
+        raise ValueError(f"unknown rank command {type(cmd).__name__!r}")
 
-    def poll(self) -> list[tuple[Any, ...]]:
+    def poll(self) -> list[m.RankMessage]:
         return []
 
     def close(self) -> None:
@@ -134,13 +121,13 @@ class _Producer(_Role):
             pcp_rank=par.pcp_rank,
             pcp_size=par.pcp_size,
         )
-        self.handshake = p.encode(self.producer.handshake_reply)
-        self.drop_releases = os.environ.get(DROP_RELEASES_ENV) == str(rank)
+        self.handshake = self.producer.handshake_reply
+        self.drop_releases = FaultHooks.from_env().drop_releases_rank == rank
 
-    def poll(self) -> list[tuple[Any, ...]]:
+    def poll(self) -> list[m.RankMessage]:
         releases = self.producer.poll_releases()
         if releases and not self.drop_releases:
-            return [("released", [p.encode(r) for r in releases])]
+            return [m.Released(releases)]
         return []
 
     def close(self) -> None:
@@ -157,30 +144,27 @@ class _Consumer(_Role):
     def busy(self) -> bool:  # type: ignore[override]
         return self.puller.busy
 
-    def handle(self, cmd: list[Any]) -> tuple[Any, ...] | None:
+    def handle(self, cmd: m.ToRank) -> m.RankMessage | None:
         from pdserve.common.errors import PdserveError
 
-        kind = cmd[0]
-        if kind == "connect":
+        if isinstance(cmd, m.Connect):
             try:
-                self.puller.connect(
-                    [msgspec.msgpack.decode(raw, type=p.HandshakeReply) for raw in cmd[1]]
-                )
+                self.puller.connect(cmd.replies)
             except PdserveError as exc:
-                return ("connected", str(exc))
-            return ("connected", "")
-        if kind == "pull":
-            self.puller.start(cmd[1], _handle.decode(cmd[2]), [_specs.decode(cmd[3])])
+                return m.Connected(str(exc))
+            return m.Connected("")
+        if isinstance(cmd, m.StartPull):
+            self.puller.start(cmd.request_id, cmd.handle, [cmd.specs])
             return None
-        if kind == "release":
-            return ("unreached", self.puller.release(_handle.decode(cmd[1]), cmd[2], cmd[3]))
+        if isinstance(cmd, m.ReleaseAll):
+            return m.Unreached(self.puller.release(cmd.handle, cmd.request_id, cmd.trace_id))
         return super().handle(cmd)
 
-    def poll(self) -> list[tuple[Any, ...]]:
+    def poll(self) -> list[m.RankMessage]:
         return [
-            ("pull_failed", r.request_id, r.error)
+            m.PullFailed(r.request_id, r.error)
             if r.error is not None
-            else ("pulled", r.request_id, r.num_bytes, r.num_descriptors, r.seconds)
+            else m.Pulled(r.request_id, r.num_bytes, r.num_descriptors, r.seconds)
             for r in self.puller.poll()
         ]
 

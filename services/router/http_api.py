@@ -524,7 +524,7 @@ def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
     if req.continue_final_message:
         # As transformers does: end the text right after the final message's content, so
         # the model continues it instead of closing the turn.
-        final = chat[-1]["content"].strip()
+        final = (chat[-1]["content"] or "").strip()
         at = text.rfind(final) if final else -1
         if at < 0:
             raise ApiError(400, "continue_final_message: the final message's content is not "

@@ -6,6 +6,7 @@ renders them; ``bytes`` are their UTF-8 bytes.
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable
 
@@ -31,9 +32,8 @@ from pdserve.services.router.openai_schema import (
 TokenText = Callable[[int], str]
 
 
-class Renderer:
-    """Turns generated text into one endpoint's bodies and stream chunks (the subclasses
-    add delta, finish, usage_chunk and body)."""
+class Renderer(abc.ABC):
+    """Turns generated text into one endpoint's bodies and stream chunks."""
 
     def __init__(self, request_id: str, model: str, token_text: TokenText = str) -> None:
         self.request_id = request_id
@@ -43,6 +43,20 @@ class Renderer:
 
     def start(self, index: int) -> msgspec.Struct | None:
         return None
+
+    @abc.abstractmethod
+    def delta(self, index: int, text: str,
+              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct: ...  # noqa: B006 - read only  # fmt: skip
+
+    @abc.abstractmethod
+    def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
+             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> msgspec.Struct: ...  # fmt: skip
 
 
 class CompletionRenderer(Renderer):

@@ -37,7 +37,6 @@ from pdserve.services.router.links import Link, pick
 
 log = structlog.get_logger("pdserve.router")
 
-PING_SECONDS = 1.0
 PEER_TIMEOUT = 5.0  # no Pong for this long: the instance is down, its requests fail
 SCRAPE_TIMEOUT = 2.0
 
@@ -303,7 +302,7 @@ class Router:
                     self.metrics.inc("pdserve:requests", finish_reason="failed")
                 bound.info(
                     "request_done", outcome=getattr(event, "finish_reason", None) or event.reason
-                )  # type: ignore[union-attr]
+                )
                 yield event
                 return
         finally:

@@ -2,29 +2,49 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
-from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
+from pdserve.common.runtime.engine_commands import Abort, Heartbeat, Prefill, SideRelease
+from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
     from pdserve.common.transfer.kv_transfer import KVProducer
     from pdserve.services.prefill.prefill_engine import Prefilled, PrefillEngine
-    from pdserve.services.prefill.rank_group import RankGroup
-    from pdserve.services.prefill.service import PrefillService
+    from pdserve.services.ranks.group import RankGroup
 
 log = structlog.get_logger("pdserve.prefill")
 
 
-class PrefillWorker(WorkerThread):
-    def __init__(self, svc: PrefillService) -> None:
-        super().__init__(svc.loop, name=f"prefill-{svc.instance}")
-        self.svc = svc
+@dataclass(frozen=True, kw_only=True)
+class PrefillContext(EngineContext):
+    engine_id: str
+    epoch: int  # this life's: handles of another are refused
+    side_channel: str  # where decode instances handshake and release
+    # Runs on the loop once the agents exist: the handshake replies the side channel
+    # serves, one per rank.
+    publish_handshakes: Callable[[list[p.HandshakeReply]], None]
+
+
+class PrefillEngineThread(EngineThread):
+    def __init__(self, ctx: PrefillContext, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(ctx, loop, name=f"prefill-{ctx.instance}")
+        self.ctx: PrefillContext = ctx
+        self.handlers.update({
+            Prefill: self._on_prefill,
+            Abort: self._on_abort,
+            Heartbeat: self._on_heartbeat,
+            SideRelease: self._on_side_release,
+        })  # fmt: skip
+        self.num_leases = 0  # a snapshot for the service's drain, replaced every turn
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
         self.scheduled_at: dict[str, float] = {}  # request id -> wall time its prefill began
         self._num_preemptions = 0
@@ -34,45 +54,54 @@ class PrefillWorker(WorkerThread):
 
         from pdserve.services.prefill.prefill_engine import PrefillEngine
 
-        torch.set_num_threads(self.svc.torch_threads)
-        cfg, svc = self.svc.cfg, self.svc
+        ctx = self.ctx
+        cfg = ctx.cfg
+        torch.set_num_threads(ctx.torch_threads)
         engine_cfg = cfg.engine_for("prefill")
         self.ranks: RankGroup | None = None
         self.producer: KVProducer | None = None
         if cfg.pcp * cfg.prefill_tp > 1:
-            from pdserve.services.prefill.rank_group import RankGroup
+            from pdserve.services.ranks.group import RankGroup
 
-            self.ranks = RankGroup(engine_cfg, cfg.pcp, svc.engine_id, svc.epoch, tp=cfg.prefill_tp)
+            self.ranks = RankGroup.prefill(
+                engine_cfg, cfg.pcp, ctx.engine_id, ctx.epoch, tp=cfg.prefill_tp
+            )
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:
+            from pdserve.common.engine.model_runner import ModelRunner
             from pdserve.common.transfer.kv_transfer import KVProducer
 
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
+            assert isinstance(runner, ModelRunner)  # in process: no rank group
             self.producer = KVProducer(
-                engine_id=svc.engine_id,
-                epoch=svc.epoch,
-                agent_name=f"{svc.engine_id}-e{svc.epoch}-r0",
+                engine_id=ctx.engine_id,
+                epoch=ctx.epoch,
+                agent_name=f"{ctx.engine_id}-e{ctx.epoch}-r0",
                 kv_cache=runner.kv_cache,
                 layout=runner.layout,
-                compat=runner.kv_compat(),  # type: ignore[attr-defined]
+                compat=runner.kv_compat(),
             )
             replies = [self.producer.handshake_reply]
-        svc.handshake_replies = replies
+        self.post(ctx.publish_handshakes, list(replies))
         self.replicas = [
             p.Replica(
                 agent_name=r.agent_name,
-                side_channel=svc.side_channel,
+                side_channel=ctx.side_channel,
                 tp_rank=r.tp_rank,
                 pcp_rank=r.pcp_rank,
             )
             for r in replies
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
-        self.metrics = svc.metrics
+        self.metrics = ctx.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
-        self.metrics.declare("pdserve:num_preemptions", "pdserve:bad_messages")
+        self.metrics.declare(
+            "pdserve:num_preemptions",
+            "pdserve:bad_messages",
+            "pdserve:prefix_cache_replayed_tokens",
+        )
         for rank in range(self.leases.num_ranks):
             self.metrics.declare(
                 "pdserve:kv_replica_releases", "pdserve:kv_expired_requests", rank=rank
@@ -87,10 +116,7 @@ class PrefillWorker(WorkerThread):
         if self.ranks is not None:
             self.ranks.close()
 
-    def run_once(self, commands: list[Any]) -> bool:
-        for command in commands:
-            kind, *args = command
-            getattr(self, f"_on_{kind}")(*args)
+    def run_once(self) -> bool:
         for rank, release in self._releases():
             self._on_release(release, rank)
         for freed in self.leases.expire(time.time()):
@@ -98,6 +124,7 @@ class PrefillWorker(WorkerThread):
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
+        self.num_leases = len(self.leases)
         # Busy only while steps compute: requests waiting for pinned blocks to come back
         # must not spin the loop.
         return self.engine.has_unfinished and self.engine.last_step_tokens > 0
@@ -111,7 +138,8 @@ class PrefillWorker(WorkerThread):
 
     # -- commands from the loop -----------------------------------------------------------
 
-    def _on_prefill(self, identity: bytes, req: p.PrefillRequest) -> None:
+    def _on_prefill(self, cmd: Prefill) -> None:
+        identity, req = cmd.identity, cmd.request
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
         except PdserveError as exc:
@@ -119,7 +147,8 @@ class PrefillWorker(WorkerThread):
             return
         self.peers[req.request_id] = (identity, req.trace_id)
 
-    def _on_abort(self, request_id: str) -> None:
+    def _on_abort(self, cmd: Abort) -> None:
+        request_id = cmd.request_id
         if self.engine.abort(request_id) is not None:
             self.peers.pop(request_id, None)
             return
@@ -129,12 +158,13 @@ class PrefillWorker(WorkerThread):
                 if freed is not None:
                     self._free(freed)
 
-    def _on_heartbeat(self, beat: p.Heartbeat) -> None:
+    def _on_heartbeat(self, cmd: Heartbeat) -> None:
+        beat = cmd.beat
         if self._is_ours(beat.engine_id, beat.epoch):
             self.leases.extend(beat.request_ids, time.time())
 
-    def _on_side_release(self, release: p.Release, rank: int) -> None:
-        self._on_release(release, rank)
+    def _on_side_release(self, cmd: SideRelease) -> None:
+        self._on_release(cmd.release, cmd.release.rank)
 
     def _on_release(self, release: p.Release, rank: int) -> None:
         if not self._is_ours(release.engine_id, release.epoch):
@@ -146,7 +176,7 @@ class PrefillWorker(WorkerThread):
             self._free(freed)
 
     def _is_ours(self, engine_id: str, epoch: int) -> bool:
-        return engine_id == self.svc.engine_id and epoch == self.svc.epoch
+        return engine_id == self.ctx.engine_id and epoch == self.ctx.epoch
 
     # -- engine ---------------------------------------------------------------------------
 
@@ -185,10 +215,11 @@ class PrefillWorker(WorkerThread):
         identity, trace = self.peers.pop(done.request_id)
         deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
         handle = p.KVHandle(
-            engine_id=self.svc.engine_id,
-            epoch=self.svc.epoch,
+            engine_id=self.ctx.engine_id,
+            epoch=self.ctx.epoch,
             layout=self.engine.runner.layout,
             block_ids=done.block_ids,
+            first_block=done.first_block,
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,
@@ -205,7 +236,7 @@ class PrefillWorker(WorkerThread):
                 "prefill_done": time.time(),
             },
         )
-        self.post(self.svc.reply, identity, msg)
+        self.reply(identity, msg)
 
     def _free(self, freed: Freed) -> None:
         self.engine.pool.free(freed.block_ids)
@@ -218,8 +249,7 @@ class PrefillWorker(WorkerThread):
     def _fail(
         self, identity: bytes, request_id: str, trace_id: str, reason: str, message: str
     ) -> None:
-        self.post(
-            self.svc.reply,
+        self.reply(
             identity,
             p.Failed(request_id=request_id, trace_id=trace_id, reason=reason, message=message),
         )

@@ -8,31 +8,34 @@ TP > 1 the model and the pulls run in rank processes (services/decode/pullers.py
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pdserve.common.engine.outputs import RequestOutput
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
-from pdserve.common.runtime.engine_thread import WorkerThread, report_engine
+from pdserve.common.runtime.engine_commands import (
+    Abort,
+    Connected,
+    Decode,
+    HandshakeFailed,
+    ProducerKey,
+)
+from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 
 if TYPE_CHECKING:
-    from pdserve.common.transfer.kv_pulls import LocalPuller, PullResult
+    from pdserve.common.transfer.kv_pulls import Puller, PullResult
     from pdserve.services.decode.decode_engine import DecodeEngine
-    from pdserve.services.decode.pullers import RankPuller
-    from pdserve.services.decode.service import DecodeService
 
 log = structlog.get_logger("pdserve.decode")
 
-ProducerKey = tuple[str, int]  # (engine_id, epoch)
-
-# Fault injection for tests only: while the file this names exists, no pull starts (the
-# requests wait, their leases kept by heartbeats), so a test can kill a peer in between.
-HOLD_PULLS_ENV = "PDSERVE_TEST_HOLD_PULLS_FILE"
+# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting)
+PendingByProducer = dict[str, tuple[str, int, list[str]]]
 
 
 @dataclass
@@ -53,10 +56,25 @@ class PendingPull:
         return self.handle.engine_id, self.handle.epoch
 
 
-class DecodeWorker(WorkerThread):
-    def __init__(self, svc: DecodeService) -> None:
-        super().__init__(svc.loop, name=f"decode-{svc.instance}")
-        self.svc = svc
+@dataclass(frozen=True, kw_only=True)
+class DecodeContext(EngineContext):
+    # Runs on the loop: a message to a producer's side channel (a Release NIXL could not
+    # deliver).
+    send_side: Callable[[str, p.Message], None]
+
+
+class DecodeEngineThread(EngineThread):
+    def __init__(self, ctx: DecodeContext, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(ctx, loop, name=f"decode-{ctx.instance}")
+        self.ctx: DecodeContext = ctx
+        self.handlers.update({
+            Decode: self._on_decode,
+            Connected: self._on_connected,
+            HandshakeFailed: self._on_handshake_failed,
+            Abort: self._on_abort,
+        })  # fmt: skip
+        # What the service's heartbeats name, replaced whole every turn (a snapshot).
+        self.pending_by_producer: PendingByProducer = {}
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
         self.pending: dict[str, PendingPull] = {}
         self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
@@ -66,25 +84,29 @@ class DecodeWorker(WorkerThread):
     def setup(self) -> None:
         import torch
 
+        from pdserve.common.engine.model_runner import ModelRunner
         from pdserve.common.transfer.kv_pulls import LocalPuller
         from pdserve.services.decode.decode_engine import DecodeEngine
         from pdserve.services.decode.pullers import RankPuller
 
-        torch.set_num_threads(self.svc.torch_threads)
-        engine_cfg = self.svc.cfg.engine_for("decode")
-        self.tp = self.svc.cfg.decode_tp_of(self.svc.instance)
-        agent_name = f"decode-{self.svc.instance}-{time.time_ns()}"
-        self.puller: LocalPuller | RankPuller
+        ctx = self.ctx
+        torch.set_num_threads(ctx.torch_threads)
+        engine_cfg = ctx.cfg.engine_for("decode")
+        self.tp = ctx.cfg.decode_tp_of(ctx.instance)
+        agent_name = f"decode-{ctx.instance}-{time.time_ns()}"
+        self.puller: Puller
         if self.tp > 1:
-            from pdserve.services.decode.rank_group import DecodeRankGroup
+            from pdserve.services.ranks.group import RankGroup
 
-            ranks = DecodeRankGroup(engine_cfg, self.tp, agent_name)
+            ranks = RankGroup.decode(engine_cfg, self.tp, agent_name)
             self.puller = RankPuller(ranks)
             self.engine: DecodeEngine = DecodeEngine(engine_cfg, runner=ranks)
         else:
             self.engine = DecodeEngine(engine_cfg)
-            self.puller = LocalPuller(agent_name, self.engine.runner)
-        self.metrics = self.svc.metrics
+            runner = self.engine.runner
+            assert isinstance(runner, ModelRunner)  # in process: no rank group
+            self.puller = LocalPuller(agent_name, runner)
+        self.metrics = ctx.metrics
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
             "pdserve:kv_transfers",
@@ -93,6 +115,7 @@ class DecodeWorker(WorkerThread):
             "pdserve:kv_transfer_failures",
             "pdserve:kv_notification_failures",
             "pdserve:num_preemptions",
+            "pdserve:prefix_cache_replayed_tokens",
             "pdserve:bad_messages",
         )
 
@@ -100,20 +123,19 @@ class DecodeWorker(WorkerThread):
         if hasattr(self, "puller"):
             self.puller.close()
 
-    def run_once(self, commands: list[Any]) -> bool:
-        for command in commands:
-            kind, *args = command
-            getattr(self, f"_on_{kind}")(*args)
+    def run_once(self) -> bool:
         self._advance_pulls()
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
+        self.pending_by_producer = self._pending_by_producer() if self.pending else {}
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
         return computing or any(pp.pulling for pp in self.pending.values())
 
     # -- commands ---------------------------------------------------------------------------
 
-    def _on_decode(self, identity: bytes, msg: p.DecodeRequest) -> None:
+    def _on_decode(self, cmd: Decode) -> None:
+        identity, msg = cmd.identity, cmd.request
         rid = msg.request_id
         try:
             self.engine.validate(msg.prompt_token_ids, msg.sampling)
@@ -128,21 +150,23 @@ class DecodeWorker(WorkerThread):
             return
         self.pending[rid] = PendingPull(identity, msg, msg.handle)
 
-    def _on_connected(self, key: ProducerKey, replies: list[p.HandshakeReply]) -> None:
+    def _on_connected(self, cmd: Connected) -> None:
+        key = cmd.key
         try:
-            self.puller.connect(replies)
+            self.puller.connect(cmd.replies)
             self.producers[key] = None
             self.connected_at[key] = time.time()
         except PdserveError as exc:
             self.producers[key] = str(exc)
             log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
 
-    def _on_handshake_failed(self, key: ProducerKey, message: str) -> None:
+    def _on_handshake_failed(self, cmd: HandshakeFailed) -> None:
         for rid, pp in list(self.pending.items()):
-            if pp.key == key and not pp.pulling:
-                self._pull_failed(rid, pp, message, release=False)
+            if pp.key == cmd.key and not pp.pulling:
+                self._pull_failed(rid, pp, cmd.message, release=False)
 
-    def _on_abort(self, request_id: str) -> None:
+    def _on_abort(self, cmd: Abort) -> None:
+        request_id = cmd.request_id
         pp = self.pending.get(request_id)
         if pp is not None:
             pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop
@@ -162,9 +186,9 @@ class DecodeWorker(WorkerThread):
             if not pp.pulling:
                 self._maybe_start(rid, pp)
         for result in self.puller.poll():
-            pp = self.pending.get(result.request_id)
-            if pp is not None:
-                self._pulled(result.request_id, pp, result)
+            polled = self.pending.get(result.request_id)
+            if polled is not None:
+                self._pulled(result.request_id, polled, result)
 
     def _maybe_start(self, rid: str, pp: PendingPull) -> None:
         from pdserve.services.decode.pullers import plan_pulls
@@ -175,10 +199,9 @@ class DecodeWorker(WorkerThread):
         if state is not None:
             self._pull_failed(rid, pp, state, release=True)
             return
-        hold = os.environ.get(HOLD_PULLS_ENV)
-        if hold and os.path.exists(hold):
+        if self.ctx.faults.pulls_held():
             return
-        need = self.engine.blocks_for_prompt(pp.handle.num_tokens)
+        need = self.engine.blocks_for_prompt(pp.handle.num_tokens) - pp.handle.first_block
         if need > self.engine.pool.num_free_blocks:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
@@ -188,7 +211,7 @@ class DecodeWorker(WorkerThread):
                 pp.blocks,
                 self.engine.model_config.num_key_value_heads,
                 self.tp,
-                self.svc.cfg.pull_from == "striped",
+                self.ctx.cfg.pull_from == "striped",
             )
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
@@ -230,7 +253,13 @@ class DecodeWorker(WorkerThread):
         msg = pp.msg
         assert msg.first_token is not None
         out = self.engine.add_prefilled(
-            rid, msg.prompt_token_ids, msg.first_token, msg.sampling, blocks, msg.num_cached_tokens
+            rid,
+            msg.prompt_token_ids,
+            msg.first_token,
+            msg.sampling,
+            blocks,
+            msg.num_cached_tokens,
+            first_block=pp.handle.first_block,
         )
         if msg.first_logprobs is not None:
             out.logprobs = [msg.first_logprobs]
@@ -252,7 +281,7 @@ class DecodeWorker(WorkerThread):
             self._release(pp.handle, rid, pp.msg.trace_id)
         if pp.aborted:
             self._finish_aborted(rid, pp)
-        elif self.svc.cfg.kv_load_failure_policy == "recompute":
+        elif self.ctx.cfg.kv_load_failure_policy == "recompute":
             self._admit(rid, pp, None)
         else:
             self.peers.pop(rid, None)
@@ -272,8 +301,7 @@ class DecodeWorker(WorkerThread):
     def _finish_aborted(self, rid: str, pp: PendingPull) -> None:
         self.peers.pop(rid, None)
         usage = p.Usage(prompt_tokens=len(pp.msg.prompt_token_ids), completion_tokens=0)
-        self.post(
-            self.svc.reply,
+        self.reply(
             pp.identity,
             p.Finished(
                 request_id=rid, trace_id=pp.msg.trace_id, finish_reason="abort", usage=usage
@@ -295,12 +323,12 @@ class DecodeWorker(WorkerThread):
                 epoch=handle.epoch,
                 rank=index,
             )
-            self.post(self.svc.send_side, handle.replicas[index].side_channel, release)
+            self.post(self.ctx.send_side, handle.replicas[index].side_channel, release)
 
-    def pending_by_producer(self) -> dict[str, tuple[str, int, list[str]]]:
+    def _pending_by_producer(self) -> PendingByProducer:
         """Requests accepted but not yet pulled, by producer side channel (heartbeats)."""
-        out: dict[str, tuple[str, int, list[str]]] = {}
-        for rid, pp in list(self.pending.items()):
+        out: PendingByProducer = {}
+        for rid, pp in self.pending.items():
             for replica in pp.handle.replicas:
                 entry = out.setdefault(
                     replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [])
@@ -333,8 +361,7 @@ class DecodeWorker(WorkerThread):
         identity, trace = peer
         if out.new_token_ids or out.text:
             timings = {**marks, "first_chunk": time.time()} if marks else {}
-            self.post(
-                self.svc.reply,
+            self.reply(
                 identity,
                 p.TokenChunk(
                     request_id=out.request_id,
@@ -353,8 +380,7 @@ class DecodeWorker(WorkerThread):
                 cached_tokens=out.num_cached_tokens,
             )
             assert out.finish_reason is not None
-            self.post(
-                self.svc.reply,
+            self.reply(
                 identity,
                 p.Finished(
                     request_id=out.request_id,
@@ -365,8 +391,7 @@ class DecodeWorker(WorkerThread):
             )
 
     def _fail(self, identity: bytes, rid: str, trace_id: str, reason: str, message: str) -> None:
-        self.post(
-            self.svc.reply,
+        self.reply(
             identity,
             p.Failed(request_id=rid, trace_id=trace_id, reason=reason, message=message),
         )

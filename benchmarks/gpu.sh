@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# What the GPU machine checks and measures, by suite (the device tool's `run`):
+#
+#   bash benchmarks/gpu.sh SUITE [SUITE...]     results and logs in $OUT (default /tmp/out)
+#
+#   tests         the GPU tests: Triton kernels, VRAM serving, CUDA-graph decode
+#   engine        pdserve bench engine with CUDA graphs, against HF transformers and the floors
+#   engine-eager  the same without CUDA graphs and HF (the before of the graphs)
+#   engine-8b     bench engine at the 8B shape (2k prompts) with HF, and the 1B shape at 8k
+#   profile       host profile of decode steps (benchmarks/profile_step.py), 1B b64 and 8B b1
+#   serve         pdserve bench serve --compare at three loads, with the HF generate reference
+#   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
+#   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
+#   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
+#   all           tests engine serve transfer engine-eager, in that order of priority
+#
+# Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
+# tests, and random bf16 Llamas of the 1B and 8B shapes (`bench engine --shape`, weights
+# drawn on the GPU in seconds; SmolLM2's vocabulary) for the benchmarks. Wheels for what the machine lacks travel in .whl/.
+# The tree there has no .git: the results JSON's commit comes from PDSERVE_GIT_COMMIT, else
+# from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdcache UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on
+export OUT=${OUT:-/tmp/out} PDSERVE_TEST_MODEL=/tmp/tokmodel
+export PDSERVE_GIT_COMMIT=${PDSERVE_GIT_COMMIT:-$(cat .gpu/commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || true)}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+[ -d /tmp/tokmodel ] || python3 - <<'PY'
+import shutil, torch, transformers
+cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(cfg).save_pretrained("/tmp/tokmodel")
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(f".gpu/tok/{f}", f"/tmp/tokmodel/{f}")
+PY
+shape_model() {  # the random checkpoint of a named shape, written once (bench engine --shape)
+    python3 -c "from pdserve.common.model.random import random_shape_model as m; print(m('$1', device='cuda', tokenizer_from='/tmp/tokmodel'))"
+}
+LLAMA1B=$(shape_model 1b)
+
+ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
+
+suite_tests() {
+    timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_serving.py \
+        -p no:cacheprovider --durations=10 > "$OUT/gpu_tests.txt" 2>&1
+    local rc=$?; tail -12 "$OUT/gpu_tests.txt"; return $rc
+}
+suite_engine() {
+    timeout 150 "${ENGINE[@]}" --prompt-len 1024 --batch-sizes 1,16,64 --json "$OUT/engine_h200.json" \
+        2>"$OUT/engine_err.txt" | tail -12
+}
+suite_engine-eager() {
+    timeout 80 "${ENGINE[@]}" --prompt-len 1024 --batch-sizes 1,16,64 --repeats 2 --no-hf --no-cuda-graphs \
+        --json "$OUT/engine_h200_eager.json" 2>"$OUT/engine_eager_err.txt" | tail -5
+}
+suite_serve() {
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 300 python3 -m pdserve bench serve --compare \
+        --model $LLAMA1B --device cuda --num-prompts 32 --max-concurrency 1,8,32 \
+        --input-len 1024 --output-len 128 --hf-reference --json "$OUT/serve_h200.json" \
+        2>"$OUT/serve_err.txt" | tail -40
+}
+suite_engine-8b() {
+    timeout 400 python3 -m pdserve bench engine --shape 8b --tokenizer /tmp/tokmodel --device cuda \
+        --dtype bfloat16 --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
+        --json "$OUT/engine_8b_h200.json" 2>"$OUT/engine_8b_err.txt" | tail -12
+    timeout 200 "${ENGINE[@]}" --prompt-len 8192 --batch-sizes 1,16 --repeats 3 --no-hf \
+        --json "$OUT/engine_1b_8k_h200.json" 2>"$OUT/engine_1b_8k_err.txt" | tail -5
+}
+suite_profile() {
+    for args in "--shape 1b --batch 64 --context 1024 --kernels" "--shape 1b --batch 1 --context 1024 --kernels" "--shape 8b --batch 1 --context 2048 --kernels"; do
+        # shellcheck disable=SC2086
+        timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
+            --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" | head -48
+    done
+}
+suite_serve-8b() {
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 400 python3 -m pdserve bench serve --compare \
+        --model "$(shape_model 8b)" --device cuda --num-prompts 32 --max-concurrency 8,32 \
+        --input-len 2048 --output-len 128 --json "$OUT/serve_8b_h200.json" 2>"$OUT/serve_8b_err.txt" | tail -40
+}
+suite_transfer() {
+    timeout 240 python3 -m pdserve bench transfer --device cuda --shape 1b,8b --tokens 1024,8192,32768 \
+        --fragment 8 --order head,block --repeats 9 --json "$OUT/transfer_h200.json" \
+        2>"$OUT/transfer_err.txt" | tail -26
+}
+suite_pcp() {
+    timeout 200 python3 benchmarks/pcp_prefill.py --model $LLAMA1B --device cuda \
+        --lengths 1024,4096,8192 --pcp 1,2,4 --chunk 8192 --repeats 3 --json "$OUT/pcp_h200.json" \
+        2>&1 | grep -E "^pcp|Error|error" | tail -20
+}
+
+suites=("$@")
+[ "${suites[*]}" = all ] && suites=(tests engine serve transfer engine-eager)
+status=0
+for suite in "${suites[@]}"; do
+    if ! declare -F "suite_$suite" >/dev/null; then
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, pcp, all)"; exit 2
+    fi
+    stamp "$suite"
+    "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }
+done
+stamp "done"
+exit $status

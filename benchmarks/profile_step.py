@@ -1,0 +1,134 @@
+"""Where a decode step's time goes: cProfile of the engine's host work over decode steps,
+next to the GPU time of the forward (CUDA events), at one batch size.
+
+    python benchmarks/profile_step.py --shape 1b --batch 64 --context 1024 [--tokenizer DIR]
+
+Prints the step and forward times and the functions with the most host time (tottime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.model.random import random_shape_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also: the GPU time of one eager decode forward by kernel (torch.profiler)",
+    )
+    args = ap.parse_args()
+    path = random_shape_model(args.shape, device="cuda", tokenizer_from=args.tokenizer)
+    blocks = -(-(args.context + args.steps + 16) // 64)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            dtype="bfloat16",
+            num_kv_blocks=args.batch * blocks,
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=args.batch * args.context,
+            enable_prefix_caching=False,
+        )
+    )
+    for i in range(args.batch):
+        prompt = [(i * 7919 + j * 31) % 40000 + 5 for j in range(args.context)]
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(max_tokens=args.steps + 16, ignore_eos=True)
+        )
+    for _ in range(6):  # prefill, then warm decode steps
+        engine.step()
+    runner = engine.runner
+    execute = runner.execute
+    gpu_ms: list[float] = []
+
+    def timed(plan):  # noqa: ANN001, ANN202
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = execute(plan)
+        end.record()
+        gpu_ms.append((start, end))
+        return out
+
+    runner.execute = timed
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    prof.disable()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    fwd = sorted(s.elapsed_time(e) for s, e in gpu_ms)
+    print(
+        f"{args.shape} batch {args.batch} context {args.context}: step {step_ms:.3f} ms (profiled), "
+        f"GPU forward median {fwd[len(fwd) // 2]:.3f} ms"
+    )
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print(out.getvalue())
+    if args.kernels:
+        kernel_table(engine, runner, execute)
+
+
+def kernel_table(engine: LLMEngine, runner, execute) -> None:  # noqa: ANN001
+    """One decode step's forward run eagerly (graphs off) under torch.profiler: GPU time by
+    kernel, grouped into GEMMs, attention, pointwise and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner.graphs = runner.graphs, None
+    captured = []
+    runner.execute = lambda plan: captured.append(plan) or execute(plan)
+    engine.step()
+    plan = captured[-1]
+    for _ in range(3):
+        execute(plan)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            execute(plan)
+        torch.cuda.synchronize()
+    runner.graphs = graphs
+    groups: dict[str, float] = {}
+    rows = []
+    for event in prof.key_averages():
+        us = event.device_time_total / 5
+        if us <= 0:
+            continue
+        name = event.key
+        kind = (
+            "gemm" if any(k in name.lower() for k in ("gemm", "gemv", "cutlass", "sm90", "matmul"))
+            else "attention" if "_decode_" in name or "_prefill_" in name or "write_kv" in name
+            else "pointwise" if any(k in name for k in ("rms_norm", "rotary", "silu"))
+            else "other"
+        )  # fmt: skip
+        groups[kind] = groups.get(kind, 0.0) + us
+        rows.append((us, name[:90]))
+    total = sum(groups.values())
+    print(f"eager forward, GPU time by kind: {total / 1e3:.3f} ms in all")
+    for kind, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:10s} {us / 1e3:8.3f} ms  {us / total:6.1%}")
+    for us, name in sorted(rows, reverse=True)[:12]:
+        print(f"  {us / 1e3:8.3f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()

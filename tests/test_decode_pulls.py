@@ -1,0 +1,278 @@
+"""The decode engine thread's pull lifecycle (services/decode/engine_thread.py) driven turn by
+turn, without a model or NIXL: a fake engine (a real BlockPool), a fake puller, replies
+collected in place of the service's sockets. Every request ends with exactly one terminal
+reply, every replica is released exactly once, every block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdserve.common.engine.block_pool import BlockPool
+from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.engine_commands import Abort, Connected, Decode, HandshakeFailed
+from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.common.runtime.metrics import Metrics
+from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
+from pdserve.services.decode.engine_thread import DecodeContext, DecodeEngineThread
+
+BLOCK = 4
+NUM_BLOCKS = 8
+ENGINE, EPOCH = "prefill-0", 7
+LAYOUT = KVLayout(
+    num_blocks=NUM_BLOCKS, num_layers=2, num_kv_heads=2, block_size=BLOCK, head_dim=8,
+    dtype="float32",
+)  # fmt: skip
+
+
+class FakeModelConfig:
+    num_key_value_heads = 2
+
+
+class FakeScheduler:
+    running: list[Any] = []
+    waiting: list[Any] = []
+    num_preemptions = 0
+    num_replayed_tokens = 0
+
+
+class FakeEngine:
+    """What the engine thread needs of a DecodeEngine; admitted requests finish at once."""
+
+    def __init__(self) -> None:
+        self.pool = BlockPool(NUM_BLOCKS)
+        self.model_config = FakeModelConfig()
+        self.scheduler = FakeScheduler()
+        self.has_unfinished = False
+        self.last_step_tokens = 0
+        self.admitted: list[tuple[str, list[int] | None]] = []
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        pass
+
+    def blocks_for_prompt(self, num_tokens: int) -> int:
+        return -(-num_tokens // BLOCK)
+
+    def add_prefilled(self, rid: str, prompt: list[int], first_token: int,
+                      sampling: SamplingParams, block_ids: list[int] | None,
+                      num_cached_tokens: int = 0, first_block: int = 0) -> RequestOutput:  # fmt: skip
+        self.admitted.append((rid, block_ids))
+        self.pool.free(block_ids or [])  # a request done at its first token frees its blocks
+        return RequestOutput(request_id=rid, new_token_ids=[first_token], text="x", finished=True,
+                             finish_reason="length", num_prompt_tokens=len(prompt),
+                             num_output_tokens=1)  # fmt: skip
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        return None
+
+
+class FakePuller:
+    """A Puller whose READs end when the test says so."""
+
+    def __init__(self) -> None:
+        self.connected: list[str] = []
+        self.started: list[tuple[str, list[list[PullSpec]]]] = []
+        self.results: list[PullResult] = []
+        self.released: list[str] = []
+        self.unreached: list[int] = []  # replica indices a release does not reach
+
+    def connect(self, replies: list[p.HandshakeReply]) -> None:
+        self.connected += [r.agent_name for r in replies]
+
+    def start(self, rid: str, handle: p.KVHandle, plan: list[list[PullSpec]]) -> None:
+        self.started.append((rid, plan))
+
+    def poll(self) -> list[PullResult]:
+        out, self.results = self.results, []
+        return out
+
+    def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
+        self.released.append(rid)
+        return list(self.unreached)
+
+    def close(self) -> None:
+        pass
+
+
+class Harness:
+    def __init__(self, policy: str = "fail", faults: FaultHooks | None = None) -> None:
+        self.replies: list[p.Message] = []
+        self.side: list[tuple[str, p.Message]] = []
+        ctx = DecodeContext(
+            cfg=DeploymentConfig(kv_load_failure_policy=policy),
+            instance=0,
+            torch_threads=1,
+            metrics=Metrics("decode", 0),
+            reply=lambda identity, msg: self.replies.append(msg),
+            send_side=lambda address, msg: self.side.append((address, msg)),
+            faults=faults or FaultHooks(),
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = DecodeEngineThread(ctx, self.loop)  # never started: turns by hand
+        self.thread.post = lambda callback, *args: callback(*args)  # type: ignore[method-assign]
+        self.engine = FakeEngine()
+        self.puller = FakePuller()
+        self.thread.engine = self.engine  # type: ignore[assignment]
+        self.thread.puller = self.puller
+        self.thread.tp = 1
+        self.thread.metrics = ctx.metrics
+
+    def turn(self, *commands: Any) -> bool:
+        for command in commands:
+            self.thread.handlers[type(command)](command)
+        return self.thread.run_once()
+
+    def terminal(self, rid: str) -> list[p.Message]:
+        return [m for m in self.replies if isinstance(m, p.Finished | p.Failed)
+                and m.request_id == rid]  # fmt: skip
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.loop.close()
+
+
+def handle(num_tokens: int = 10, num_replicas: int = 1) -> p.KVHandle:
+    replicas = [
+        p.Replica(agent_name=f"{ENGINE}-e{EPOCH}-r{r}", side_channel=f"tcp://side:{r}", pcp_rank=r)
+        for r in range(num_replicas)
+    ]
+    return p.KVHandle(engine_id=ENGINE, epoch=EPOCH, layout=LAYOUT, block_ids=[5, 6, 7],
+                      num_tokens=num_tokens, replicas=replicas, lease_deadline=0.0)  # fmt: skip
+
+
+def decode(rid: str, h: p.KVHandle) -> Decode:
+    msg = p.DecodeRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=list(range(10)),
+                          sampling=SamplingParams(max_tokens=4), first_token=42, handle=h)  # fmt: skip
+    return Decode(identity=b"router", request=msg)
+
+
+def connected(num_replicas: int = 1) -> Connected:
+    replies = [
+        p.HandshakeReply(
+            engine_id=ENGINE,
+            epoch=EPOCH,
+            agent_name=f"{ENGINE}-e{EPOCH}-r{r}",
+            agent_metadata=b"m",
+            base_address=0,
+            layout=LAYOUT,
+            compat={},
+            mem_type="DRAM",
+            pcp_rank=r,
+            pcp_size=num_replicas,
+        )  # fmt: skip
+        for r in range(num_replicas)
+    ]
+    return Connected(key=(ENGINE, EPOCH), replies=replies)
+
+
+def test_a_pull_waits_for_the_handshake_then_admits_and_releases(h: Harness) -> None:
+    h.turn(decode("a", handle()))
+    assert h.puller.started == []  # the producer is not connected yet
+    assert h.thread.pending_by_producer == {"tcp://side:0": (ENGINE, EPOCH, ["a"])}
+    h.turn(connected())
+    [(rid, plan)] = h.puller.started
+    assert rid == "a" and len(plan) == 1 and plan[0][0].remote_block_ids == [5, 6, 7]
+    local = plan[0][0].local_block_ids
+    assert len(local) == 3 and h.engine.pool.num_free_blocks == NUM_BLOCKS - 3
+    h.puller.results.append(PullResult("a", None, num_bytes=100, num_descriptors=1))
+    h.turn()
+    assert h.engine.admitted == [("a", local)]
+    assert h.puller.released == ["a"]
+    [chunk] = [m for m in h.replies if isinstance(m, p.TokenChunk)]
+    assert chunk.token_ids == [42] and {"pull_started", "pull_done"} <= set(chunk.timings)
+    assert [type(m) for m in h.terminal("a")] == [p.Finished]
+    assert h.thread.pending_by_producer == {} and h.engine.pool.num_free_blocks == NUM_BLOCKS
+    assert h.thread.metrics.value("pdserve:kv_transfers") == 1
+
+
+def test_a_failed_pull_fails_the_request_frees_its_blocks_and_releases(h: Harness) -> None:
+    h.turn(connected(), decode("a", handle()))
+    h.puller.results.append(PullResult("a", "READ failed: remote gone"))
+    h.turn()
+    [failed] = h.terminal("a")
+    assert isinstance(failed, p.Failed) and failed.reason == "kv_transfer"
+    assert ENGINE in failed.message and "remote gone" in failed.message
+    assert h.puller.released == ["a"] and h.engine.admitted == []
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_recompute_policy_admits_without_blocks() -> None:
+    h = Harness(policy="recompute")
+    h.turn(connected(), decode("a", handle()))
+    h.puller.results.append(PullResult("a", "READ failed"))
+    h.turn()
+    assert h.engine.admitted == [("a", None)]
+    assert [type(m) for m in h.terminal("a")] == [p.Finished]
+    assert h.puller.released == ["a"] and h.engine.pool.num_free_blocks == NUM_BLOCKS
+    h.loop.close()
+
+
+def test_an_abort_during_the_pull_waits_for_the_reads_then_finishes(h: Harness) -> None:
+    h.turn(connected(), decode("a", handle()))
+    h.turn(Abort(request_id="a"))
+    assert h.terminal("a") == []  # a posted READ cannot be recalled: wait for it
+    h.puller.results.append(PullResult("a", None))
+    h.turn()
+    [done] = h.terminal("a")
+    assert isinstance(done, p.Finished) and done.finish_reason == "abort"
+    assert h.puller.released == ["a"] and h.engine.admitted == []
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_an_abort_before_the_pull_releases_at_once(h: Harness) -> None:
+    h.turn(decode("a", handle()))
+    h.turn(Abort(request_id="a"))
+    [done] = h.terminal("a")
+    assert isinstance(done, p.Finished) and done.finish_reason == "abort"
+    # released once, through the puller (which reports the replicas it cannot reach)
+    assert h.puller.released == ["a"] and h.side == []
+
+
+def test_a_failed_handshake_fails_waiting_requests_without_a_nixl_release(h: Harness) -> None:
+    h.turn(decode("a", handle()), decode("b", handle()))
+    h.turn(HandshakeFailed(key=(ENGINE, EPOCH), message="timed out"))
+    for rid in ("a", "b"):
+        [failed] = h.terminal(rid)
+        assert isinstance(failed, p.Failed) and "timed out" in failed.message
+    assert h.puller.released == [] and h.puller.started == []
+
+
+def test_releases_no_notification_reached_go_over_the_side_channel(h: Harness) -> None:
+    h.puller.unreached = [1]
+    h.turn(connected(2), decode("a", handle(num_replicas=2)))
+    h.puller.results.append(PullResult("a", None))
+    h.turn()
+    [(address, release)] = h.side
+    assert address == "tcp://side:1" and isinstance(release, p.Release) and release.rank == 1
+    assert h.thread.metrics.value("pdserve:kv_notification_failures") == 1
+
+
+def test_requests_wait_for_free_blocks(h: Harness) -> None:
+    h.turn(connected(), decode("a", handle(num_tokens=24)), decode("b", handle(num_tokens=12)))
+    assert [rid for rid, _ in h.puller.started] == ["a"]  # 6 of 8 blocks: b (3) waits
+    h.puller.results.append(PullResult("a", None))
+    h.turn()
+    h.turn()
+    assert [rid for rid, _ in h.puller.started] == ["a", "b"]
+
+
+def test_held_pulls_start_once_the_hold_file_is_gone(tmp_path: Any) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    h = Harness(faults=FaultHooks(hold_pulls_file=str(hold)))
+    h.turn(connected(), decode("a", handle()))
+    assert h.puller.started == []
+    hold.unlink()
+    h.turn()
+    assert [rid for rid, _ in h.puller.started] == ["a"]
+    h.loop.close()
