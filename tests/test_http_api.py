@@ -720,6 +720,9 @@ def test_tokenize_detokenize_version(port: int, tokenizer: Tokenizer) -> None:
     assert out == {"prompt": tokenizer.decode(ids)}
     error_of(*request(port, "POST", "/detokenize", {"tokens": [10**7]})[::2], 400)
     error_of(*request(port, "POST", "/tokenize", {"prompt": "x", "model": "other"})[::2], 404)
+    # found by schemathesis: nothing to continue was a 500
+    empty = {"messages": [], "continue_final_message": True}
+    assert error_of(*request(port, "POST", "/tokenize", empty)[::2], 400)["param"] == "messages"
     status, _, data = request(port, "GET", "/version")
     assert status == 200 and json.loads(data)["version"]
 

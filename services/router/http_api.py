@@ -522,6 +522,9 @@ def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     if req.continue_final_message:
+        if not chat:
+            raise ApiError(400, "continue_final_message needs a final message to continue; "
+                           "messages is empty", param="messages", code="invalid_value")  # fmt: skip
         # As transformers does: end the text right after the final message's content, so
         # the model continues it instead of closing the turn.
         final = (chat[-1]["content"] or "").strip()
