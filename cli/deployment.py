@@ -38,7 +38,7 @@ class Deployment:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.cfg.http_port}"
+        return self.cfg.http_url
 
     def roles(self) -> list[tuple[str, list[str]]]:
         out = []
@@ -54,6 +54,9 @@ class Deployment:
         return out + [("router", ["router"])]
 
     def start(self) -> None:
+        # Owner-only: it may hold the API key.
+        self.config_path.touch(mode=0o600)
+        self.config_path.chmod(0o600)
         self.config_path.write_bytes(json.dumps(msgspec.to_builtins(self.cfg), indent=1).encode())
         # The children get their configuration from the file alone, not from PDSERVE_* env.
         env = {

@@ -18,6 +18,36 @@ DEMO_PROMPTS = [
 def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML file (PDSERVE_* env and flags override)")
     p.add_argument("--http-port", type=int, default=None)
+    p.add_argument(
+        "--host",
+        default=None,
+        help="where the HTTP API binds (default 127.0.0.1; 0.0.0.0: every interface)",
+    )
+    p.add_argument(
+        "--zmq-port",
+        type=int,
+        default=None,
+        help="the router's ZMQ port (the SDK's); the services take the next ports (default 5600)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids the API answers to (default: the model's folder name)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins CORS lets in, e.g. https://app.example ('*': any)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or set PDSERVE_API_KEY)",
+    )
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--device", default=None, help="cpu or cuda")
     p.add_argument("--prefill-instances", type=int, default=None)
@@ -62,6 +92,11 @@ def _start(args: argparse.Namespace) -> Any:
     cfg = local_config(
         config=args.config,
         http_port=args.http_port,
+        http_host=args.host,
+        base_port=args.zmq_port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
         model=args.model,
         device=args.device,
         prefill_instances=args.prefill_instances,
@@ -137,9 +172,10 @@ def run_demo(args: argparse.Namespace) -> int:
                     "temperature": 0,
                 }
             ).encode()
-            req = urllib.request.Request(
-                f"{dep.url}/v1/chat/completions", body, {"Content-Type": "application/json"}
-            )
+            headers = {"Content-Type": "application/json"}
+            if dep.cfg.api_key:
+                headers["Authorization"] = f"Bearer {dep.cfg.api_key}"
+            req = urllib.request.Request(f"{dep.url}/v1/chat/completions", body, headers)
             with urllib.request.urlopen(req, timeout=300) as resp:
                 answer = json.loads(resp.read())["choices"][0]["message"]["content"]
             print(f"> {prompt}  [HTTP /v1/chat/completions]\n{answer.strip()}\n")

@@ -232,3 +232,44 @@ def test_async_client(router: FakeRouter) -> None:
                 await client.generate("hang", timeout=0.2)
 
     asyncio.run(main())
+
+
+def test_defaults_match_pdserve_up() -> None:
+    from pdserve.common.runtime.service_config import DeploymentConfig
+    from pdserve.services.router import client as sdk
+
+    assert sdk.DEFAULT_ADDRESS == DeploymentConfig().front_address  # what `up` binds
+    with Client() as client:
+        assert client.address == sdk.DEFAULT_ADDRESS and client.timeout == sdk.DEFAULT_TIMEOUT_S
+
+
+def test_no_router_fails_fast_instead_of_hanging() -> None:
+    from pdserve.common.runtime.ports import free_port_block
+
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
+    started = time.monotonic()
+    with Client(address, connect_timeout=0.5) as client:
+        with pytest.raises(GenerationFailed) as info:
+            client.generate("hello")
+    assert info.value.reason == "unreachable" and address in info.value.message
+    assert time.monotonic() - started < 5
+
+    async def main() -> None:
+        async with AsyncClient(address, connect_timeout=0.5) as client:
+            with pytest.raises(GenerationFailed, match="no router answers"):
+                await client.generate("hello")
+
+    asyncio.run(main())
+
+
+def test_router_going_away_fails_the_pending_request(router: FakeRouter) -> None:
+    with Client(router.address, connect_timeout=0.5) as client:
+        assert client.generate("up", max_tokens=2).text == "up"  # connected
+        threading.Timer(0.3, router.close).start()
+        with pytest.raises(GenerationFailed, match="went away") as info:
+            client.generate("hang")
+    assert info.value.reason == "unreachable"
+
+
+def test_timeout_none_means_no_bound(client: Client) -> None:
+    assert client.generate("abc", timeout=None).text == "abc"

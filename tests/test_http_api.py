@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
@@ -32,6 +33,15 @@ openai = pytest.importorskip("openai")
 
 MODEL = "fake-model"
 OPENAPI_PATH = Path(openapi.__file__).with_name("openapi.json")
+
+
+def fake_logprobs(token: int, i: int, num: int, seed: int | None = None) -> TokenLogprobs:
+    """The chosen token at -i/10 (minus seed % 5 when seeded: candidates then differ in
+    likelihood), alternatives token+1.. below -i/10."""
+    tops = [token + 1 + k for k in range(num)]
+    chosen = -i / 10 - (seed % 5 if seed is not None else 0)
+    return TokenLogprobs(token_id=token, logprob=chosen, top_ids=tops,
+                         top_logprobs=[-i / 10 - 1 - k for k in range(num)])  # fmt: skip
 
 
 class FakeCore:
@@ -78,7 +88,14 @@ class FakeCore:
                     yield Failed(request_id=rid, reason="peer_down", message="decode-0 died")
                     return
                 text = detok.add(token) + (detok.flush() if i == len(out) - 1 else "")
-                yield TokenChunk(request_id=rid, trace_id="t", token_ids=[token], text=text)
+                logprobs = (
+                    []
+                    if gen.sampling.logprobs is None
+                    else [fake_logprobs(token, i, gen.sampling.logprobs, gen.sampling.seed)]
+                )
+                yield TokenChunk(
+                    request_id=rid, trace_id="t", token_ids=[token], text=text, logprobs=logprobs
+                )
             ended = True
             usage = Usage(prompt_tokens=len(ids), completion_tokens=len(out))
             reason = "length" if len(out) == limit else "stop"
@@ -103,10 +120,10 @@ class FakeCore:
 class Server:
     """make_app(core) on a free localhost port, in a thread with its own event loop."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, **options: Any) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.runner = web.AppRunner(make_app(core))
+        self.runner = web.AppRunner(make_app(core, **options))
         self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
 
     async def _start(self) -> int:
@@ -299,7 +316,7 @@ def test_request_id_echo_on_stream_and_error(port: int) -> None:
 
 
 def test_sdk_sees_errors(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi")
 
 
@@ -309,13 +326,18 @@ def test_sdk_sees_errors(client: Any) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"prompt": "hi", "model": "gpt-4"}, "model", "model_not_found"),
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_value"),
-        ({"prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
-        ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
-        ({"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "hi", "n": 0}, "n", "invalid_value"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of", "unsupported_parameter"),
+        (
+            {"prompt": "hi", "n": 1, "best_of": 2, "stream": True},
+            "best_of",
+            "unsupported_parameter",
+        ),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+        ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
         ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"max_tokens": 3}, None, "invalid_value"),  # no prompt
@@ -325,7 +347,13 @@ def test_sdk_sees_errors(client: Any) -> None:
         ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens", "context_length_exceeded"),
         ({"prompt": [5] * 300}, "prompt", "context_length_exceeded"),
         ({"prompt": "hi", "stop": [""]}, "stop[0]", "invalid_value"),
-        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+        ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "unsupported_parameter"),
+        ({"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias[...]", "invalid_value"),
+        ({"prompt": "hi", "logit_bias": {"999999": 1}}, None, "bad_request"),  # vocabulary
+        ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, None, "bad_request"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+        ({"prompt": "hi", "min_p": 2}, "min_p", "invalid_value"),
     ],
 )
 def test_completion_errors(port: int, body: Any, param: str | None, code: str | None) -> None:
@@ -341,11 +369,13 @@ def test_completion_errors(port: int, body: Any, param: str | None, code: str | 
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format.type"),
+          "response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )  # fmt: skip
 def test_chat_errors(port: int, body: Any, param: str) -> None:
@@ -472,3 +502,301 @@ def test_openapi_is_served_and_current(port: int, core: FakeCore) -> None:
     # Regenerate: python -m pdserve.services.router.openapi > services/router/openapi.json
     generic = json.loads(json.dumps(openapi.openapi()))
     assert json.loads(OPENAPI_PATH.read_bytes()) == generic, "openapi.json is stale"
+
+
+# -- every field honoured or refused; null is the default -----------------------------------
+
+
+def test_null_means_default(client: Any, core: FakeCore) -> None:
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        temperature=None, top_p=None, n=None, stream=None, presence_penalty=None,
+        frequency_penalty=None, seed=None, stop=None, logit_bias=None, logprobs=None,
+        top_logprobs=None, tools=None, tool_choice=None, response_format=None,
+        extra_body={"top_k": None, "min_p": None, "repetition_penalty": None,
+                    "min_tokens": None, "ignore_eos": None, "echo": None},
+    )  # fmt: skip
+    assert core.submitted[-1].sampling == SamplingParams(max_tokens=2, temperature=1.0)
+
+
+def test_sampling_fields_reach_the_engine(client: Any, core: FakeCore) -> None:
+    client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.5,
+        logit_bias={"17": -100, "3": 2.5},
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 4, "min_p": 0.1,
+                    "include_stop_str_in_output": True},
+    )  # fmt: skip
+    sp = core.submitted[-1].sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.3)
+    assert (sp.min_tokens, sp.min_p, sp.include_stop_str_in_output) == (4, 0.1, True)
+    assert sp.logit_bias == {17: -100.0, 3: 2.5}
+
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"guided_json": "{no", "guided_regex": "a"}, "guided_json"),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ("/v1/completions", {"structured_outputs": {"json": {}, "regex": "a"}},
+         "structured_outputs"),
+        ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"},
+                                  "response_format": {"type": "json_object"}}, "guided_json"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x"}}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+        ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": True},
+         "continue_final_message"),
+        ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+             "function": {"name": "w", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages[1]"),
+        ("/v1/chat/completions", {"messages": [
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages[0]"),
+    ],
+)  # fmt: skip
+def test_unsupported_fields_are_refused_by_name(port: int, core: FakeCore, path: str,
+                                                extra: dict[str, Any], param: str) -> None:  # fmt: skip
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT}
+    error = error_of(*request(port, "POST", path, {**body, **extra})[::2], 400)
+    assert error["param"] == param and error["code"] == "unsupported_parameter"
+    assert param.split("[")[0] in error["message"] and not core.submitted
+
+
+def test_structured_output_reaches_the_engine(client: Any, core: FakeCore) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for extra, kind, spec in [
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "s", "schema": schema}}}, "json", schema),
+        ({"extra_body": {"guided_json": json.dumps(schema)}}, "json", schema),
+        ({"extra_body": {"guided_regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ({"extra_body": {"guided_choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x"'}}}, "grammar",
+         'root ::= "x"'),
+        ({"response_format": {"type": "text"}}, None, None),
+    ]:  # fmt: skip
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, **extra)
+        got = core.submitted[-1].sampling.structured
+        if kind is None:
+            assert got is None
+            continue
+        assert got.kind == kind
+        assert (json.loads(got.spec) if kind in ("json", "choice") else got.spec) == spec
+    with pytest.raises(openai.BadRequestError, match="'yaml' is not one of"):
+        client.chat.completions.create(model=MODEL, messages=CHAT,
+                                       response_format={"type": "yaml"})  # fmt: skip
+
+
+def test_tool_choice_none_without_tools_is_accepted(client: Any, core: FakeCore) -> None:
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, tool_choice="none",
+                                   parallel_tool_calls=False)  # fmt: skip
+    assert len(core.submitted) == 1
+
+
+def test_n_choices_with_seeds(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    prompt = "one two three"
+    out = client.completions.create(model=MODEL, prompt=[prompt, "four"], n=3, max_tokens=2,
+                                    seed=11, temperature=0.8)  # fmt: skip
+    assert [c.index for c in out.choices] == list(range(6))
+    # each prompt's first choice goes first (its KV then serves the others from the cache)
+    assert [g.request_id.rsplit("-", 1)[1] for g in core.submitted[:2]] == ["0", "3"]
+    by_index = sorted(core.submitted, key=lambda g: int(g.request_id.rsplit("-", 1)[1]))
+    assert [g.sampling.seed for g in by_index] == [11, 12, 13, 11, 12, 13]
+    assert [g.prompt_token_ids for g in by_index][:3] == [tokenizer.encode(prompt)] * 3
+    # a prompt counts once however many choices it has, as OpenAI counts it
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt)) + len(tokenizer.encode("four"))
+    assert out.usage.completion_tokens == 3 * 2 + 3 * 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, n=2, stream=True,
+                                                 max_tokens=3, extra_body={"best_of": 2}))  # fmt: skip
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def test_completion_echo(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    prompt = "Echo me"
+    completion = tokenizer.decode(tokenizer.encode(prompt)[:2])
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True)
+    assert out.choices[0].text == prompt + completion
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                            stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + completion
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1, echo=True)
+    assert out.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
+
+
+def test_chat_echo_and_continue_final_message(
+    client: Any, core: FakeCore, tokenizer: Tokenizer
+) -> None:
+    messages = [{"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "The color is"}]  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1,
+        extra_body={"echo": True, "continue_final_message": True,
+                    "add_generation_prompt": False},
+    )  # fmt: skip
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    cut = rendered[: rendered.rindex("The color is") + len("The color is")]
+    ids = tokenizer.encode(cut, add_special_tokens=False)
+    assert core.submitted[-1].prompt_token_ids == ids  # the turn is left open
+    assert out.choices[0].message.content.startswith("The color is")
+    client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1,
+                                   extra_body={"add_generation_prompt": False})  # fmt: skip
+    assert core.submitted[-1].prompt_token_ids == tokenizer.encode_chat(messages[:1], False)
+
+
+def test_chat_template_kwargs(port: int, core: FakeCore) -> None:
+    body = {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}}
+    assert request(port, "POST", "/v1/chat/completions", body)[0] == 200
+    body["chat_template_kwargs"] = {"messages": []}
+    error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert error["param"] == "chat_template_kwargs"
+
+
+def test_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_str(tokenizer._backend.to_str())
+    template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    custom = Tokenizer(backend, {}, template, [])
+    assert custom.apply_chat_template(CHAT, template_kwargs={"greeting": "hey "}) == "hey x"
+    assert custom.apply_chat_template(CHAT, template_kwargs={"messages": []}) == "x"
+
+
+# -- served model names, API key, tokenize / detokenize / version ---------------------------
+
+
+@pytest.fixture
+def keyed(core: FakeCore) -> Iterator[int]:
+    server = Server(core, served_model_names=["alpha", "beta"], api_key="s3cret")
+    yield server.port
+    server.stop()
+
+
+def test_served_model_names_and_api_key(keyed: int, core: FakeCore) -> None:
+    base = f"http://127.0.0.1:{keyed}/v1"
+    client = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+    assert client.completions.create(model="beta", prompt="hi", max_tokens=1).model == "beta"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    assert error_of(*request(keyed, "GET", "/v1/models/gamma", headers={
+        "Authorization": "Bearer s3cret"})[::2], 404)["code"] == "model_not_found"  # fmt: skip
+    wrong = openai.OpenAI(base_url=base, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    error = error_of(*request(keyed, "POST", "/v1/completions", {"prompt": "hi"})[::2], 401)
+    assert error["code"] == "invalid_api_key" and "s3cret" not in error["message"]
+    assert request(keyed, "GET", "/health")[0] == 200  # probes and scrapers need no key
+    assert request(keyed, "GET", "/metrics")[0] == 200
+    assert len(core.submitted) == 1
+
+
+def test_tokenize_detokenize_version(port: int, tokenizer: Tokenizer) -> None:
+    status, _, data = request(port, "POST", "/tokenize", {"prompt": "Hello world"})
+    out = json.loads(data)
+    ids = tokenizer.encode("Hello world")
+    assert status == 200 and out["tokens"] == ids and out["count"] == len(ids)
+    assert out["max_model_len"] == FakeCore.max_model_len and out["token_strs"] is None
+    body = {"messages": CHAT, "return_token_strs": True}
+    out = json.loads(request(port, "POST", "/tokenize", body)[2])
+    assert out["tokens"] == tokenizer.encode_chat(CHAT) and len(out["token_strs"]) == out["count"]
+    out = json.loads(request(port, "POST", "/detokenize", {"tokens": ids})[2])
+    assert out == {"prompt": tokenizer.decode(ids)}
+    error_of(*request(port, "POST", "/detokenize", {"tokens": [10**7]})[::2], 400)
+    error_of(*request(port, "POST", "/tokenize", {"prompt": "x", "model": "other"})[::2], 404)
+    # found by schemathesis: nothing to continue was a 500
+    empty = {"messages": [], "continue_final_message": True}
+    assert error_of(*request(port, "POST", "/tokenize", empty)[::2], 400)["param"] == "messages"
+    status, _, data = request(port, "GET", "/version")
+    assert status == 200 and json.loads(data)["version"]
+
+
+def test_logprobs_in_openai_shapes(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    prompt = "Logprobs please"
+    ids = tokenizer.encode(prompt)[:3]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2)
+    assert core.submitted[-1].sampling.logprobs == 2
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [text(t) for t in ids] and lp.token_logprobs == [0.0, -0.1, -0.2]
+    assert lp.top_logprobs[1] == {text(ids[1] + 1): -1.1, text(ids[1] + 2): -2.1,
+                                  text(ids[1]): -0.1}  # the chosen one always there  # fmt: skip
+    assert lp.text_offset == [0, len(text(ids[0])), len(text(ids[0])) + len(text(ids[1]))]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = tokenizer.encode_chat(messages)[:2]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          logprobs=True, top_logprobs=1)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [text(t) for t in chat_ids]
+    assert content[1].logprob == -0.1 and content[1].bytes == list(text(chat_ids[1]).encode())
+    assert [(t.token, t.logprob) for t in content[1].top_logprobs] == [
+        (text(chat_ids[1] + 1), -1.1)
+    ]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                 logprobs=True, stream=True))  # fmt: skip
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [c.token for c in streamed] == [text(t) for t in chat_ids]
+    assert all(c.top_logprobs == [] for c in streamed)  # logprobs alone: no alternatives
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None and core.submitted[-1].sampling.logprobs is None
+
+
+def test_best_of_answers_the_most_likely(client: Any, core: FakeCore) -> None:
+    # seeds 13, 14, 15 -> the fake's logprobs -3, -4, -0 per token: candidates 2, 0 win
+    out = client.completions.create(model=MODEL, prompt="a b c d", max_tokens=3, n=2, seed=13,
+                                    logprobs=0, extra_body={"best_of": 3})  # fmt: skip
+    assert [c.logprobs.token_logprobs[0] for c in out.choices] == [0.0, -3.0]
+    assert [c.index for c in out.choices] == [0, 1]
+    out = client.completions.create(model=MODEL, prompt="a b c d", max_tokens=4, n=2,
+                                    extra_body={"best_of": 3})  # fmt: skip
+    assert all(g.sampling.logprobs == 0 for g in core.submitted[-3:])
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.logprobs is None for c in out.choices)  # not asked for: not shown
+    assert out.usage.completion_tokens == 3 * 4  # every candidate was generated
+
+
+def test_cors_off_by_default_and_on_for_allowed_origins(port: int, core: FakeCore) -> None:
+    origin = {"Origin": "https://app.example"}
+    _, headers, _ = request(port, "GET", "/v1/models", headers=origin)
+    assert "Access-Control-Allow-Origin" not in headers
+    server = Server(core, allowed_origins=["https://app.example"], api_key="k")
+    try:
+        preflight = {**origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+        status, headers, _ = request(server.port, "OPTIONS", "/v1/completions", headers=preflight)
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        body = {"prompt": "hi", "max_tokens": 1, "stream": True}
+        auth = {**origin, "Authorization": "Bearer k"}
+        status, headers, _ = request(server.port, "POST", "/v1/completions", body, auth)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        status, headers, _ = request(server.port, "GET", "/v1/models", headers=origin)
+        assert status == 401 and headers["Access-Control-Allow-Origin"]  # readable errors
+        other = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        assert request(server.port, "OPTIONS", "/v1/completions", headers=other)[0] == 403
+        _, headers, _ = request(
+            server.port, "GET", "/health", headers={"Origin": "https://evil.example"}
+        )
+        assert "Access-Control-Allow-Origin" not in headers
+    finally:
+        server.stop()

@@ -1,9 +1,17 @@
 """Sampler: greedy, temperature, top-k, top-p, per-request seeds; parameter validation."""
 
+from typing import Any
+
 import pytest
 import torch
 
-from pdserve.common.engine.sampling import Sampler, SamplingParams, sample_row
+from pdserve.common.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    adjust_logits,
+    sample_row,
+    token_logprobs,
+)
 from pdserve.common.errors import RequestError
 
 
@@ -67,3 +75,118 @@ def test_temperature_sampling_follows_the_distribution() -> None:
 def test_invalid_parameters_are_refused(params: SamplingParams, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         params.validate()
+
+
+# -- logit adjustments: penalties, logit_bias, min_tokens, min_p ------------------------------
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    row = torch.tensor([2.0, -1.0, 3.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = adjust_logits(row, p, prompt=[0], output=[1], eos_token_ids=frozenset())
+    assert out.tolist() == [1.0, -2.0, 3.0, 0.5]  # HF's RepetitionPenaltyLogitsProcessor
+    # greedy picks from the adjusted row: token 2 stays best, then 0 was best before
+    row = torch.tensor([3.0, 2.0, 0.0])
+    assert Sampler()(row[None], [p], [1], [([0], [0])]) == [1]  # 3/2 = 1.5 < 2
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    row = torch.zeros(5)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    out = adjust_logits(row, p, prompt=[4, 4, 4], output=[1, 1, 2], eos_token_ids=frozenset())
+    assert out.tolist() == [0.0, -2.0, -1.5, 0.0, 0.0]
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
+    row = torch.tensor([5.0, 0.0, 0.0])
+    greedy = SamplingParams(logit_bias={2: 100.0})
+    sampled = SamplingParams(temperature=1.0, seed=3, logit_bias={2: 100.0, 0: -100.0})
+    assert Sampler()(torch.stack([row, row]), [greedy, sampled], [0, 0], [((), ())] * 2) == [2, 2]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
+    row = torch.tensor([9.0, 8.0, 1.0])  # 0 is EOS, 1 a stop token
+    p = SamplingParams(min_tokens=2, stop_token_ids=(1,))
+    sampler = Sampler(eos_token_ids=frozenset({0}))
+    assert sampler(row[None], [p], [1], [([5], [2])]) == [2]  # one generated: banned
+    assert sampler(row[None], [p], [2], [([5], [2, 2])]) == [0]  # two: allowed again
+    ignoring = SamplingParams(min_tokens=2, ignore_eos=True)
+    assert sampler(row[None], [ignoring], [0], [([5], [])]) == [0]  # EOS is no stop then
+
+
+def test_min_p_only_draws_likely_enough_tokens() -> None:
+    gen = torch.Generator().manual_seed(0)
+    row = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.1]))
+    p = SamplingParams(temperature=1.0, min_p=0.5)  # keeps p >= 0.25
+    assert {sample_row(row, p, gen) for _ in range(300)} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(min_tokens=20, max_tokens=10), "min_tokens"),
+        (SamplingParams(logit_bias={3: 101.0}), "logit_bias"),
+    ],
+)
+def test_invalid_adjustments_are_refused(params: SamplingParams, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        params.validate()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused() -> None:
+    with pytest.raises(RequestError, match="logit_bias: token id 100"):
+        SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
+    with pytest.raises(RequestError, match="stop_token_ids: token id 7"):
+        SamplingParams(stop_token_ids=(7,)).validate(vocab_size=5)
+
+
+def test_token_logprobs_are_the_raw_log_softmax() -> None:
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(logprobs=3, repetition_penalty=1.5, temperature=0.7),
+              SamplingParams(), SamplingParams(logprobs=0)]  # fmt: skip
+    tokens = [5, 6, 7]
+    out = token_logprobs(logits, params, tokens)
+    want = torch.log_softmax(logits, -1)
+    assert out[1] is None
+    assert out[0].token_id == 5 and abs(out[0].logprob - float(want[0, 5])) < 1e-6
+    top = want[0].topk(3)
+    assert out[0].top_ids == top.indices.tolist()  # before penalties and temperature
+    assert torch.allclose(torch.tensor(out[0].top_logprobs), top.values)
+    assert out[2].top_ids == [] and abs(out[2].logprob - float(want[2, 7])) < 1e-6
+
+
+def test_structured_output_constrains_every_token(model_dir: Any) -> None:
+    pytest.importorskip("xgrammar")
+    import json
+
+    from pdserve.common.engine.sampling_params import StructuredOutput
+    from pdserve.common.engine.structured import GrammarTable
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    vocab = 49152
+    grammars = GrammarTable(model_dir, vocab)
+    sampler = Sampler(frozenset(tokenizer.eos_token_ids), grammars)
+    choice = StructuredOutput(kind="choice", spec=json.dumps(["yes", "no way"]))
+    p = SamplingParams(temperature=1.0, seed=1, structured=choice)
+    gen = torch.Generator().manual_seed(0)
+    output: list[int] = []
+    while not output or output[-1] not in tokenizer.eos_token_ids:
+        logits = torch.randn(1, vocab, generator=gen)
+        output += sampler(logits, [p], [len(output)], [([1], output)], ["r1"])
+        assert len(output) < 10
+    assert tokenizer.decode(output) in ("yes", "no way")
+    # a second matcher (decode) made mid-way first replays the tokens sampled elsewhere
+    grammars.prune([])
+    schema = StructuredOutput(kind="json", spec=json.dumps({"enum": ["alpha", "beta"]}))
+    q = SamplingParams(structured=schema)
+    first = tokenizer.encode('"', add_special_tokens=False)
+    logits = torch.randn(1, vocab, generator=gen)
+    token = sampler(logits, [q], [1], [([1], first)], ["r2"])[0]
+    assert tokenizer.decode([*first, token]) in ('"a', '"al', '"alpha', '"b', '"be', '"beta')
+    with pytest.raises(RequestError, match="does not compile"):
+        grammars.compile(StructuredOutput(kind="json", spec="{not json"))

@@ -166,26 +166,23 @@ def test_seeded_sampling_matches_across_prefill_and_decode(
 
 
 def test_block_edges_context_limit_and_prefix_hits(dep: Deployment, mono: LLMEngine) -> None:
-    from pdserve.services.router.client import Client
+    from pdserve.services.router.client import Client, GenerationFailed
 
     cases = {
         "shorter than a block": list(range(100, 110)),
         "exactly one block": list(range(200, 264)),
-        "at the context limit": [(i * 7) % 5000 + 10 for i in range(MAX_MODEL_LEN)],
+        # the answer's last token lands on the context limit
+        "at the context limit": [(i * 7) % 5000 + 10 for i in range(MAX_MODEL_LEN - 8)],
     }
     with Client(dep.cfg.front_address) as client:
         for name, ids in cases.items():
             want = mono.generate([ids], SamplingParams(max_tokens=8))[0]
             got = client.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0)
             assert got.token_ids == want.token_ids, name
-        assert (
-            len(
-                client.generate(
-                    prompt_token_ids=cases["at the context limit"], max_tokens=8
-                ).token_ids
-            )
-            == 1
-        )
+        # one token past it is refused up front, as the HTTP API refuses it (#18)
+        with pytest.raises(GenerationFailed, match="max_model_len") as info:
+            client.generate(prompt_token_ids=cases["at the context limit"], max_tokens=9)
+        assert info.value.reason == "bad_request"
         cached = [(i * 13) % 4000 + 20 for i in range(3 * 64 + 5)]
         first = client.generate(prompt_token_ids=cached, max_tokens=6, temperature=0.0)
         again = client.generate(prompt_token_ids=cached, max_tokens=6, temperature=0.0)
@@ -238,7 +235,8 @@ def test_bad_requests_get_clear_errors_and_the_services_keep_serving(dep: Deploy
     status, body = post(dep.url, "/v1/completions", None, raw=b"{not json")
     assert status == 400 and body["error"]["message"]
     status, body = post(dep.url, "/v1/completions", {"model": "no-such-model", "prompt": "hi"})
-    assert status == 400 and "no-such-model" in body["error"]["message"]
+    assert status == 404 and "no-such-model" in body["error"]["message"]  # as OpenAI answers
+    assert body["error"]["code"] == "model_not_found"
     status, body = post(dep.url, "/v1/completions", {"prompt": "hi", "max_tokens": -1})
     assert status == 400 and "max_tokens" in body["error"]["message"]
     status, body = post(dep.url, "/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 50)})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import structlog
 import torch
@@ -19,9 +19,10 @@ from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling import Sampler, SamplingParams
+from pdserve.common.engine.sampling import Sampler, SamplingParams, token_logprobs
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.step_plan import StepPlan
+from pdserve.common.engine.structured import GrammarTable
 from pdserve.common.errors import RequestError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import resolve_model
@@ -73,10 +74,11 @@ class EngineCore(Generic[OutputT]):
             config.max_num_batched_tokens,
             group,
         )
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
         )
+        grammars = GrammarTable(self.model_dir, self.model_config.vocab_size)
+        self.sampler = Sampler(self.eos_token_ids, grammars)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self._arrivals = itertools.count()
@@ -84,7 +86,9 @@ class EngineCore(Generic[OutputT]):
     # -- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        sampling.validate()
+        sampling.validate(self.model_config.vocab_size)
+        if sampling.structured is not None and self.sampler.grammars is not None:
+            self.sampler.grammars.compile(sampling.structured)  # a bad schema fails here
         num = len(prompt_token_ids)
         if num == 0:
             raise RequestError("the prompt is empty")
@@ -118,7 +122,10 @@ class EngineCore(Generic[OutputT]):
         return Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
 
     def _track(self, req: Request) -> None:
-        self._requests[req.request_id] = (req, TextTracker(self.tokenizer, req.sampling.stop))
+        p = req.sampling
+        tracker = TextTracker(self.tokenizer, p.stop, min_tokens=p.min_tokens,
+                              include_stop=p.include_stop_str_in_output)  # fmt: skip
+        self._requests[req.request_id] = (req, tracker)
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -144,9 +151,21 @@ class EngineCore(Generic[OutputT]):
         self.scheduler.on_step_done(reqs, plan)
         sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
         tokens = self.sampler(
-            logits, [r.sampling for r in sampled], [len(r.output_token_ids) for r in sampled]
+            logits,
+            [r.sampling for r in sampled],
+            [len(r.output_token_ids) for r in sampled],
+            [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
+            [r.request_id for r in sampled],
         )
-        return [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+        outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+        if any(r.sampling.logprobs is not None for r in sampled):
+            params = [r.sampling for r in sampled]
+            for out, lp in zip(outputs, token_logprobs(logits, params, tokens), strict=True):
+                if lp is not None:  # a RequestOutput, or prefill's Prefilled: both have it
+                    cast(Any, out).logprobs = [lp]
+        if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
+            self.sampler.grammars.prune(self._requests)
+        return outputs
 
     def _output(
         self, req: Request, tokens: list[int], text: str, reason: str | None
@@ -178,7 +197,8 @@ class LLMEngine(EngineCore[RequestOutput]):
         """The output for ``req``'s newest token; ends the request on a stop rule."""
         tracker = self._requests[req.request_id][1]
         reason = finish_reason(req, token_id, self.eos_token_ids, self.max_model_len)
-        if reason == "stop":  # a stop token's text is not part of the answer
+        if reason == "stop" and not req.sampling.include_stop_str_in_output:
+            # a stop token's text is not part of the answer
             text, hit_stop_string = "", False
         else:
             text, hit_stop_string = tracker.add(token_id)

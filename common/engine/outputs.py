@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -17,6 +18,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for them
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -31,9 +33,19 @@ class Completion(msgspec.Struct, kw_only=True):
 class TextTracker:
     """Incremental text of one request, holding back what could still become a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...],
+        *,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = stop
+        self.min_tokens = min_tokens  # stop strings only count from this many tokens on
+        self.include_stop = include_stop  # keep the stop string that ended the text
+        self.num_tokens = 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -42,11 +54,16 @@ class TextTracker:
     def add(self, token_id: int) -> tuple[str, bool]:
         """The text that is now safe to emit, and whether a stop string was hit."""
         self.text += self.detok.add(token_id)
-        if self.stop:
+        self.num_tokens += 1
+        if self.stop and self.num_tokens >= self.min_tokens:
             search_from = max(0, self.emitted - self.holdback)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [
+                (i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop)
+                if i >= 0
+            ]  # fmt: skip
             if hits:
-                self.text = self.text[: min(hits)]
+                start, length = min(hits)
+                self.text = self.text[: start + length if self.include_stop else start]
                 self.stopped = True
                 return self._take(), True
         safe = len(self.text) - self.holdback if self.stop else len(self.text)
@@ -71,6 +88,8 @@ def finish_reason(
 ) -> str | None:
     """Why ``req`` ends after sampling ``token_id`` (stop strings are checked on text)."""
     p = req.sampling
+    if len(req.output_token_ids) < p.min_tokens:  # the sampler kept stop tokens out
+        return "length" if req.num_tokens >= max_model_len else None
     if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids):
         return "stop"
     if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:

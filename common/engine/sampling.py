@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.common.engine.structured import GrammarTable
 
-__all__ = ["Sampler", "SamplingParams", "sample_row", "token_generator"]
+__all__ = [
+    "Sampler",
+    "SamplingParams",
+    "TokenLogprobs",
+    "adjust_logits",
+    "sample_row",
+    "token_generator",
+    "token_logprobs",
+]
 
 
 class Sampler:
@@ -14,17 +25,84 @@ class Sampler:
 
     A seeded request draws its n-th token from a generator seeded by (seed, n), so the
     draw does not depend on which process samples it: prefill samples the first token,
-    decode the rest, and the tokens equal the monolithic engine's.
+    decode the rest, and the tokens equal the monolithic engine's. Penalties, logit_bias
+    and min_tokens read the row's prompt and output tokens, which both services hold, so
+    they too act the same on the first token (prefill) and on the rest (decode).
     """
 
+    def __init__(
+        self, eos_token_ids: frozenset[int] = frozenset(), grammars: GrammarTable | None = None
+    ) -> None:
+        """``grammars``: the structured-output matchers; None: such requests are refused."""
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]
+        self,
+        logits: torch.Tensor,  # [S, V]
+        params: list[SamplingParams],
+        num_generated: list[int],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> list[int]:
+        """``histories``: per row, (prompt token ids, output token ids so far); needed
+        only by rows whose params adjust logits (penalties, logit_bias, min_tokens,
+        structured output, which also needs ``request_ids``)."""
         tokens = logits.argmax(dim=-1).tolist()
         for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
+            row_logits = logits[row]
+            if p.adjusts_logits:
+                prompt, output = histories[row] if histories is not None else ((), ())
+                row_logits = adjust_logits(row_logits, p, prompt, output, self.eos_token_ids)
+                if p.structured is not None:
+                    self._grammar_mask(row_logits, p, output, request_ids, row)
+                if p.is_greedy:
+                    tokens[row] = int(row_logits.argmax())
             if not p.is_greedy:
-                tokens[row] = sample_row(logits[row], p, token_generator(p.seed, n, logits.device))
+                tokens[row] = sample_row(row_logits, p, token_generator(p.seed, n, logits.device))
+            if p.structured is not None and self.grammars is not None and request_ids:
+                self.grammars.accept(request_ids[row], tokens[row])
         return tokens
+
+    def _grammar_mask(
+        self,
+        row_logits: torch.Tensor,  # [V]
+        p: SamplingParams,
+        output: Sequence[int],
+        request_ids: Sequence[str] | None,
+        row: int,
+    ) -> None:
+        assert p.structured is not None
+        if self.grammars is None or request_ids is None:
+            raise RuntimeError("a structured-output request reached a sampler without grammars")
+        self.grammars.mask(row_logits, request_ids[row], p.structured, output)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [S, V]
+    params: list[SamplingParams],
+    tokens: list[int],
+) -> list[TokenLogprobs | None]:
+    """Per row, the sampled token's logprob and its ``p.logprobs`` best alternatives, from
+    the log-softmax of the raw logits in fp32 (None for rows that asked for none)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device))
+    most = max(params[i].logprobs or 0 for i in rows)
+    top = logprobs.topk(most, dim=-1) if most else None  # [R, most]
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        out[i] = TokenLogprobs(
+            token_id=tokens[i],
+            logprob=float(chosen[j, 0]),
+            top_ids=top.indices[j, :k].tolist() if top is not None else [],
+            top_logprobs=top.values[j, :k].tolist() if top is not None else [],
+        )
+    return out
 
 
 def token_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator:
@@ -34,6 +112,39 @@ def token_generator(seed: int | None, index: int, device: torch.device) -> torch
     else:
         gen.manual_seed((seed * 1_000_003 + index) % 2**63)
     return gen
+
+
+def adjust_logits(
+    logits: torch.Tensor,  # [V]
+    p: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    eos_token_ids: frozenset[int],
+) -> torch.Tensor:
+    """vLLM's order: min_tokens and logit_bias, then repetition, frequency and presence
+    penalties. Returns a new fp32 row."""
+    logits = logits.float().clone()  # [V]
+    vocab = logits.shape[-1]
+    device = logits.device
+    if len(output) < p.min_tokens:
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        banned = [t for t in stops if 0 <= t < vocab]
+        if banned:
+            logits[torch.tensor(banned, device=device)] = float("-inf")
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if 0 <= t < vocab]  # validated upstream; never index out
+        biases = torch.tensor([p.logit_bias[t] for t in ids], device=device)
+        logits[torch.tensor(ids, dtype=torch.long, device=device)] += biases
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=device)
+        picked = logits[seen]
+        logits[seen] = torch.where(
+            picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
+        )
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output), device=device), minlength=vocab)[:vocab]
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -47,5 +158,8 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
         drop_sorted = cumulative <= (1 - p.top_p)
         drop_sorted[-1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    if p.min_p > 0.0:  # after temperature, as vLLM does
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -89,8 +89,13 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """``template_kwargs``: extra template variables (vLLM's chat_template_kwargs, e.g.
+        enable_thinking); they cannot replace the messages or the special tokens."""
         if self._template is None:
             raise PdserveError(
                 "this model has no chat template; send a raw prompt (a completion request) instead"
@@ -98,25 +103,29 @@ class Tokenizer:
         # Like transformers: an absent key and a None value (OpenAI's content=None) are
         # the same thing to a template, and many templates only handle the former.
         chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        variables = {
+            **(template_kwargs or {}),
+            "messages": chat,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self.special_tokens,
+        }
         try:
-            return self._template.render(
-                messages=chat,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            return self._template.render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             message = " ".join(str(exc).split()) or type(exc).__name__
             raise PdserveError(f"the chat template rejected the messages: {message}") from exc
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         # The template already wrote BOS and friends as text; adding them again would double them.
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 
 PROTOCOL_VERSION = 1
 
@@ -56,6 +56,7 @@ class TokenChunk(Message, kw_only=True, omit_defaults=True):
     # decode's wall-clock marks of the request (common/runtime/ttft.py), on the first chunk only;
     # empty ones are not encoded, so peers without the field still read every other chunk
     timings: dict[str, float] = {}
+    logprobs: list[TokenLogprobs] = []  # one per token of token_ids, when asked for
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -117,6 +118,7 @@ class PrefillDone(Message, kw_only=True, omit_defaults=True):
     num_cached_tokens: int
     handle: KVHandle
     timings: dict[str, float] = {}  # prefill's wall-clock marks (common/runtime/ttft.py)
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 # -- router -> decode -----------------------------------------------------------------------
@@ -130,6 +132,7 @@ class DecodeRequest(Message, kw_only=True):
     first_token: int | None = None  # sampled by prefill; None: decode computes the prompt
     num_cached_tokens: int = 0
     handle: KVHandle | None = None  # None: colocated, decode prefills the prompt itself
+    first_logprobs: TokenLogprobs | None = None  # prefill's, for first_token
 
 
 # -- decode -> producer side channel ------------------------------------------------------

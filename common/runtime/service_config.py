@@ -42,6 +42,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     host: str = "127.0.0.1"  # where services bind when their addresses are derived
     base_port: int = 5600
     http_port: int = 8000
+    http_host: str = ""  # where the HTTP API binds (`pdserve up --host`); empty: ``host``
+    # The model ids the HTTP API answers to (vLLM's --served-model-name); the first is the
+    # one answers carry when a request names none. Empty: the model directory's name.
+    served_model_name: str | list[str] = []
+    # When set, the HTTP API wants `Authorization: Bearer <api_key>` on every route but
+    # /health and /metrics. PDSERVE_API_KEY sets it without putting it on a command line.
+    api_key: str = ""
+    allowed_origins: list[str] = []  # browser origins CORS lets in ("*": any); empty: off
     router_address: str = ""  # the ZMQ SDK's front door; derived when empty
     prefill_instances: int = 1
     decode_instances: int = 1
@@ -106,11 +114,33 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError(
                 f"max_queued_requests must be at least 1, got {self.max_queued_requests}"
             )
+        if any(not name for name in self.served_model_names):
+            raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:
             raise PdserveError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp
+
+    @property
+    def served_model_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
+    def http_bind_host(self) -> str:
+        return self.http_host or self.host
+
+    @property
+    def http_url(self) -> str:
+        """Where a client on this machine reaches the HTTP API."""
+        host = self.http_bind_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return (
+            f"http://[{host}]:{self.http_port}"
+            if ":" in host
+            else f"http://{host}:{self.http_port}"
+        )
 
     @property
     def front_address(self) -> str:

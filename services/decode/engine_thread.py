@@ -261,6 +261,8 @@ class DecodeEngineThread(EngineThread):
             msg.num_cached_tokens,
             first_block=pp.handle.first_block,
         )
+        if msg.first_logprobs is not None:
+            out.logprobs = [msg.first_logprobs]
         self._emit(out, pp.marks)
 
     def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
@@ -367,6 +369,7 @@ class DecodeEngineThread(EngineThread):
                     token_ids=out.new_token_ids,
                     text=out.text,
                     timings=timings,
+                    logprobs=out.logprobs,
                 ),
             )
         if out.finished:

@@ -230,6 +230,7 @@ class PrefillEngineThread(EngineThread):
             first_token=done.first_token,
             num_cached_tokens=done.num_cached_tokens,
             handle=handle,
+            first_logprobs=done.logprobs[0] if done.logprobs else None,
             timings={
                 "prefill_scheduled": self.scheduled_at.pop(done.request_id, time.time()),
                 "prefill_done": time.time(),

@@ -7,6 +7,7 @@ import msgspec
 
 from pdserve.common.engine.llm_engine import EngineCore
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import TokenLogprobs
 
 
 class Prefilled(msgspec.Struct, kw_only=True):
@@ -16,6 +17,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
     first_block: int  # the table entry of block_ids[0]: those before left a sliding window
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] = []  # the first token's, when the request asked for them
 
 
 class PrefillEngine(EngineCore[Prefilled]):

@@ -1,6 +1,6 @@
 """The ZMQ client SDK: generate text from Python over the router's front door.
 
-    with Client("tcp://127.0.0.1:5555") as client:
+    with Client() as client:  # the address `pdserve up` binds: tcp://127.0.0.1:5600
         print(client.generate("The capital of France is", max_tokens=8).text)
         for chunk in client.stream(messages=[{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="")
@@ -15,9 +15,11 @@ SDK names each request (``sdk-<uuid4 hex>`` unless the caller passes ``request_i
 routes reply frames by it. Frames are single msgpack messages (protocol.encode), no
 empty delimiter. A request ends with exactly one Finished (a Result) or Failed (raised
 as GenerationFailed). A stream left early, or a request past its ``timeout``, sends an
-Abort so the router frees its resources. There is no timeout by default: generation
-can legitimately take minutes, but a router that is down then means waiting; pass
-``timeout=`` (per client or per call) to bound it.
+Abort so the router frees its resources. ``timeout`` (per client or per call) bounds a
+whole request, DEFAULT_TIMEOUT_S unless given (None: no bound; generation can take
+minutes). A router that cannot be reached is not waited for that long: a request fails
+with reason ``unreachable`` once the socket has had no connection to the router for
+``connect_timeout`` seconds while it waited (at start, or after the router went away).
 
 A router with CURVE on (docs/operations.md) needs ``curve=CurveKeys.client(keys_dir,
 name)``. A handshake the router refuses (unknown key, no CURVE, wrong server key) fails
@@ -33,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Self, TypeAlias, TypeVar
 
@@ -42,7 +45,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.curve import CurveKeys, describe_failure
 from pdserve.common.runtime.protocol import (
@@ -61,9 +64,12 @@ from pdserve.common.runtime.sockets import make_socket
 
 log = structlog.get_logger("pdserve.client")
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5600"  # DeploymentConfig's front_address by default
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 HWM = 100_000  # per-token frames of many concurrent streams; queued, not dropped
 POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
+REACHABLE_CHECK_S = 0.25  # the async client checks the router's connection this often
 Event: TypeAlias = TokenChunk | Finished | Failed
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a sync or an asyncio socket
 _HANDSHAKE_EVENTS = (
@@ -71,7 +77,9 @@ _HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
 )
+_UNSET: Any = object()  # a timeout argument not given (None means "no bound")
 
 
 class GenerationFailed(PdserveError):
@@ -97,6 +105,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # stop | length | abort
     usage: Usage
+    logprobs: list[TokenLogprobs]  # one per token, when asked for (logprobs=N)
 
 
 def _dealer(ctx: zmq.Context[_S], address: str, curve: CurveKeys | None) -> _S:
@@ -146,6 +155,7 @@ def _result(request_id: str, chunks: list[TokenChunk], finished: Finished) -> Re
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=finished.finish_reason,
         usage=finished.usage,
+        logprobs=[lp for c in chunks for lp in c.logprobs],
     )
 
 
@@ -169,17 +179,25 @@ class _Handshakes:
     refused one fails every pending request and, until a later handshake succeeds,
     every new one."""
 
-    def __init__(self, sock: zmq.Socket[Any], address: str, curve: CurveKeys | None) -> None:
+    def __init__(self, sock: zmq.Socket[Any], address: str, curve: CurveKeys | None,
+                 connect_timeout: float) -> None:  # fmt: skip
         # attached by make_socket, before connecting; a sync or an asyncio socket, as ``sock``
         self.monitor: Any = sock.get_monitor_socket()
         self.address = address
         self.has_curve = curve is not None
         self.refused: str | None = None
+        self.connect_timeout = connect_timeout
+        self.started = time.monotonic()
+        self.down_since: float | None = self.started  # None: connected to the router
 
     def route(self, frames: list[bytes], queues: dict[str, Any]) -> None:
         event = parse_monitor_message(frames)["event"]  # from libzmq itself
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.refused = None
+            self.down_since = None
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            self.down_since = time.monotonic()
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.has_curve:
             return  # without CURVE: a transient failure (a peer gone mid-handshake); retried
@@ -195,6 +213,20 @@ class _Handshakes:
     def check(self, request_id: str) -> None:
         if self.refused is not None:
             raise GenerationFailed("unauthenticated", self.refused, request_id)
+
+    def check_reachable(self, request_id: str, waiting_since: float) -> None:
+        """Fail a request that has waited ``connect_timeout`` with no connection."""
+        if self.down_since is None:
+            return
+        if time.monotonic() - max(self.down_since, waiting_since) < self.connect_timeout:
+            return
+        never = "no router answers" if self.down_since == self.started else "the router went away"
+        raise GenerationFailed(
+            "unreachable",
+            f"{never} at {self.address} (no connection for {self.connect_timeout:g} s); is "
+            "`pdserve up` running there? It prints its ZMQ SDK address when ready",
+            request_id,
+        )
 
     def close(self, sock: zmq.Socket[Any]) -> None:
         if not sock.closed:
@@ -228,13 +260,15 @@ class _Inbox:
 class Client:
     """Blocking client; safe to share between threads (one socket, guarded by a lock)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str = DEFAULT_ADDRESS, *,
+                 timeout: float | None = DEFAULT_TIMEOUT_S,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  ctx: zmq.Context[Any] | None = None,
                  curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.address = address
         self.timeout = timeout
         self._sock = _dealer(ctx or zmq.Context.instance(), address, curve)
-        self._handshakes = _Handshakes(self._sock, address, curve)
+        self._handshakes = _Handshakes(self._sock, address, curve, connect_timeout)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._handshakes.monitor, zmq.POLLIN)
@@ -244,7 +278,7 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                  messages: Sequence[ChatMessage | dict[str, str]] | None = None,
-                 request_id: str | None = None, timeout: float | None = None,
+                 request_id: str | None = None, timeout: float | None = _UNSET,
                  **sampling: Any) -> Result:  # fmt: skip
         """Generate to the end; ``sampling`` are SamplingParams fields (max_tokens, ...)."""
         gen = _request(prompt, prompt_token_ids, messages, request_id, False, sampling)
@@ -258,7 +292,7 @@ class Client:
 
     def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                messages: Sequence[ChatMessage | dict[str, str]] | None = None,
-               request_id: str | None = None, timeout: float | None = None,
+               request_id: str | None = None, timeout: float | None = _UNSET,
                **sampling: Any) -> Iterator[TokenChunk]:  # fmt: skip
         """TokenChunks as they come; breaking out of the loop aborts the request."""
         gen = _request(prompt, prompt_token_ids, messages, request_id, True, sampling)
@@ -271,8 +305,9 @@ class Client:
 
     def _events(self, gen: Generate, timeout: float | None) -> Iterator[TokenChunk | Finished]:
         rid = gen.request_id
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is _UNSET else timeout
         deadline = _deadline(timeout)
+        waiting_since = time.monotonic()
         queue: deque[Event] = deque()
         self._handshakes.check(rid)
         self._queues[rid] = queue
@@ -280,7 +315,7 @@ class Client:
         try:
             self._send(gen)
             while not ended:
-                event = self._next(queue, rid, deadline, timeout)
+                event = self._next(queue, rid, deadline, timeout, waiting_since)
                 ended = isinstance(event, (Finished, Failed))
                 if isinstance(event, Failed):
                     raise _failed(event)
@@ -291,8 +326,9 @@ class Client:
                 self._send(Abort(request_id=rid))
 
     def _next(self, queue: deque[Event], rid: str, deadline: float | None,
-              timeout: float | None) -> Event:  # fmt: skip
+              timeout: float | None, waiting_since: float) -> Event:  # fmt: skip
         while not queue:
+            self._handshakes.check_reachable(rid, waiting_since)
             wait = POLL_SLICE_S
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -324,13 +360,15 @@ class Client:
 class AsyncClient:
     """asyncio client: one receive task routes reply frames to per-request queues."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str = DEFAULT_ADDRESS, *,
+                 timeout: float | None = DEFAULT_TIMEOUT_S,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  ctx: zmq.asyncio.Context | None = None,
                  curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.address = address
         self.timeout = timeout
         self._sock = _dealer(ctx or zmq.asyncio.Context.instance(), address, curve)
-        self._handshakes = _Handshakes(self._sock, address, curve)
+        self._handshakes = _Handshakes(self._sock, address, curve, connect_timeout)
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._inbox = _Inbox()
         self._receiver: asyncio.Task[None] | None = None
@@ -339,7 +377,7 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *,
                        prompt_token_ids: Sequence[int] | None = None,
                        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
-                       request_id: str | None = None, timeout: float | None = None,
+                       request_id: str | None = None, timeout: float | None = _UNSET,
                        **sampling: Any) -> Result:  # fmt: skip
         gen = _request(prompt, prompt_token_ids, messages, request_id, False, sampling)
         chunks: list[TokenChunk] = []
@@ -353,7 +391,7 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *,
                      prompt_token_ids: Sequence[int] | None = None,
                      messages: Sequence[ChatMessage | dict[str, str]] | None = None,
-                     request_id: str | None = None, timeout: float | None = None,
+                     request_id: str | None = None, timeout: float | None = _UNSET,
                      **sampling: Any) -> AsyncIterator[TokenChunk]:  # fmt: skip
         gen = _request(prompt, prompt_token_ids, messages, request_id, True, sampling)
         async for event in self._events(gen, timeout):
@@ -369,7 +407,7 @@ class AsyncClient:
         self, gen: Generate, timeout: float | None
     ) -> AsyncIterator[TokenChunk | Finished]:
         rid = gen.request_id
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is _UNSET else timeout
         deadline = _deadline(timeout)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._handshakes.check(rid)
@@ -377,16 +415,22 @@ class AsyncClient:
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.create_task(self._receive())
         ended = False
+        waiting_since = time.monotonic()
         try:
             await self._sock.send(encode(gen))
             while not ended:
                 # A deadline per wait, not asyncio.timeout around the loop: that would
                 # cancel the consumer's own code while it holds a chunk between yields.
-                remaining = None if deadline is None else deadline - time.monotonic()
-                try:
-                    event = await asyncio.wait_for(queue.get(), remaining)
-                except TimeoutError:
-                    raise GenerationTimeout(rid, timeout or 0.0) from None
+                event = None
+                while event is None:
+                    self._handshakes.check_reachable(rid, waiting_since)
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise GenerationTimeout(rid, timeout or 0.0)
+                    wait = REACHABLE_CHECK_S if remaining is None else min(remaining,
+                                                                           REACHABLE_CHECK_S)  # fmt: skip
+                    with suppress(TimeoutError):
+                        event = await asyncio.wait_for(queue.get(), wait)
                 ended = isinstance(event, (Finished, Failed))
                 if isinstance(event, Failed):
                     raise _failed(event)

@@ -70,9 +70,13 @@ class Batch:
         self._queue: asyncio.Queue[tuple[int, Event | Exception]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._buffered: list[tuple[int, Event]] = []
+        self._seen: set[int] = set()  # indices whose first event has arrived
 
-    def add(self, events: AsyncIterator[Event]) -> None:
-        self._tasks.append(asyncio.create_task(self._pump(len(self._tasks), events)))
+    def add(self, events: AsyncIterator[Event], index: int | None = None) -> None:
+        """``index``: the prompt index the events are tagged with (default: the order
+        of adding)."""
+        index = len(self._tasks) if index is None else index
+        self._tasks.append(asyncio.create_task(self._pump(index, events)))
 
     async def _pump(self, index: int, events: AsyncIterator[Event]) -> None:
         ended = False
@@ -90,11 +94,11 @@ class Batch:
                 await aclose()
 
     async def first_events(self) -> list[Event]:
-        """The first event of every prompt (kept, to be replayed by ``events``)."""
-        seen: set[int] = set()
-        while len(seen) < len(self._tasks):
+        """The first event of every prompt added so far (kept, to be replayed by
+        ``events``); call again after adding more."""
+        while len(self._seen) < len(self._tasks):
             index, event = await self._next()
-            seen.add(index)
+            self._seen.add(index)
             self._buffered.append((index, event))
         return [event for _, event in self._buffered]
 

@@ -19,10 +19,11 @@ aborts the requests. A failed SSE write does the same.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -31,12 +32,14 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
-from pdserve.services.router.openai_schema import ChatRenderer, CompletionRenderer, Renderer
+from pdserve.services.router.cors import Cors
 from pdserve.services.router.openapi import openapi
+from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -47,13 +50,15 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
 _FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503, "draining": 503}
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "overloaded_error",
                 503: "service_unavailable_error"}  # fmt: skip
 # The id to echo in x-request-id: set by a generation handler, read by the middleware (same
 # task, so the same context).
 _ECHO_ID: ContextVar[str | None] = ContextVar("pdserve_http_request_id", default=None)
 _RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour Retry-After)
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -121,6 +126,26 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
+def _key_middleware(
+    api_key: str,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """OpenAI's scheme: ``Authorization: Bearer <key>`` on every route but OPEN_PATHS."""
+    expected = api_key.encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                     expected):  # fmt: skip
+                what = "no API key" if not given else "an incorrect API key"
+                raise ApiError(401, f"{what} was provided; send the server's key as "
+                               "'Authorization: Bearer KEY'", code="invalid_api_key")  # fmt: skip
+        return await handler(request)
+
+    return check_key
+
+
 def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
@@ -153,26 +178,73 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
 
 
 class OpenAIApi:
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = ()) -> None:
+        """``served_model_names``: the ids clients may name (the first is the one answers
+        carry when a request names none); empty: the core's model name alone."""
         self.core = core
+        self.model_names = list(served_model_names) or [core.model_name]
         self.created = int(time.time())
         self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
 
     # -- plain endpoints ------------------------------------------------------------------
 
-    def _card(self) -> oa.ModelCard:
-        return oa.ModelCard(id=self.core.model_name, object="model", created=self.created,
+    def _card(self, name: str) -> oa.ModelCard:
+        return oa.ModelCard(id=name, object="model", created=self.created,
                             owned_by="pdserve", max_model_len=self.core.max_model_len)  # fmt: skip
 
+    def served_name(self, requested: str | None, param: str | None = "model") -> str:
+        """The id an answer carries: the requested one when served, else a 404."""
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise ApiError(404, f"the model {requested!r} does not exist here; this server "
+                           f"serves {served} (see /v1/models)", param=param,
+                           code="model_not_found")  # fmt: skip
+        return requested
+
     async def models(self, request: web.Request) -> web.Response:
-        return _json(oa.ModelList(object="list", data=[self._card()]))
+        return _json(oa.ModelList(object="list", data=[self._card(n) for n in self.model_names]))
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.core.model_name:
-            raise ApiError(404, f"model {request.match_info['model']!r} is not served here; "
-                           f"this server serves {self.core.model_name!r}",
-                           code="model_not_found")  # fmt: skip
-        return _json(self._card())
+        return _json(self._card(self.served_name(request.match_info["model"], None)))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = await _decode(request, oa.TokenizeRequest)
+        self.served_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt",
+                           code="invalid_value")  # fmt: skip
+        tokenizer = self.core.tokenizer
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        else:
+            chat = oa.ChatCompletionRequest(
+                messages=req.messages or [], add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )  # fmt: skip
+            ids = await self._tokenize(request, _chat_prompt, chat)
+            if req.add_special_tokens and tokenizer.bos_token_id is not None:
+                ids = [tokenizer.bos_token_id, *ids]
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return _json(oa.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len,
+                                         tokens=ids, token_strs=strs if req.return_token_strs
+                                         else None))  # fmt: skip
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = await _decode(request, oa.DetokenizeRequest)
+        self.served_name(req.model)
+        vocab = self.core.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                           param="tokens", code="invalid_value")  # fmt: skip
+        return _json(oa.DetokenizeResponse(prompt=self.core.tokenizer.decode(req.tokens)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json(oa.Version(version=_package_version()))
 
     async def health(self, request: web.Request) -> web.Response:
         if self.core.is_ready():
@@ -187,29 +259,36 @@ class OpenAIApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.CompletionRequest)
-        self._check(req, req.unsupported())
+        model = self._check(req, req.unsupported())
         prompts = await self._tokenize(request, _completion_prompts, req.prompt)
+        echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
-        renderer = CompletionRenderer(request_id, self.core.model_name)
+        renderer = CompletionRenderer(request_id, model, self._token_text)
         return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    req.max_tokens, renderer)  # fmt: skip
+                                    req.max_tokens, renderer, echoes)  # fmt: skip
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.ChatCompletionRequest)
-        self._check(req, req.unsupported())
-        prompt = await self._tokenize(request, _chat_prompt, req.messages)
+        model = self._check(req, req.unsupported())
+        prompt = await self._tokenize(request, _chat_prompt, req)
+        echoes = None
+        if req.echo:  # vLLM's: a final assistant message is the start of the answer
+            last = req.messages[-1]
+            echoes = [_content_text(last.content) if last.role == "assistant" else ""]
         request_id = self._request_id(request, "chatcmpl")
-        renderer = ChatRenderer(request_id, self.core.model_name)
+        renderer = ChatRenderer(request_id, model, self._token_text)
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
-                                    renderer)  # fmt: skip
+                                    renderer, echoes)  # fmt: skip
 
-    def _check(self, req: oa.SamplingRequest, unsupported: tuple[str, str] | None) -> None:
-        if req.model is not None and req.model != self.core.model_name:
-            raise ApiError(400, f"model {req.model!r} is not served here; this server serves "
-                           f"{self.core.model_name!r} (see /v1/models)", param="model",
-                           code="model_not_found")  # fmt: skip
+    def _token_text(self, token_id: int) -> str:
+        return self.core.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _check(self, req: oa.SamplingRequest, unsupported: tuple[str, str] | None) -> str:
+        """The model id the answer carries, once the request is one this server can do."""
+        model = self.served_name(req.model)
         if unsupported is not None:
             raise ApiError(400, unsupported[1], param=unsupported[0], code="unsupported_parameter")
+        return model
 
     async def _tokenize(self, request: web.Request, fn: Callable[[RouterCore, Any], T],
                         arg: Any) -> T:  # fmt: skip
@@ -250,52 +329,87 @@ class OpenAIApi:
         default_max_tokens: int | None,
         requested_max_tokens: int | None,
         renderer: Renderer,
+        echoes: list[str] | None = None,
     ) -> web.StreamResponse:
-        ids = [renderer.request_id] if len(prompts) == 1 else [
-            f"{renderer.request_id}-{i}" for i in range(len(prompts))
+        """One Generate per candidate: best_of (else n) per prompt, index = prompt index x
+        n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
+        n = req.num_candidates
+        num_choices = len(prompts) * n
+        ids = [renderer.request_id] if num_choices == 1 else [
+            f"{renderer.request_id}-{i}" for i in range(num_choices)
         ]  # fmt: skip
         gens = []
         prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
-        for request_id, prompt in zip(ids, prompts, strict=True):
+        vocab = self.core.tokenizer.vocab_size
+        for index, request_id in enumerate(ids):
+            prompt = prompts[index // n]
             max_tokens = self._max_tokens(prompt, prompt_param, default_max_tokens,
                                           requested_max_tokens)  # fmt: skip
-            sampling = req.sampling(max_tokens)
-            sampling.validate()  # the core checks again; failing here names no peer
+            sampling = req.sampling(max_tokens, index % n)
+            sampling.validate(vocab)  # the core checks again; failing here names no peer
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
-                                 sampling=sampling, stream=req.stream))  # fmt: skip
+                                 sampling=sampling, stream=req.is_stream))  # fmt: skip
+        choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
         batch = Batch()
         self._in_flight.update(ids)
         try:
-            for gen in gens:
-                batch.add(self.core.submit(gen))
-            for event in await batch.first_events():
-                if isinstance(event, Failed):
-                    raise ApiError.from_failed(event)
-            if req.stream:
-                return await self._stream(request, batch, renderer, req.include_usage, len(prompts))
-            return await self._collect(batch, renderer, len(prompts))
+            # The first candidate of each prompt first: once it has a token, its prompt's
+            # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill
+            # by prefix affinity) reuse them instead of computing the prompt again.
+            stages = [range(0, num_choices, n)] + ([] if n == 1 else [
+                [i for i in range(num_choices) if i % n]
+            ])  # fmt: skip
+            for stage in stages:
+                for index in stage:
+                    batch.add(self.core.submit(gens[index]), index)
+                for event in await batch.first_events():
+                    if isinstance(event, Failed):
+                        raise ApiError.from_failed(event)
+            if req.is_stream:
+                return await self._stream(request, batch, renderer, req.include_usage,
+                                          num_choices, n, choice_echoes)  # fmt: skip
+            return await self._collect(batch, renderer, num_choices, n, choice_echoes,
+                                       req.num_choices, req.requested_logprobs is not None)  # fmt: skip
         finally:
             await batch.close()
             self._in_flight.difference_update(ids)
 
-    async def _collect(self, batch: Batch, renderer: Renderer, num_prompts: int) -> web.Response:
-        texts: list[list[str]] = [[] for _ in range(num_prompts)]
-        finished: list[Finished | None] = [None] * num_prompts
+    async def _collect(self, batch: Batch, renderer: Renderer, num_choices: int, n: int,
+                       echoes: list[str] | None, keep: int,
+                       show_logprobs: bool) -> web.Response:  # fmt: skip
+        """``n`` candidates per prompt, of which the ``keep`` most likely are answered."""
+        texts: list[list[str]] = (
+            [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
+        )
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
+        finished: list[Finished | None] = [None] * num_choices
         async for index, event in batch.events():
             if isinstance(event, TokenChunk):
                 texts[index].append(event.text)
+                logprobs[index] += event.logprobs
             elif isinstance(event, Finished):
                 finished[index] = event
             else:
                 raise ApiError.from_failed(event)
         done = [f for f in finished if f is not None]
-        reasons = [f.finish_reason for f in done]
-        usage = oa.usage_of([f.usage for f in done])
-        return _json(renderer.body(["".join(t) for t in texts], reasons, usage))
+        usage = oa.usage_of([f.usage for f in done], n)  # every candidate was generated
+        chosen = list(range(len(done)))
+        if keep < n:  # best_of: per prompt, the candidates with the highest summed logprob
+            chosen = [i for start in range(0, len(done), n) for i in sorted(
+                range(start, start + n), key=lambda i: -sum(lp.logprob for lp in logprobs[i])
+            )[:keep]]  # fmt: skip
+        body = renderer.body(
+            ["".join(texts[i]) for i in chosen],
+            [done[i].finish_reason for i in chosen],
+            usage,
+            [logprobs[i] if show_logprobs else [] for i in chosen],
+            [echoes[i] for i in chosen] if echoes else [],
+        )
+        return _json(body)
 
     async def _stream(
         self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
-        num_prompts: int,
+        num_choices: int, n: int, echoes: list[str] | None,
     ) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -303,23 +417,26 @@ class OpenAIApi:
             "x-request-id": _ECHO_ID.get() or renderer.request_id,
         })  # fmt: skip
         await response.prepare(request)
-        done: list[Finished] = []
+        done: list[Finished | None] = [None] * num_choices
         try:
-            for index in range(num_prompts):
+            for index in range(num_choices):
                 await _send(response, renderer.start(index))
+                if echoes and echoes[index]:
+                    await _send(response, renderer.delta(index, echoes[index]))
             async for index, event in batch.events():
                 if isinstance(event, TokenChunk):
-                    if event.text:  # a partial character yields no text: no empty delta
-                        await _send(response, renderer.delta(index, event.text))
+                    # a partial character yields no text: no empty delta, unless logprobs
+                    if event.text or event.logprobs:
+                        await _send(response, renderer.delta(index, event.text, event.logprobs))
                 elif isinstance(event, Finished):
-                    done.append(event)
+                    done[index] = event
                     await _send(response, renderer.finish(index, event.finish_reason))
                 else:
                     await _send(response, ApiError.from_failed(event).detail)
                     break
             else:
                 if include_usage:
-                    usage = oa.usage_of([f.usage for f in done])
+                    usage = oa.usage_of([f.usage for f in done if f is not None], n)
                     await _send(response, renderer.usage_chunk(usage))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
@@ -366,24 +483,59 @@ def _completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[
     return prompts
 
 
-def _chat_prompt(core: RouterCore, messages: list[oa.ChatMessageIn]) -> list[int]:
-    chat: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"messages[{i}]: only text content parts are "
-                                   f"supported, got type {part.type!r}", code="invalid_value",
-                                   param=f"messages[{i}].content")  # fmt: skip
-            # As vLLM does for string templates: the parts of one message, one per line.
-            content = "\n".join(part.text for part in content if part.text is not None)
-        # OpenAI allows a null content (an assistant's tool call); templates index it.
-        chat.append({"role": message.role, "content": content or "", "name": message.name})
+def _completion_echoes(core: RouterCore, prompt: str | list[Any],
+                       prompts: list[list[int]]) -> list[str]:  # fmt: skip
+    """echo: each prompt's text as given, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [core.tokenizer.decode(ids) for ids in prompts]
+
+
+def _content_text(content: str | list[oa.ContentPart] | None, index: int = 0) -> str:
+    if not isinstance(content, list):
+        return content or ""  # OpenAI allows a null content; templates index it
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{index}]: only text content parts are "
+                           f"supported, got type {part.type!r}", code="invalid_value",
+                           param=f"messages[{index}].content")  # fmt: skip
+    # As vLLM does for string templates: the parts of one message, one per line.
+    return "\n".join(part.text for part in content if part.text is not None)
+
+
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
+    chat = [{"role": m.role, "content": _content_text(m.content, i), "name": m.name}
+            for i, m in enumerate(req.messages)]  # fmt: skip
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}; use the "
+                       "request's own fields", param="chat_template_kwargs",
+                       code="invalid_value")  # fmt: skip
     try:
-        ids = core.tokenizer.encode_chat(chat)
+        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs)
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+    if req.continue_final_message:
+        if not chat:
+            raise ApiError(400, "continue_final_message needs a final message to continue; "
+                           "messages is empty", param="messages", code="invalid_value")  # fmt: skip
+        # As transformers does: end the text right after the final message's content, so
+        # the model continues it instead of closing the turn.
+        final = (chat[-1]["content"] or "").strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise ApiError(400, "continue_final_message: the final message's content is not "
+                           "found in the rendered prompt (is it empty?)",
+                           param="continue_final_message", code="invalid_value")  # fmt: skip
+        text = text[: at + len(final)]
+    # The template already wrote BOS and friends as text; adding them again would double them.
+    ids = core.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise ApiError(
             400, "the messages render to an empty prompt", param="messages", code="invalid_value"
@@ -391,15 +543,33 @@ def _chat_prompt(core: RouterCore, messages: list[oa.ChatMessageIn]) -> list[int
     return ids
 
 
-def make_app(core: RouterCore) -> web.Application:
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
+             allowed_origins: Sequence[str] = ()) -> web.Application:  # fmt: skip
+    """``served_model_names``: the model ids clients may use (empty: the core's);
+    ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
+    ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
+    middlewares: list[Any] = [_error_middleware]
+    if api_key:
+        middlewares.append(_key_middleware(api_key))
     app = web.Application(
-        middlewares=[_error_middleware],
+        middlewares=middlewares,
         client_max_size=MAX_BODY_BYTES,
         handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
     )
-    api = OpenAIApi(core)
+    if allowed_origins:
+        Cors(allowed_origins).install(app)
+    api = OpenAIApi(core, served_model_names)
     # The checked-in openapi.json is the generic document; this one names the model.
-    document = openapi(core.model_name, core.max_model_len, core.tokenizer.vocab_size)
+    document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)
 
     async def openapi_json(request: web.Request) -> web.Response:
@@ -409,6 +579,9 @@ def make_app(core: RouterCore) -> web.Application:
     app.router.add_get("/v1/models/{model}", api.model)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
+    app.router.add_get("/version", api.version)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/openapi.json", openapi_json)

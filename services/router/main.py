@@ -44,12 +44,14 @@ async def serve(cfg: DeploymentConfig) -> None:
     front = FrontDoor(router, cfg.front_address)
     front_task = asyncio.create_task(front.serve())
     # The drain has already ended every request when the runner is cleaned up.
-    runner = web.AppRunner(
-        make_app(router), handle_signals=False, access_log=None, shutdown_timeout=2.0
-    )
+    app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.api_key,
+                   allowed_origins=cfg.allowed_origins)  # fmt: skip
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.http_port).start()
-    log.info("router_ready", http=f"http://{cfg.host}:{cfg.http_port}", zmq=cfg.front_address)
+    await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()
+    http = f"http://{cfg.http_bind_host}:{cfg.http_port}"
+    log.info("router_ready", http=http, zmq=cfg.front_address, api_key=bool(cfg.api_key),
+             served_model_names=cfg.served_model_names or [router.model_name])  # fmt: skip
     stop, stop_now = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:
@@ -64,7 +66,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     watchdog_task = asyncio.create_task(_watchdog(watchdog)) if watchdog is not None else None
     notify(
         "READY=1",
-        f"STATUS=router serving http://{cfg.host}:{cfg.http_port} and {cfg.front_address}",
+        f"STATUS=router serving {http} and {cfg.front_address}",
     )
     await stop.wait()
     await _drain(router, cfg.drain_seconds, stop_now)

@@ -3,10 +3,11 @@
 Requests are decoded straight into these types, so a wrong type or an out-of-range
 value is a 400 whose message names the field (msgspec says "... - at `$.max_tokens`").
 Unknown fields are ignored, as OpenAI and vLLM do: SDKs send fields like `user` or
-`metadata` that change nothing here. Known fields that this server cannot honour
-(n > 1, echo, logprobs, penalties, tools, ...) are refused by ``unsupported()`` rather
-than silently ignored, because ignoring them would return a different answer from the
-one asked for.
+`metadata` that change nothing here. Every field of OpenAI's and vLLM's requests that
+changes the answer is declared: honoured, or refused by ``unsupported()`` with a 400
+naming it (logprobs, tools, structured output, ...), never silently ignored, because
+ignoring it would return a different answer from the one asked for. An explicit null
+is the field's default (the openai SDK sends ``temperature=None`` as null).
 
 openapi.py builds the OpenAPI document from these same types, so the schema that
 fuzzers read cannot drift from what the server decodes.
@@ -14,15 +15,14 @@ fuzzers read cannot drift from what the server decodes.
 
 from __future__ import annotations
 
-import abc
-import time
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.common.runtime.protocol import Usage
+from pdserve.services.router.structured_request import StructuredError, structured_of
 
 T = TypeVar("T")
 
@@ -77,79 +77,169 @@ def _decode_request(body: bytes, kind: type[T]) -> T:
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: Literal["text"] = "text"  # json_object / json_schema: not supported
+    type: str = "text"  # text | json_object | json_schema (structured_request.py)
+    json_schema: Any = None  # {"name", "schema", "strict"}
+
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
+NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generated tokens')"
+
+# Fields this server takes only at their default: (field, allowed values, why). Declared
+# so that they are seen (an unknown field is ignored, as OpenAI does); null is always the
+# default. Each is refused with a 400 naming it rather than silently ignored.
+_Refusal = tuple[str, tuple[Any, ...], str]
+_COMMON_REFUSALS: tuple[_Refusal, ...] = (
+    ("prompt_logprobs", (None, 0), NO_PROMPT_LOGPROBS),
+    ("use_beam_search", (None, False), "beam search is not supported"),
+    ("bad_words", (None, []), "bad_words is not supported"),
+    ("allowed_token_ids", (None,), "allowed_token_ids is not supported"),
+    ("truncate_prompt_tokens", (None,), "truncate_prompt_tokens is not supported"),
+    ("skip_special_tokens", (None, True), "skip_special_tokens=false is not supported"),
+    ("spaces_between_special_tokens", (None, True),
+     "spaces_between_special_tokens=false is not supported"),
+)  # fmt: skip
+NullableAny = Annotated[Any, only({"type": "null"})]
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. null is the default everywhere."""
 
     model: str | None = None  # absent: the served model
     max_tokens: Count | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # OpenAI's default and range
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # extension (vLLM's); 0 or -1: off
+    temperature: Temperature | None = None  # null: 1.0, OpenAI's default
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # extension (vLLM's); 0 or -1: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # extension (vLLM's)
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM's)
-    ignore_eos: bool = False  # extension (vLLM's)
-    n: Annotated[int, Meta(ge=1), only({"maximum": 1})] = 1
-    stream: bool = False
+    ignore_eos: bool | None = None  # extension (vLLM's)
+    include_stop_str_in_output: bool | None = None  # extension (vLLM's)
+    min_tokens: NonNegative | None = None  # extension (vLLM's)
+    n: Count | None = None  # choices per prompt, each its own request (KV shared by prefix)
+    best_of: Count | None = None  # candidates per prompt; the n most likely are returned
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, only({"const": 0})] = 0.0
-    frequency_penalty: Annotated[float, only({"const": 0})] = 0.0
-    logit_bias: Annotated[dict[str, float] | None, only({"maxProperties": 0})] = None
-    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None  # extension (vLLM's)
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
+    user: str | None = None  # for the caller's records; changes nothing
+    response_format: ResponseFormat | None = None  # json_object / json_schema: constrained
+    guided_json: Any = None  # vLLM's structured output (structured_request.py)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: NullableAny = None
+    use_beam_search: NullableAny = None
+    bad_words: NullableAny = None
+    allowed_token_ids: NullableAny = None
+    truncate_prompt_tokens: NullableAny = None
+    skip_special_tokens: NullableAny = None
+    spaces_between_special_tokens: NullableAny = None
 
-    def _common_unsupported(self) -> tuple[str, str] | None:  # (param, message)
-        if self.n != 1:
-            return "n", f"n={self.n} is not supported: only one choice per prompt (n=1)"
-        if self.presence_penalty or self.frequency_penalty:
-            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return name, f"{name} is not supported; leave it at 0"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+    def _refused(self, refusals: tuple[_Refusal, ...]) -> tuple[str, str] | None:
+        for name, allowed, why in refusals:
+            value = getattr(self, name)
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                return name, f"{name}: {why}"
         return None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def _common_unsupported(self) -> tuple[str, str] | None:  # (param, message)
+        if self.best_of is not None and self.best_of < self.num_choices:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.num_choices})"
+        if self.num_candidates > self.num_choices and self.is_stream:
+            return "best_of", "best_of > n cannot stream: the best are known only at the end"
+        if self.logit_bias:
+            bad = next((k for k in self.logit_bias if not k.isdigit()), None)
+            if bad is not None:
+                return "logit_bias", f"logit_bias keys are token ids, got {bad!r}"
+        try:
+            structured_of(self)
+        except StructuredError as exc:
+            return exc.param, str(exc)
+        return self._refused(_COMMON_REFUSALS)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_candidates(self) -> int:
+        """Requests per prompt: best_of when it asks for more than n."""
+        return max(self.best_of or 1, self.num_choices)
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice ``choice`` (of n): a seeded request gives
+        each choice its own seed, so the n choices differ yet repeat run to run."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            seed=seed,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            min_tokens=self.min_tokens or 0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            # best_of ranks candidates by their tokens' summed logprobs
+            logprobs=0
+            if self.requested_logprobs is None and self.num_candidates > self.num_choices
+            else self.requested_logprobs,
+            structured=structured_of(self),
         )
 
     @property
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+_COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
+    ("suffix", (None, ""), "suffix (insertion) is not supported"),
+)
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Prompt
-    echo: Annotated[bool, only({"const": False})] = False
-    logprobs: Annotated[int | None, only({"type": "null"})] = None
-    best_of: Annotated[Count | None, only({"maximum": 1})] = None
+    echo: bool | None = None  # the prompt's text before the completion
+    logprobs: NumLogprobs | None = None  # each token's logprob and this many alternatives
     suffix: Annotated[str | None, only({"maxLength": 0})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1 is not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
-        return self._common_unsupported()
+        if self.echo and self.logprobs is not None:
+            return "echo", f"echo with logprobs: {NO_PROMPT_LOGPROBS}"
+        return self._refused(_COMPLETION_REFUSALS) or self._common_unsupported()
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -158,29 +248,70 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessageIn(msgspec.Struct, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: NullableAny = None  # an assistant's calls: refused until tools are supported
+    tool_call_id: str | None = None
+    function_call: NullableAny = None
+
+
+_CHAT_REFUSALS: tuple[_Refusal, ...] = (
+    ("tools", (None, []), NO_TOOLS),
+    ("functions", (None, []), NO_TOOLS),
+    ("function_call", (None, "none"), NO_TOOLS),
+    ("tool_choice", (None, "none", "auto"), NO_TOOLS),
+    ("documents", (None, []), "documents (RAG templates) are not supported"),
+    ("chat_template", (None,), "a chat template in the request is not accepted; the model's "
+     "own template renders the messages (chat_template_kwargs passes variables to it)"),
+)  # fmt: skip
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: Annotated[bool, only({"const": False})] = False
-    top_logprobs: Annotated[NonNegative | None, only({"maximum": 0})] = None
+    echo: bool | None = None  # vLLM's: a final assistant message's content starts the answer
+    add_generation_prompt: bool | None = None  # null: true (vLLM's)
+    continue_final_message: bool | None = None  # extend the final message (vLLM's)
+    chat_template: str | None = None  # replaces the model's template (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
+    logprobs: bool | None = None  # each generated token's logprob
+    top_logprobs: NumLogprobs | None = None  # and this many alternatives (needs logprobs)
     tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
-    response_format: ResponseFormat | None = None
+    tool_choice: NullableAny = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as OpenAI does
+    functions: NullableAny = None
+    function_call: NullableAny = None
+    documents: NullableAny = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.tools:
-            return "tools", "tool calling is not supported"
+        refused = self._refused(_CHAT_REFUSALS)
+        if refused is not None:
+            return refused
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", ("continue_final_message and "
+                                              "add_generation_prompt cannot both be true")  # fmt: skip
+        for i, message in enumerate(self.messages):
+            if message.role in ("tool", "function") or message.tool_calls or message.function_call:
+                what = "tool calls" if message.role == "assistant" else f"{message.role} messages"
+                return f"messages[{i}]", f"messages[{i}]: {what} in the history: {NO_TOOLS}"
         return self._common_unsupported()
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
 
 
 # -- responses ----------------------------------------------------------------------------
@@ -197,11 +328,39 @@ class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None  # only when some were cached
 
 
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's legacy shape: per token its text, logprob, best alternatives (text ->
+    logprob, the chosen token always among them) and offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None  # stop | length | abort; null in a stream until the end
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -222,7 +381,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -243,7 +402,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -279,92 +438,50 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt (completions) or messages (chat, rendered by the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None  # null: true for a prompt, false for messages
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class Version(msgspec.Struct, kw_only=True):
+    version: str
+
+
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str  # ok | unavailable
     detail: dict[str, Any] | None = None
 
 
-def usage_of(usages: list[Usage]) -> UsageInfo:
-    prompt = sum(u.prompt_tokens for u in usages)
+def usage_of(usages: list[Usage], n: int = 1) -> UsageInfo:
+    """``usages`` in choice order, ``n`` choices per prompt: a prompt counts once, as
+    OpenAI counts it, however many choices it has."""
+    prompt = sum(u.prompt_tokens for u in usages[::n])
     completion = sum(u.completion_tokens for u in usages)
-    cached = sum(u.cached_tokens for u in usages)
+    cached = sum(u.cached_tokens for u in usages[::n])
     details = PromptTokensDetails(cached_tokens=cached) if cached else None
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
-
-
-# -- rendering the core's events -----------------------------------------------------------
-
-
-class Renderer(abc.ABC):
-    """Turns generated text into one endpoint's bodies and stream chunks."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-
-    def start(self, index: int) -> msgspec.Struct | None:
-        return None
-
-    @abc.abstractmethod
-    def delta(self, index: int, text: str) -> msgspec.Struct: ...
-
-    @abc.abstractmethod
-    def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
-
-    @abc.abstractmethod
-    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
-
-    @abc.abstractmethod
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> msgspec.Struct: ...
-
-
-class CompletionRenderer(Renderer):
-    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
-        return Completion(id=self.request_id, object="text_completion", created=self.created,
-                          model=self.model, choices=choices, usage=usage)  # fmt: skip
-
-    def delta(self, index: int, text: str) -> Completion:
-        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)])
-
-    def finish(self, index: int, finish_reason: str) -> Completion:
-        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: UsageInfo) -> Completion:
-        return self._chunk([], usage)
-
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> Completion:
-        choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
-        return self._chunk(choices, usage)
-
-
-class ChatRenderer(Renderer):
-    def _chunk(self, choices: list[ChatChunkChoice],
-               usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
-        return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
-                                   created=self.created, model=self.model, choices=choices,
-                                   usage=usage)  # fmt: skip
-
-    def start(self, index: int) -> ChatCompletionChunk:
-        # OpenAI's first chunk names the role; clients key their message assembly on it.
-        delta = Delta(role="assistant", content="")
-        return self._chunk([ChatChunkChoice(index=index, delta=delta)])
-
-    def delta(self, index: int, text: str) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
-
-    def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
-        return self._chunk([choice])
-
-    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
-        return self._chunk([], usage)
-
-    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo) -> ChatCompletion:
-        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
-                              finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
-        return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
-                              model=self.model, choices=choices, usage=usage)  # fmt: skip

@@ -3,8 +3,8 @@
 
 openapi.json, next to this file, is the generic document:
 ``python -m pdserve.services.router.openapi > services/router/openapi.json``
-(a test fails when it is stale). The router serves ``openapi(model, max_model_len,
-vocab_size)`` at /openapi.json: the same document narrowed to its model, so that a
+(a test fails when it is stale). The router serves ``openapi(models, max_model_len,
+vocab_size)`` at /openapi.json: the same document narrowed to its models, so that a
 fuzzer (schemathesis) sends requests this deployment can accept.
 """
 
@@ -22,10 +22,15 @@ from pdserve.services.router.openai_schema import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     Health,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    Version,
 )
 
 
@@ -41,11 +46,13 @@ def _prompt_schema(vocab_size: int | None) -> dict[str, Any]:
 
 _SCHEMA_TYPES: tuple[type, ...] = (
     CompletionRequest, ChatCompletionRequest, Completion, ChatCompletion,
-    ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health,
+    ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health, TokenizeRequest,
+    TokenizeResponse, DetokenizeRequest, DetokenizeResponse, Version,
 )  # fmt: skip
 _ERROR_STATUSES = {
-    "400": "invalid request: malformed JSON, a bad field, an unknown model",
-    "404": "no such route",
+    "400": "invalid request: malformed JSON, a bad field, a field not supported",
+    "401": "a wrong or missing API key (when the server has one)",
+    "404": "no such route, or a model not served here (code model_not_found)",
     "405": "wrong method for this route",
     "413": "request body too large",
     "429": "overloaded before the first token; retry later (Retry-After)",
@@ -98,7 +105,17 @@ def _generate_op(request: str, response: str, chunk: str, summary: str) -> dict[
     }  # fmt: skip
 
 
-def openapi(model: str | None = None, max_model_len: int | None = None,
+def _plain_op(request: str, response: str, summary: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {
+            "required": True, "content": {"application/json": {"schema": _ref(request)}},
+        },
+        "responses": {"200": _json_of(response, summary), **_errors()},
+    }  # fmt: skip
+
+
+def openapi(models: list[str] | str | None = None, max_model_len: int | None = None,
             vocab_size: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The document; given the served model, its length and vocabulary, as exact as a
     schema can be for one deployment (what the router serves at /openapi.json)."""
@@ -108,8 +125,9 @@ def openapi(model: str | None = None, max_model_len: int | None = None,
     components["CompletionRequest"]["properties"]["prompt"] = _prompt_schema(vocab_size)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         fields = components[name]["properties"]
-        if model is not None:
-            fields["model"]["anyOf"] = [{"enum": [model]}, {"type": "null"}]
+        if models is not None:
+            names = [models] if isinstance(models, str) else list(models)
+            fields["model"]["anyOf"] = [{"enum": names}, {"type": "null"}]
         if max_model_len is not None:
             for field in ("max_tokens", "max_completion_tokens"):
                 if field in fields:
@@ -130,6 +148,12 @@ def openapi(model: str | None = None, max_model_len: int | None = None,
                 "CompletionRequest", "Completion", "Completion", "text completion")},
             "/v1/chat/completions": {"post": _generate_op(
                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat")},
+            "/tokenize": {"post": _plain_op("TokenizeRequest", "TokenizeResponse",
+                                            "token ids of a prompt or of rendered messages")},
+            "/detokenize": {"post": _plain_op("DetokenizeRequest", "DetokenizeResponse",
+                                              "the text of token ids")},
+            "/version": {"get": {"summary": "the server's version",
+                                 "responses": {"200": _json_of("Version", "version")}}},
             "/health": {"get": {"summary": "ready to serve?", "responses": {
                 "200": _json_of("Health", "every routed service is ready"),
                 "503": _json_of("Health", "some service is not ready; detail says which"),

@@ -137,10 +137,16 @@ class Router:
     def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
         """Validates now (RequestError), then runs the request as the iterator is consumed."""
         ids = self._prompt_ids(gen)
-        gen.sampling.validate()
+        gen.sampling.validate(self.vocab_size)
         if len(ids) > self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
+        room = self.max_model_len - len(ids)
+        if gen.sampling.max_tokens > room:  # as the HTTP API refuses it, for SDK callers too
+            raise RequestError(
+                f"max_tokens {gen.sampling.max_tokens} plus the prompt's {len(ids)} tokens "
+                f"exceeds max_model_len {self.max_model_len}; ask for at most {max(room, 0)}"
             )
         rid = gen.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.requests:
@@ -242,7 +248,7 @@ class Router:
         got_first = False
         last = state.arrived
         try:
-            first_token, num_cached, handle = None, 0, None
+            first_token, num_cached, handle, first_logprobs = None, 0, None, None
             if not self.cfg.colocated:
                 done = await self._prefill(state, ids, sampling)
                 if not isinstance(done, p.PrefillDone):
@@ -253,6 +259,7 @@ class Router:
                     done.num_cached_tokens,
                     done.handle,
                 )
+                first_logprobs = done.first_logprobs
                 state.marks.update(done.timings)
             decode = pick(self.decodes, timeout=self.peer_timeout)
             if decode is None:
@@ -269,6 +276,7 @@ class Router:
                     first_token=first_token,
                     num_cached_tokens=num_cached,
                     handle=handle,
+                    first_logprobs=first_logprobs,
                 ),
             )
             while True:

@@ -1,0 +1,157 @@
+"""The core's events as one endpoint's bodies and stream chunks, logprobs included.
+
+Token strings in logprobs are each token decoded alone (special tokens kept), as vLLM
+renders them; ``bytes`` are their UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from pdserve.common.engine.sampling_params import TokenLogprobs
+from pdserve.services.router.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    TopLogprob,
+    UsageInfo,
+)
+
+TokenText = Callable[[int], str]
+
+
+class Renderer(abc.ABC):
+    """Turns generated text into one endpoint's bodies and stream chunks."""
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText = str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.token_text = token_text
+        self.created = int(time.time())
+
+    def start(self, index: int) -> msgspec.Struct | None:
+        return None
+
+    @abc.abstractmethod
+    def delta(self, index: int, text: str,
+              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct: ...  # noqa: B006 - read only  # fmt: skip
+
+    @abc.abstractmethod
+    def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
+             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> msgspec.Struct: ...  # fmt: skip
+
+
+class CompletionRenderer(Renderer):
+    def __init__(self, request_id: str, model: str, token_text: TokenText = str) -> None:
+        super().__init__(request_id, model, token_text)
+        self._offsets: dict[int, int] = {}  # per choice: characters of text sent so far
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
+        return Completion(id=self.request_id, object="text_completion", created=self.created,
+                          model=self.model, choices=choices, usage=usage)  # fmt: skip
+
+    def _logprobs(self, index: int, text: str,
+                  logprobs: list[TokenLogprobs]) -> CompletionLogprobs | None:  # fmt: skip
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(text)
+        if not logprobs:
+            return None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            top = {self.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+            top.setdefault(token, lp.logprob)  # OpenAI: the chosen token is always there
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = []) -> Completion:  # noqa: B006 - read only
+        lps = self._logprobs(index, text, logprobs)
+        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
+                                             logprobs=lps)])  # fmt: skip
+
+    def finish(self, index: int, finish_reason: str) -> Completion:
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: UsageInfo) -> Completion:
+        return self._chunk([], usage)
+
+    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
+             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> Completion:  # fmt: skip
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            self._offsets[i] = len(echoes[i]) if echoes else 0
+            lps = self._logprobs(i, "", logprobs[i])
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=reason,
+                                            logprobs=lps))  # fmt: skip
+        return self._chunk(choices, usage)
+
+
+class ChatRenderer(Renderer):
+    def _chunk(self, choices: list[ChatChunkChoice],
+               usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
+        return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
+                                   created=self.created, model=self.model, choices=choices,
+                                   usage=usage)  # fmt: skip
+
+    def _entry(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token_text(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    def _logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs | None:
+        if not logprobs:
+            return None
+        content = []
+        for lp in logprobs:
+            chosen = self._entry(lp.token_id, lp.logprob)
+            top = [self._entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+            content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob,
+                                            bytes=chosen.bytes, top_logprobs=top))  # fmt: skip
+        return ChatLogprobs(content=content)
+
+    def start(self, index: int) -> ChatCompletionChunk:
+        # OpenAI's first chunk names the role; clients key their message assembly on it.
+        delta = Delta(role="assistant", content="")
+        return self._chunk([ChatChunkChoice(index=index, delta=delta)])
+
+    def delta(self, index: int, text: str,
+              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk:  # noqa: B006 - read only  # fmt: skip
+        choice = ChatChunkChoice(index=index, delta=Delta(content=text),
+                                 logprobs=self._logprobs(logprobs))  # fmt: skip
+        return self._chunk([choice])
+
+    def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
+             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> ChatCompletion:  # fmt: skip
+        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
+                              finish_reason=reason, logprobs=self._logprobs(logprobs[i]))
+                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
+        return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
+                              model=self.model, choices=choices, usage=usage)  # fmt: skip
