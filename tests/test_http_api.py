@@ -330,6 +330,9 @@ def test_sdk_sees_errors(client: Any) -> None:
         ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_value"),
         ({"prompt": "hi", "n": 0}, "n", "invalid_value"),
+        # OpenAI's limit; an unbounded n once made one body allocate 8 GB (schemathesis)
+        ({"prompt": "hi", "n": 129}, "n", "invalid_value"),
+        ({"prompt": "hi", "best_of": 2**70}, "best_of", "invalid_value"),
         ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of", "unsupported_parameter"),
         (
             {"prompt": "hi", "n": 1, "best_of": 2, "stream": True},

@@ -38,6 +38,10 @@ def only(schema: dict[str, Any]) -> Meta:
 
 
 Count = Annotated[int, Meta(ge=1)]
+# n and best_of: OpenAI's own limit. Each choice is a request of its own, so an unbounded
+# count would let one body fill the router (and the server's memory) with copies.
+MAX_CHOICES = 128
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what torch's manual_seed takes
 # msgspec can only hold one array type in a union, so the decoded type is looser
 # (a list of str | int | list[int]) and the handler checks the list is homogeneous;
@@ -123,8 +127,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None  # extension (vLLM's)
     include_stop_str_in_output: bool | None = None  # extension (vLLM's)
     min_tokens: NonNegative | None = None  # extension (vLLM's)
-    n: Count | None = None  # choices per prompt, each its own request (KV shared by prefix)
-    best_of: Count | None = None  # candidates per prompt; the n most likely are returned
+    n: Choices | None = None  # choices per prompt, each its own request (KV shared by prefix)
+    best_of: Choices | None = None  # candidates per prompt; the n most likely are returned
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
