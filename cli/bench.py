@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli import bench_engine, bench_serve, bench_transfer
+from pdserve.cli import bench_accuracy, bench_engine, bench_serve, bench_transfer
 
 # Only the parser set-up runs at import time; heavy imports (torch, transformers) stay
 # inside each module's run(), so `pdserve --help` stays fast.
-BENCHMARKS = (bench_engine, bench_serve, bench_transfer)
+BENCHMARKS = (bench_engine, bench_serve, bench_transfer, bench_accuracy)
 
 
 def add_parser(sub: Any) -> None:
