@@ -39,7 +39,12 @@ from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
 from pdserve.services.router.cors import Cors
 from pdserve.services.router.openapi import openapi
-from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
+from pdserve.services.router.renderers import (
+    ChatRenderer,
+    CompletionRenderer,
+    PromptScored,
+    Renderer,
+)
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -61,6 +66,8 @@ _RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
 
 T = TypeVar("T")
+# a choice's index and its prompt's logprobs -> how to show them
+ScoredPrompt = Callable[[int, list[TokenLogprobs]], PromptScored]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -350,6 +357,15 @@ class OpenAIApi:
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
                                  sampling=sampling, stream=req.is_stream))  # fmt: skip
         choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
+        scored: ScoredPrompt | None = None
+        if req.requested_prompt_logprobs is not None:
+            show_echo = bool(getattr(req, "echo", False)) and req.requested_logprobs is not None
+            show_field = getattr(req, "prompt_logprobs", None) is not None
+
+            def scored(index: int, lps: list[TokenLogprobs]) -> PromptScored:
+                return PromptScored(token_ids=prompts[index // n], logprobs=lps,
+                                    echo=show_echo, vllm_field=show_field)  # fmt: skip
+
         batch = Batch()
         self._in_flight.update(ids)
         try:
@@ -367,26 +383,30 @@ class OpenAIApi:
                         raise ApiError.from_failed(event)
             if req.is_stream:
                 return await self._stream(request, batch, renderer, req.include_usage,
-                                          num_choices, n, choice_echoes)  # fmt: skip
+                                          num_choices, n, choice_echoes, scored)  # fmt: skip
             return await self._collect(batch, renderer, num_choices, n, choice_echoes,
-                                       req.num_choices, req.requested_logprobs is not None)  # fmt: skip
+                                       req.num_choices, req.requested_logprobs is not None,
+                                       scored)  # fmt: skip
         finally:
             await batch.close()
             self._in_flight.difference_update(ids)
 
     async def _collect(self, batch: Batch, renderer: Renderer, num_choices: int, n: int,
-                       echoes: list[str] | None, keep: int,
-                       show_logprobs: bool) -> web.Response:  # fmt: skip
+                       echoes: list[str] | None, keep: int, show_logprobs: bool,
+                       scored: ScoredPrompt | None = None) -> web.Response:  # fmt: skip
         """``n`` candidates per prompt, of which the ``keep`` most likely are answered."""
         texts: list[list[str]] = (
             [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
         )
         logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
+        prompts: list[PromptScored | None] = [None] * num_choices
         finished: list[Finished | None] = [None] * num_choices
         async for index, event in batch.events():
             if isinstance(event, TokenChunk):
                 texts[index].append(event.text)
                 logprobs[index] += event.logprobs
+                if scored is not None and event.prompt_logprobs is not None:
+                    prompts[index] = scored(index, event.prompt_logprobs)
             elif isinstance(event, Finished):
                 finished[index] = event
             else:
@@ -404,12 +424,13 @@ class OpenAIApi:
             usage,
             [logprobs[i] if show_logprobs else [] for i in chosen],
             [echoes[i] for i in chosen] if echoes else [],
+            [prompts[i] for i in chosen],
         )
         return _json(body)
 
     async def _stream(
         self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
-        num_choices: int, n: int, echoes: list[str] | None,
+        num_choices: int, n: int, echoes: list[str] | None, scored: ScoredPrompt | None = None,
     ) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -421,10 +442,15 @@ class OpenAIApi:
         try:
             for index in range(num_choices):
                 await _send(response, renderer.start(index))
-                if echoes and echoes[index]:
+                # with prompt logprobs the echo waits for them (they come with the first token)
+                if echoes and echoes[index] and scored is None:
                     await _send(response, renderer.delta(index, echoes[index]))
             async for index, event in batch.events():
                 if isinstance(event, TokenChunk):
+                    if scored is not None and event.prompt_logprobs is not None:
+                        prompt = scored(index, event.prompt_logprobs)
+                        echo = echoes[index] if echoes else ""
+                        await _send(response, renderer.prompt_delta(index, echo, prompt))
                     # a partial character yields no text: no empty delta, unless logprobs
                     if event.text or event.logprobs:
                         await _send(response, renderer.delta(index, event.text, event.logprobs))

@@ -92,15 +92,18 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
-NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generated tokens')"
+NO_PROMPT_LOGPROBS = (
+    "the prompt's logprobs are given by completions (echo with logprobs, "
+    "or prompt_logprobs), not by chat completions"
+)
 
 # Fields this server takes only at their default: (field, allowed values, why). Declared
 # so that they are seen (an unknown field is ignored, as OpenAI does); null is always the
 # default. Each is refused with a 400 naming it rather than silently ignored.
 _Refusal = tuple[str, tuple[Any, ...], str]
 _COMMON_REFUSALS: tuple[_Refusal, ...] = (
-    ("prompt_logprobs", (None, 0), NO_PROMPT_LOGPROBS),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("bad_words", (None, []), "bad_words is not supported"),
     ("allowed_token_ids", (None,), "allowed_token_ids is not supported"),
@@ -143,7 +146,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    prompt_logprobs: NullableAny = None
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's: completions only
     use_beam_search: NullableAny = None
     bad_words: NullableAny = None
     allowed_token_ids: NullableAny = None
@@ -212,7 +215,12 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             if self.requested_logprobs is None and self.num_candidates > self.num_choices
             else self.requested_logprobs,
             structured=structured_of(self),
+            prompt_logprobs=self.requested_prompt_logprobs,
         )
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -223,7 +231,6 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
-NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
 )
@@ -237,13 +244,19 @@ class CompletionRequest(SamplingRequest, kw_only=True):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.echo and self.logprobs is not None:
-            return "echo", f"echo with logprobs: {NO_PROMPT_LOGPROBS}"
         return self._refused(_COMPLETION_REFUSALS) or self._common_unsupported()
 
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs N: the prompt's tokens get N alternatives as well (OpenAI's
+        legacy shape); vLLM's prompt_logprobs asks on its own (and wins)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -261,6 +274,7 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
 
 
 _CHAT_REFUSALS: tuple[_Refusal, ...] = (
+    ("prompt_logprobs", (None,), NO_PROMPT_LOGPROBS),
     ("tools", (None, []), NO_TOOLS),
     ("functions", (None, []), NO_TOOLS),
     ("function_call", (None, "none"), NO_TOOLS),
@@ -337,9 +351,17 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     logprob, the chosen token always among them) and offset in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for the first token of an echoed prompt
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's entry of ``prompt_logprobs``, keyed by token id (as a string)."""
+
+    logprob: float
+    rank: int | None  # 1: the most likely; null: the prompt's token, outside the top N
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -347,6 +369,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     finish_reason: str | None  # stop | length | abort; null in a stream until the end
     logprobs: CompletionLogprobs | None = None
+    # vLLM's prompt_logprobs: null for the first token, then the prompt token and top N
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):

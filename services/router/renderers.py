@@ -25,11 +25,22 @@ from pdserve.services.router.openai_schema import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    PromptLogprob,
     TopLogprob,
     UsageInfo,
 )
 
 TokenText = Callable[[int], str]
+
+
+class PromptScored(msgspec.Struct, kw_only=True):
+    """A choice's prompt with its logprobs (entry i: token i + 1's), and how to show them:
+    before the completion's own (``echo`` with ``logprobs``) and/or as vLLM's field."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    echo: bool
+    vllm_field: bool
 
 
 class Renderer(abc.ABC):
@@ -56,7 +67,12 @@ class Renderer(abc.ABC):
 
     @abc.abstractmethod
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> msgspec.Struct: ...  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> msgspec.Struct: ...  # fmt: skip
+
+    def prompt_delta(self, index: int, text: str, prompt: PromptScored) -> msgspec.Struct:
+        """The echoed prompt of a stream, with its logprobs (completions only)."""
+        raise NotImplementedError
 
 
 class CompletionRenderer(Renderer):
@@ -86,6 +102,49 @@ class CompletionRenderer(Renderer):
             offset += len(token)
         return out
 
+    def _prompt_parts(self, prompt: PromptScored) -> tuple[CompletionLogprobs | None,
+                                                           list[dict[str, PromptLogprob] | None] | None]:  # fmt: skip
+        """OpenAI's legacy logprobs of the echoed prompt (the first token has none), and
+        vLLM's prompt_logprobs."""
+        legacy: CompletionLogprobs | None = None
+        vllm: list[dict[str, PromptLogprob] | None] | None = None
+        first = self.token_text(prompt.token_ids[0])
+        if prompt.echo:
+            legacy = CompletionLogprobs(tokens=[first], token_logprobs=[None],
+                                        top_logprobs=[None], text_offset=[0])  # fmt: skip
+            offset = len(first)
+            for lp in prompt.logprobs:
+                token = self.token_text(lp.token_id)
+                top = {self.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs,
+                                                               strict=True)}  # fmt: skip
+                top.setdefault(token, lp.logprob)
+                legacy.tokens.append(token)
+                legacy.token_logprobs.append(lp.logprob)
+                legacy.top_logprobs.append(top)
+                legacy.text_offset.append(offset)
+                offset += len(token)
+        if prompt.vllm_field:
+            vllm = [None]  # the first token has nothing before it
+            for lp in prompt.logprobs:
+                entries = {str(t): PromptLogprob(logprob=v, rank=r + 1,
+                                                 decoded_token=self.token_text(t))
+                           for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs,
+                                                          strict=True))}  # fmt: skip
+                entries.setdefault(
+                    str(lp.token_id),
+                    PromptLogprob(
+                        logprob=lp.logprob, rank=None, decoded_token=self.token_text(lp.token_id)
+                    ),
+                )
+                vllm.append(entries)
+        return legacy, vllm
+
+    def prompt_delta(self, index: int, text: str, prompt: PromptScored) -> Completion:
+        legacy, vllm = self._prompt_parts(prompt)
+        self._offsets[index] = len(text)
+        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
+                                             logprobs=legacy, prompt_logprobs=vllm)])  # fmt: skip
+
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = []) -> Completion:  # noqa: B006 - read only
         lps = self._logprobs(index, text, logprobs)
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
@@ -98,13 +157,25 @@ class CompletionRenderer(Renderer):
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> Completion:  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> Completion:  # fmt: skip
         choices = []
         for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
             self._offsets[i] = len(echoes[i]) if echoes else 0
             lps = self._logprobs(i, "", logprobs[i])
+            prompt = prompts[i] if prompts else None
+            legacy, vllm = self._prompt_parts(prompt) if prompt is not None else (None, None)
+            if legacy is not None:  # the echoed prompt's tokens come first
+                gen = lps or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                                                text_offset=[])  # fmt: skip
+                lps = CompletionLogprobs(
+                    tokens=legacy.tokens + gen.tokens,
+                    token_logprobs=legacy.token_logprobs + gen.token_logprobs,
+                    top_logprobs=legacy.top_logprobs + gen.top_logprobs,
+                    text_offset=legacy.text_offset + gen.text_offset,
+                )
             choices.append(CompletionChoice(index=i, text=text, finish_reason=reason,
-                                            logprobs=lps))  # fmt: skip
+                                            logprobs=lps, prompt_logprobs=vllm))  # fmt: skip
         return self._chunk(choices, usage)
 
 
@@ -149,7 +220,8 @@ class ChatRenderer(Renderer):
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> ChatCompletion:  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> ChatCompletion:  # fmt: skip
         choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
                               finish_reason=reason, logprobs=self._logprobs(logprobs[i]))
                    for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
