@@ -45,6 +45,7 @@ from pdserve.services.router.renderers import (
     PromptScored,
     Renderer,
 )
+from pdserve.services.router.tool_calls import detect_parser, template_messages
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -185,10 +186,13 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
 
 
 class OpenAIApi:
-    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = ()) -> None:
+    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
+                 tool_call_parser: str = "auto") -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
-        carry when a request names none); empty: the core's model name alone."""
+        carry when a request names none); empty: the core's model name alone.
+        ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template)."""
         self.core = core
+        self.tool_call_parser = tool_call_parser
         self.model_names = list(served_model_names) or [core.model_name]
         self.created = int(time.time())
         self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
@@ -283,7 +287,10 @@ class OpenAIApi:
             last = req.messages[-1]
             echoes = [_content_text(last.content) if last.role == "assistant" else ""]
         request_id = self._request_id(request, "chatcmpl")
-        renderer = ChatRenderer(request_id, model, self._token_text)
+        parser = self.tool_call_parser
+        if parser == "auto":
+            parser = detect_parser(self.core.tokenizer.chat_template)
+        renderer = ChatRenderer(request_id, model, self._token_text, req.tool_mode, parser)
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
                                     renderer, echoes)  # fmt: skip
 
@@ -456,7 +463,8 @@ class OpenAIApi:
                         await _send(response, renderer.delta(index, event.text, event.logprobs))
                 elif isinstance(event, Finished):
                     done[index] = event
-                    await _send(response, renderer.finish(index, event.finish_reason))
+                    for chunk in renderer.finish_chunks(index, event.finish_reason):
+                        await _send(response, chunk)
                 else:
                     await _send(response, ApiError.from_failed(event).detail)
                     break
@@ -535,8 +543,10 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_gene
 
 
 def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
-    chat = [{"role": m.role, "content": _content_text(m.content, i), "name": m.name}
-            for i, m in enumerate(req.messages)]  # fmt: skip
+    chat = template_messages([{"role": m.role, "content": _content_text(m.content, i),
+                               "name": m.name, "tool_calls": m.tool_calls,
+                               "tool_call_id": m.tool_call_id}
+                              for i, m in enumerate(req.messages)])  # fmt: skip
     kwargs = req.chat_template_kwargs or {}
     reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if reserved:
@@ -544,7 +554,8 @@ def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
                        "request's own fields", param="chat_template_kwargs",
                        code="invalid_value")  # fmt: skip
     try:
-        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs)
+        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs,
+                                                  tools=req.tools or None)  # fmt: skip
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     if req.continue_final_message:
@@ -579,7 +590,8 @@ def _package_version() -> str:
 
 
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
-             allowed_origins: Sequence[str] = ()) -> web.Application:  # fmt: skip
+             allowed_origins: Sequence[str] = (),
+             tool_call_parser: str = "auto") -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
@@ -593,7 +605,7 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_ke
     )
     if allowed_origins:
         Cors(allowed_origins).install(app)
-    api = OpenAIApi(core, served_model_names)
+    api = OpenAIApi(core, served_model_names, tool_call_parser)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)

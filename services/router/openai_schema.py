@@ -20,9 +20,18 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from pdserve.common.runtime.protocol import Usage
 from pdserve.services.router.structured_request import StructuredError, structured_of
+from pdserve.services.router.tool_calls import (
+    DeltaToolCall,
+    ToolCall,
+    ToolError,
+    ToolMode,
+    choice_of,
+    constraint,
+    functions_of,
+)
 
 T = TypeVar("T")
 
@@ -93,7 +102,7 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
+NO_FUNCTIONS = "the legacy functions / function_call are not supported; use tools and tool_choice"
 NO_PROMPT_LOGPROBS = (
     "the prompt's logprobs are given by completions (echo with logprobs, "
     "or prompt_logprobs), not by chat completions"
@@ -214,13 +223,17 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             logprobs=0
             if self.requested_logprobs is None and self.num_candidates > self.num_choices
             else self.requested_logprobs,
-            structured=structured_of(self),
+            structured=self.constraint(),
             prompt_logprobs=self.requested_prompt_logprobs,
         )
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
         return None
+
+    def constraint(self) -> StructuredOutput | None:
+        """The grammar the output must follow (chat: a forced tool call's, tool_calls.py)."""
+        return structured_of(self)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -268,17 +281,15 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: NullableAny = None  # an assistant's calls: refused until tools are supported
-    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message's answer to that call
     function_call: NullableAny = None
 
 
 _CHAT_REFUSALS: tuple[_Refusal, ...] = (
     ("prompt_logprobs", (None,), NO_PROMPT_LOGPROBS),
-    ("tools", (None, []), NO_TOOLS),
-    ("functions", (None, []), NO_TOOLS),
-    ("function_call", (None, "none"), NO_TOOLS),
-    ("tool_choice", (None, "none", "auto"), NO_TOOLS),
+    ("functions", (None, []), NO_FUNCTIONS),
+    ("function_call", (None, "none"), NO_FUNCTIONS),
     ("documents", (None, []), "documents (RAG templates) are not supported"),
     ("chat_template", (None,), "a chat template in the request is not accepted; the model's "
      "own template renders the messages (chat_template_kwargs passes variables to it)"),
@@ -295,9 +306,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
     logprobs: bool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many alternatives (needs logprobs)
-    tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
-    tool_choice: NullableAny = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as OpenAI does
+    tools: list[Any] | None = None  # [{"type": "function", "function": {...}}] (tool_calls.py)
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "function": ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: NullableAny = None
     function_call: NullableAny = None
     documents: NullableAny = None
@@ -312,10 +323,36 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
             return "continue_final_message", ("continue_final_message and "
                                               "add_generation_prompt cannot both be true")  # fmt: skip
         for i, message in enumerate(self.messages):
-            if message.role in ("tool", "function") or message.tool_calls or message.function_call:
-                what = "tool calls" if message.role == "assistant" else f"{message.role} messages"
-                return f"messages[{i}]", f"messages[{i}]: {what} in the history: {NO_TOOLS}"
+            if message.role == "function" or message.function_call:
+                return f"messages[{i}]", f"messages[{i}]: {NO_FUNCTIONS}"
+        try:
+            tools = self.tool_mode
+        except ToolError as exc:
+            return exc.param, str(exc)
+        if tools is not None and tools.forced is not None:
+            if structured_of(self) is not None:
+                return "tool_choice", (f"tool_choice {self.tool_choice!r} constrains the output; "
+                                       "it cannot be combined with response_format or guided_*")  # fmt: skip
+            if self.num_candidates > 1:
+                return "tool_choice", "tool_choice 'required' or a named function takes n = 1"
         return self._common_unsupported()
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """What the request's tools ask for (None: no tools); ToolError names a bad field."""
+        functions = functions_of(self.tools or [])
+        choice = choice_of(self.tool_choice, functions)
+        if not functions:
+            return None
+        parallel = self.parallel_tool_calls is not False
+        return ToolMode(choice=choice, functions=functions, parallel=parallel,
+                        forced=constraint(choice, functions, parallel))  # fmt: skip
+
+    def constraint(self) -> StructuredOutput | None:
+        tools = self.tool_mode
+        if tools is not None and tools.forced is not None:
+            return tools.forced
+        return structured_of(self)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -402,7 +439,8 @@ class Completion(msgspec.Struct, kw_only=True):
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -424,6 +462,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

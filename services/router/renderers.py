@@ -29,6 +29,7 @@ from pdserve.services.router.openai_schema import (
     TopLogprob,
     UsageInfo,
 )
+from pdserve.services.router.tool_calls import ToolMode, ToolStream, call_deltas
 
 TokenText = Callable[[int], str]
 
@@ -57,10 +58,14 @@ class Renderer(abc.ABC):
 
     @abc.abstractmethod
     def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct: ...  # noqa: B006 - read only  # fmt: skip
+              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct | None: ...  # noqa: B006 - read only  # fmt: skip
 
     @abc.abstractmethod
     def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
+
+    def finish_chunks(self, index: int, finish_reason: str) -> list[msgspec.Struct]:
+        """What a stream sends when choice ``index`` ends (chat: held tool calls first)."""
+        return [self.finish(index, finish_reason)]
 
     @abc.abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
@@ -180,6 +185,16 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
+    def __init__(self, request_id: str, model: str, token_text: TokenText = str,
+                 tools: ToolMode | None = None, parser: str = "llama3_json") -> None:  # fmt: skip
+        """``tools``: the request's (tool_calls.py), whose calls are parsed out of the text
+        in ``parser``'s format."""
+        super().__init__(request_id, model, token_text)
+        self.tools = tools if tools is not None and tools.parses else None
+        self.parser = parser
+        self._streams: dict[int, ToolStream] = {}
+        self._held_logprobs: dict[int, list[TokenLogprobs]] = {}
+
     def _chunk(self, choices: list[ChatChunkChoice],
                usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
         return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
@@ -207,10 +222,41 @@ class ChatRenderer(Renderer):
         return self._chunk([ChatChunkChoice(index=index, delta=delta)])
 
     def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk:  # noqa: B006 - read only  # fmt: skip
+              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk | None:  # noqa: B006 - read only  # fmt: skip
+        if self.tools is not None:
+            stream = self._streams.setdefault(
+                index, ToolStream(self.parser, forced=self.tools.forced is not None)
+            )
+            text = stream.feed(text)
+            if stream.holding:  # a call's tokens: their logprobs go with the call
+                self._held_logprobs.setdefault(index, []).extend(logprobs)
+                logprobs = []
+            if not text and not logprobs:
+                return None
         choice = ChatChunkChoice(index=index, delta=Delta(content=text),
                                  logprobs=self._logprobs(logprobs))  # fmt: skip
         return self._chunk([choice])
+
+    def finish_chunks(self, index: int, finish_reason: str) -> list[msgspec.Struct]:
+        stream = self._streams.pop(index, None)
+        held = self._held_logprobs.pop(index, [])
+        if self.tools is None or stream is None or not stream.held():
+            return [self.finish(index, finish_reason)]
+        content, calls = self.tools.calls(self.parser, stream.held())
+        logprobs = self._logprobs(held)
+        if not calls:  # not a call after all: the held text is content
+            delta = Delta(content=stream.held())
+            return [self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)]),
+                    self.finish(index, finish_reason)]  # fmt: skip
+        chunks: list[msgspec.Struct] = []
+        if content:
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=Delta(content=content))]))
+        for i, call in enumerate(call_deltas(calls)):
+            delta = Delta(tool_calls=[call])
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=delta,
+                                                       logprobs=logprobs if i == 0 else None)]))  # fmt: skip
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return [*chunks, self.finish(index, reason)]
 
     def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
@@ -222,8 +268,17 @@ class ChatRenderer(Renderer):
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
              logprobs: list[list[TokenLogprobs]], echoes: list[str],
              prompts: list[PromptScored | None] | None = None) -> ChatCompletion:  # fmt: skip
-        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
-                              finish_reason=reason, logprobs=self._logprobs(logprobs[i]))
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            content: str | None = text
+            calls = None
+            if self.tools is not None:
+                content, found = self.tools.calls(self.parser, text)
+                if found:
+                    calls = found
+                    reason = "tool_calls" if reason == "stop" else reason
+            message = ChatMessageOut(role="assistant", content=content, tool_calls=calls)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
+                                      logprobs=self._logprobs(logprobs[i])))  # fmt: skip
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
                               model=self.model, choices=choices, usage=usage)  # fmt: skip
