@@ -205,6 +205,13 @@ def answers_match_transformers(url: str, tok: Tokenizer, hf_model: torch.nn.Modu
 def test_echo_logprobs_equal_transformers(dep: Deployment, tok: Tokenizer,
                                           hf_model: torch.nn.Module) -> None:  # fmt: skip
     answers_match_transformers(dep.url, tok, hf_model)
+    from pdserve.services.router.client import Client
+
+    ids = tok.encode(TEXTS[1])
+    with Client(dep.cfg.front_address, timeout=120) as sdk:  # the SDK: TokenLogprobs
+        result = sdk.generate(prompt_token_ids=ids, max_tokens=1, prompt_logprobs=TOP)
+    assert result.prompt_logprobs is not None
+    check(result.prompt_logprobs, ids, hf_prompt_logprobs(hf_model, ids), TOP)
 
 
 def test_echo_logprobs_colocated_and_pcp(tmp_path: Path, model_dir: Path, tok: Tokenizer,
