@@ -578,6 +578,8 @@ CHAT = [{"role": "user", "content": "x"}]
          "continue_final_message"),
         ("/v1/chat/completions", {"messages": [
             {"role": "function", "name": "w", "content": "sunny"}]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "tool_calls": [{"id": "c", "function": 5}]}]}, "messages[1]"),
     ],
 )  # fmt: skip
 def test_unsupported_fields_are_refused_by_name(port: int, core: FakeCore, path: str,
@@ -649,7 +651,8 @@ def test_completion_echo(client: Any, core: FakeCore, tokenizer: Tokenizer) -> N
     assert out.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
 
 
-def test_completion_echo_with_logprobs(client: Any, core: FakeCore, tokenizer: Tokenizer) -> None:
+def test_completion_echo_with_logprobs(client: Any, core: FakeCore, tokenizer: Tokenizer,
+                                       port: int) -> None:  # fmt: skip
     """lm-eval's loglikelihood request: the prompt's tokens first (the first without a
     logprob), then the generated one; streamed alike; vLLM's prompt_logprobs field."""
     ids = [[5, 6, 7], [8, 9]]
@@ -672,6 +675,27 @@ def test_completion_echo_with_logprobs(client: Any, core: FakeCore, tokenizer: T
     assert "".join(c.text for c in chunks) == whole.text
     streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
     assert streamed == whole.logprobs.token_logprobs
+    # max_tokens 0: the prompt scored, nothing generated (streamed alike)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 0, "logprobs": 1, "echo": True}
+        if stream:
+            chunks = [c for c in client.completions.create(**body, stream=True,
+                      stream_options={"include_usage": True})]  # fmt: skip
+            usage = chunks[-1].usage
+            choices = [c.choices[0] for c in chunks if c.choices]
+            text = "".join(c.text for c in choices)
+            lps = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+            reason = choices[-1].finish_reason
+        else:
+            out = client.completions.create(**body)
+            usage, text, reason = out.usage, out.choices[0].text, out.choices[0].finish_reason
+            lps = out.choices[0].logprobs.token_logprobs
+        assert text == tokenizer.decode([5, 6, 7]) and lps == [None, -0.1, -0.2]
+        assert (usage.prompt_tokens, usage.completion_tokens, reason) == (3, 0, "length")
+    assert core.submitted[-1].sampling.max_tokens == 1
+    error = error_of(*request(port, "POST", "/v1/completions",
+                              {"prompt": "x", "max_tokens": 0})[::2], 400)  # fmt: skip
+    assert error["param"] == "max_tokens"
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt=[5, 6, 7], max_tokens=1, extra_body={"prompt_logprobs": 1}
     ).http_response.json()["choices"][0]  # fmt: skip

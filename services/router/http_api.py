@@ -23,7 +23,7 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -36,7 +36,7 @@ from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
-from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.core_api import Batch, Event, RouterCore
 from pdserve.services.router.cors import Cors
 from pdserve.services.router.openapi import openapi
 from pdserve.services.router.renderers import (
@@ -275,8 +275,9 @@ class OpenAIApi:
         echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
         renderer = CompletionRenderer(request_id, model, self._token_text)
+        max_tokens = 1 if req.is_scoring_only else req.max_tokens
         return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    req.max_tokens, renderer, echoes)  # fmt: skip
+                                    max_tokens, renderer, echoes, req.is_scoring_only)  # fmt: skip
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.ChatCompletionRequest)
@@ -344,8 +345,10 @@ class OpenAIApi:
         requested_max_tokens: int | None,
         renderer: Renderer,
         echoes: list[str] | None = None,
+        scoring_only: bool = False,
     ) -> web.StreamResponse:
-        """One Generate per candidate: best_of (else n) per prompt, index = prompt index x
+        """``scoring_only``: the generated token is left out of the answer (max_tokens 0).
+        One Generate per candidate: best_of (else n) per prompt, index = prompt index x
         n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
         n = req.num_candidates
         num_choices = len(prompts) * n
@@ -373,7 +376,7 @@ class OpenAIApi:
                 return PromptScored(token_ids=prompts[index // n], logprobs=lps,
                                     echo=show_echo, vllm_field=show_field)  # fmt: skip
 
-        batch = Batch()
+        batch = _ScoringOnly() if scoring_only else Batch()
         self._in_flight.update(ids)
         try:
             # The first candidate of each prompt first: once it has a token, its prompt's
@@ -483,6 +486,20 @@ class OpenAIApi:
                 await _send(response, error.detail)
                 await response.write(b"data: [DONE]\n\n")
         return response
+
+
+class _ScoringOnly(Batch):
+    """A batch whose generated tokens are not part of the answer (completions with
+    max_tokens 0 and echo): chunks keep only the prompt's logprobs, usage counts none."""
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        async for index, event in super().events():
+            if isinstance(event, TokenChunk):
+                event = msgspec.structs.replace(event, token_ids=[], text="", logprobs=[])
+            elif isinstance(event, Finished):
+                usage = msgspec.structs.replace(event.usage, completion_tokens=0)
+                event = msgspec.structs.replace(event, usage=usage, finish_reason="length")
+            yield index, event
 
 
 async def _send(response: web.StreamResponse, event: msgspec.Struct | None) -> None:

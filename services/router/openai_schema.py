@@ -28,6 +28,7 @@ from pdserve.services.router.tool_calls import (
     ToolCall,
     ToolError,
     ToolMode,
+    check_calls,
     choice_of,
     constraint,
     functions_of,
@@ -251,13 +252,25 @@ _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Prompt
+    max_tokens: NonNegative | None = None  # 0: with echo, the prompt scored, nothing generated
     echo: bool | None = None  # the prompt's text before the completion
     logprobs: NumLogprobs | None = None  # each token's logprob and this many alternatives
     suffix: Annotated[str | None, only({"maxLength": 0})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
+        if self.max_tokens == 0 and not self.echo:
+            return (
+                "max_tokens",
+                "max_tokens 0 generates nothing; it needs echo (to score the prompt)",
+            )
         return self._refused(_COMPLETION_REFUSALS) or self._common_unsupported()
+
+    @property
+    def is_scoring_only(self) -> bool:
+        """max_tokens 0 with echo: one token is computed (prefill always samples one) and
+        left out of the answer, as vLLM answers it."""
+        return self.max_tokens == 0
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -325,6 +338,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         for i, message in enumerate(self.messages):
             if message.role == "function" or message.function_call:
                 return f"messages[{i}]", f"messages[{i}]: {NO_FUNCTIONS}"
+            try:
+                check_calls(message.tool_calls or [], f"messages[{i}]")
+            except ToolError as exc:
+                return exc.param, str(exc)
         try:
             tools = self.tool_mode
         except ToolError as exc:

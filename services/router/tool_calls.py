@@ -237,6 +237,19 @@ def parse_forced(choice: str, text: str,
     return [c for c in calls if c is not None]
 
 
+def check_calls(calls: list[Any], param: str) -> None:
+    """An assistant message's ``tool_calls`` in OpenAI's shape, or ToolError."""
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", "{}"), str | dict)
+        ):
+            raise ToolError(param, f"{param}.tool_calls[{j}] must be {{\"id\": ..., \"type\": "
+                            "\"function\", \"function\": {\"name\": ..., \"arguments\": JSON text}}")  # fmt: skip
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant tool calls as chat templates read them (transformers' convention, as vLLM
     passes them): ``function.arguments`` a mapping, not OpenAI's JSON text."""
