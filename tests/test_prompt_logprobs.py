@@ -185,6 +185,13 @@ def answers_match_transformers(url: str, tok: Tokenizer, hf_model: torch.nn.Modu
     assert streamed[0].text == text
     assert streamed[0].logprobs.token_logprobs[0] is None
     assert [v for s in streamed for v in s.logprobs.token_logprobs] == whole.logprobs.token_logprobs
+    # max_tokens 0 (vLLM's scoring request): the prompt's entries alone
+    zero = client.completions.create(model=client.model_name, prompt=[prompts[0]], max_tokens=0,
+                                     echo=True, logprobs=1, temperature=0)  # fmt: skip
+    assert zero.usage.completion_tokens == 0
+    scored = zero.choices[0].logprobs.token_logprobs
+    assert scored[0] is None and len(scored) == len(prompts[0])
+    assert scored[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:-1], abs=ATOL)
     # vLLM's prompt_logprobs field, without echo
     ids = prompts[0]
     raw = client.completions.with_raw_response.create(
@@ -229,3 +236,22 @@ def test_chat_refuses_prompt_logprobs(dep: Deployment) -> None:
         client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=1,
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"prompt_logprobs": 1})  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_prompt_logprobs_on_cuda_equal_transformers(
+    model_dir: Path, tok: Tokenizer, hf_model: torch.nn.Module
+) -> None:
+    """fp32 on the GPU, CUDA graphs on (a scored step must leave the graphs alone), chunked
+    prefill: the same numbers as transformers on CPU."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32",
+                                    max_num_batched_tokens=24))  # fmt: skip
+    ids = tok.encode(TEXTS[1])
+    engine.add_request("r", ids, SamplingParams(max_tokens=4, prompt_logprobs=TOP))
+    got = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    assert got is not None
+    check(got, ids, hf_prompt_logprobs(hf_model, ids), TOP)
