@@ -250,9 +250,10 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         for seq in plan.seqs:
-            self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids, seq.score_top,
-                                              0, len(seq.token_ids), seq.start_position,
-                                              len(tokens))  # fmt: skip
+            if seq.score_next_ids:  # prompt logprobs (prompt_logprobs.py)
+                self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids,
+                                                  seq.score_top, 0, len(seq.token_ids),
+                                                  seq.start_position, len(tokens))  # fmt: skip
             tokens += seq.token_ids
             for pos in range(seq.start_position, seq.context_len):
                 positions.append(pos)
@@ -312,9 +313,10 @@ class ModelRunner:
                     ]
                     if rank != par.pcp_rank:
                         continue
-                    self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids,
-                                                      seq.score_top, a, b, seq.start_position,
-                                                      len(tokens))  # fmt: skip
+                    if seq.score_next_ids:
+                        self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids,
+                                                          seq.score_top, a, b,
+                                                          seq.start_position, len(tokens))  # fmt: skip
                     tokens += seq.token_ids[a:b]
                     positions += span
                     pieces.append((b - a, seq.start_position + b, seq.block_ids))
