@@ -37,6 +37,12 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         help="the model ids the API answers to (default: the model's folder name)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=("auto", "llama3_json", "hermes"),
+        default=None,
+        help="how tool calls are read from chat answers (default auto: from the chat template)",
+    )
+    p.add_argument(
         "--allowed-origins",
         nargs="+",
         default=None,
@@ -97,6 +103,7 @@ def _start(args: argparse.Namespace) -> Any:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
+        tool_call_parser=args.tool_call_parser,
         model=args.model,
         device=args.device,
         prefill_instances=args.prefill_instances,

@@ -59,6 +59,7 @@ class FakeCore:
             "echo"  # echo | slow | overloaded | peer_down | draining | fail_mid | crash | reject
         )
         self.ready = True
+        self.script: str | None = None  # when set: the answer's text instead of the prompt
         self.submitted: list[Generate] = []
         self.closed: list[str] = []  # requests whose iterator was closed before the end
 
@@ -77,6 +78,8 @@ class FakeCore:
         if self.mode == "crash":
             raise RuntimeError("fake core bug")
         out = (ids * (limit // len(ids) + 1))[:limit] if self.mode == "slow" else ids[:limit]
+        if self.script is not None:
+            out = self.tokenizer.encode(self.script, add_special_tokens=False)[:limit]
         detok = IncrementalDetokenizer(self.tokenizer)
         ended = False
         try:
@@ -93,9 +96,14 @@ class FakeCore:
                     if gen.sampling.logprobs is None
                     else [fake_logprobs(token, i, gen.sampling.logprobs, gen.sampling.seed)]
                 )
-                yield TokenChunk(
-                    request_id=rid, trace_id="t", token_ids=[token], text=text, logprobs=logprobs
+                top = gen.sampling.prompt_logprobs
+                prompt_lps = (  # prompt token k at -k/10, on the first chunk
+                    [fake_logprobs(t, k, top) for k, t in enumerate(ids[1:], 1)]
+                    if top is not None and i == 0
+                    else None
                 )
+                yield TokenChunk(request_id=rid, trace_id="t", token_ids=[token], text=text,
+                                 logprobs=logprobs, prompt_logprobs=prompt_lps)  # fmt: skip
             ended = True
             usage = Usage(prompt_tokens=len(ids), completion_tokens=len(out))
             reason = "length" if len(out) == limit else "stop"
@@ -340,7 +348,6 @@ def test_sdk_sees_errors(client: Any) -> None:
             "unsupported_parameter",
         ),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
-        ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature", "invalid_value"),
         ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"max_tokens": 3}, None, "invalid_value"),  # no prompt
@@ -547,7 +554,7 @@ CHAT = [{"role": "user", "content": "x"}]
         ("/v1/completions", {"structured_outputs": {"json": {}, "regex": "a"}},
          "structured_outputs"),
         ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
@@ -555,9 +562,14 @@ CHAT = [{"role": "user", "content": "x"}]
                                   "response_format": {"type": "json_object"}}, "guided_json"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools[0]"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": "required",
+                                  "response_format": {"type": "json_object"}}, "tool_choice"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x"}}}, "response_format"),
@@ -565,12 +577,9 @@ CHAT = [{"role": "user", "content": "x"}]
         ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": True},
          "continue_final_message"),
         ("/v1/chat/completions", {"messages": [
-            {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-             "function": {"name": "w", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages[1]"),
-        ("/v1/chat/completions", {"messages": [
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, "messages[0]"),
+            {"role": "function", "name": "w", "content": "sunny"}]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "tool_calls": [{"id": "c", "function": 5}]}]}, "messages[1]"),
     ],
 )  # fmt: skip
 def test_unsupported_fields_are_refused_by_name(port: int, core: FakeCore, path: str,
@@ -640,6 +649,70 @@ def test_completion_echo(client: Any, core: FakeCore, tokenizer: Tokenizer) -> N
     assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + completion
     out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1, echo=True)
     assert out.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
+
+
+def test_completion_echo_with_logprobs(client: Any, core: FakeCore, tokenizer: Tokenizer,
+                                       port: int) -> None:  # fmt: skip
+    """lm-eval's loglikelihood request: the prompt's tokens first (the first without a
+    logprob), then the generated one; streamed alike; vLLM's prompt_logprobs field."""
+    ids = [[5, 6, 7], [8, 9]]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1,
+                                    echo=True, temperature=0, seed=1234)  # fmt: skip
+    assert core.submitted[-1].sampling.prompt_logprobs == 1
+    for choice in out.choices:
+        prompt = ids[choice.index]
+        lp = choice.logprobs
+        text = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+        assert lp.tokens == text + text[:1]  # the fake core answers the prompt's first token
+        # the generated token: fake_logprobs at i=0 with seed 1234
+        assert lp.token_logprobs == [None] + [-k / 10 for k in range(1, len(prompt))] + [-4.0]
+        assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(prompt) + 1
+        assert all(lp.tokens[k] in lp.top_logprobs[k] for k in range(1, len(prompt) + 1))
+        assert choice.text.startswith(tokenizer.decode(prompt))
+    body = {"model": MODEL, "prompt": "Echo me", "max_tokens": 2, "logprobs": 2, "echo": True}
+    whole = client.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    # max_tokens 0: the prompt scored, nothing generated (streamed alike)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 0, "logprobs": 1, "echo": True}
+        if stream:
+            chunks = [c for c in client.completions.create(**body, stream=True,
+                      stream_options={"include_usage": True})]  # fmt: skip
+            usage = chunks[-1].usage
+            choices = [c.choices[0] for c in chunks if c.choices]
+            text = "".join(c.text for c in choices)
+            lps = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+            reason = choices[-1].finish_reason
+        else:
+            out = client.completions.create(**body)
+            usage, text, reason = out.usage, out.choices[0].text, out.choices[0].finish_reason
+            lps = out.choices[0].logprobs.token_logprobs
+        assert text == tokenizer.decode([5, 6, 7]) and lps == [None, -0.1, -0.2]
+        assert (usage.prompt_tokens, usage.completion_tokens, reason) == (3, 0, "length")
+    assert core.submitted[-1].sampling.max_tokens == 1
+    error = error_of(*request(port, "POST", "/v1/completions",
+                              {"prompt": "x", "max_tokens": 0})[::2], 400)  # fmt: skip
+    assert error["param"] == "max_tokens"
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=1, extra_body={"prompt_logprobs": 1}
+    ).http_response.json()["choices"][0]  # fmt: skip
+    assert raw["logprobs"] is None
+    assert raw["prompt_logprobs"][0] is None
+    assert raw["prompt_logprobs"][1] == {
+        "7": {
+            "logprob": -1.1,
+            "rank": 1,
+            "decoded_token": tokenizer.decode([7], skip_special_tokens=False),
+        },
+        "6": {
+            "logprob": -0.1,
+            "rank": None,
+            "decoded_token": tokenizer.decode([6], skip_special_tokens=False),
+        },
+    }
 
 
 def test_chat_echo_and_continue_final_message(

@@ -18,6 +18,7 @@ from pdserve.common.engine.kv_groups import kv_cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
+from pdserve.common.engine.prompt_logprobs import PromptScores, in_order
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import Sampler, SamplingParams, token_logprobs
 from pdserve.common.engine.scheduler import Scheduler
@@ -35,6 +36,7 @@ class StepRunner(Protocol):
     """What the engine needs of whatever executes its steps."""
 
     layout: KVLayout
+    last_prompt_logprobs: PromptScores  # the last step's (common/engine/prompt_logprobs.py)
 
     def execute(self, plan: StepPlan) -> torch.Tensor: ...
 
@@ -148,6 +150,9 @@ class EngineCore(Generic[OutputT]):
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             return []
         logits = self.runner.execute(plan)
+        for request_id, entries in self.runner.last_prompt_logprobs.items():
+            if request_id in self._requests:
+                self._requests[request_id][0].prompt_scores.update(entries)
         self.scheduler.on_step_done(reqs, plan)
         sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
         tokens = self.sampler(
@@ -163,6 +168,12 @@ class EngineCore(Generic[OutputT]):
             for out, lp in zip(outputs, token_logprobs(logits, params, tokens), strict=True):
                 if lp is not None:  # a RequestOutput, or prefill's Prefilled: both have it
                     cast(Any, out).logprobs = [lp]
+        for req, out in zip(sampled, outputs, strict=True):
+            if req.sampling.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                # the first token's output: both output kinds carry the prompt's logprobs
+                scores = in_order(req.num_prompt_tokens, req.prompt_scores)
+                cast(Any, out).prompt_logprobs = scores
+                req.prompt_scores = {}
         if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
             self.sampler.grammars.prune(self._requests)
         return outputs

@@ -17,6 +17,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_of_piece, score_rows
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
@@ -92,6 +93,9 @@ class ModelRunner:
     ) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
+        # the last step's prompt logprobs, of this rank's positions (prompt_logprobs.py)
+        self.last_prompt_logprobs: PromptScores = {}
+        self._score_rows: list[ScoreRow] = []
         self.parallel = parallel or ParallelContext()
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
@@ -215,14 +219,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``."""
-        if self.graphs is not None:
+        """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``
+        (and leaves the prompt logprobs of scored sequences in ``last_prompt_logprobs``)."""
+        self.last_prompt_logprobs = {}
+        scored = any(s.score_next_ids for s in plan.seqs)
+        if self.graphs is not None and not scored:
             logits = self.graphs.run(plan)
             if logits is not None:
                 return logits
         prepare = self.prepare_pcp if self.parallel.is_parallel else self.prepare
+        self._score_rows = []
         input_ids, positions, meta, logits_indices = prepare(plan)
-        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        if not self._score_rows:
+            return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        rows = torch.tensor(
+            [r.row for r in self._score_rows], dtype=torch.int64, device=self.device
+        )
+        num = logits_indices.shape[0]
+        logits = self.model(input_ids, positions, self.kv_cache, meta,
+                            torch.cat((logits_indices, rows)))  # fmt: skip
+        self.last_prompt_logprobs = score_rows(logits[num:], self._score_rows)
+        return logits[:num]
 
     def prepare(
         self, plan: StepPlan
@@ -233,6 +250,10 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         for seq in plan.seqs:
+            if seq.score_next_ids:  # prompt logprobs (prompt_logprobs.py)
+                self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids,
+                                                  seq.score_top, 0, len(seq.token_ids),
+                                                  seq.start_position, len(tokens))  # fmt: skip
             tokens += seq.token_ids
             for pos in range(seq.start_position, seq.context_len):
                 positions.append(pos)
@@ -292,6 +313,10 @@ class ModelRunner:
                     ]
                     if rank != par.pcp_rank:
                         continue
+                    if seq.score_next_ids:
+                        self._score_rows += rows_of_piece(seq.request_id, seq.score_next_ids,
+                                                          seq.score_top, a, b,
+                                                          seq.start_position, len(tokens))  # fmt: skip
                     tokens += seq.token_ids[a:b]
                     positions += span
                     pieces.append((b - a, seq.start_position + b, seq.block_ids))

@@ -19,6 +19,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for them
+    # on the first token's output, when asked for: entry i is prompt token i + 1's
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):

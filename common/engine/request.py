@@ -6,6 +6,7 @@ import enum
 
 from pdserve.common.engine.block_pool import BlockHash
 from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.engine.sampling_params import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -44,6 +45,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_replayed_tokens = 0  # cached but recomputed: a window's blocks were lost
+        # prompt logprobs by position, gathered over the prefill's chunks (prompt_logprobs.py)
+        self.prompt_scores: dict[int, TokenLogprobs] = {}
         self.finish_reason: str | None = None
 
     @property

@@ -57,6 +57,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text)
     logprobs: int | None = None  # None: none; n: each token's logprob and n alternatives
     structured: StructuredOutput | None = None  # grammar-constrained output (structured.py)
+    # None: none; n: each prompt token's logprob (given those before) and n alternatives
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -105,8 +107,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
                 f"got {self.structured.kind!r}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         for token, bias in self.logit_bias.items():
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")

@@ -92,8 +92,17 @@ class Scheduler:
     def _scheduled(self, req: Request, num: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         tokens = req.token_ids_between(start, start + num)
+        top = req.sampling.prompt_logprobs
+        # prompt logprobs: each computed position before the prompt's last scores the next
+        next_ids = [] if top is None else req.prompt_token_ids[start + 1 : start + num + 1]
         return ScheduledSeq(
-            req.request_id, tokens, start, list(req.block_ids), start + num == req.num_tokens
+            req.request_id,
+            tokens,
+            start,
+            list(req.block_ids),
+            start + num == req.num_tokens,
+            score_next_ids=next_ids,
+            score_top=top or 0,
         )
 
     def _blocks_needed(self, req: Request, num: int) -> int:
@@ -119,6 +128,8 @@ class Scheduler:
 
     def _take_cached_prefix(self, req: Request) -> None:
         self._extend_hashes(req)
+        if req.sampling.prompt_logprobs is not None:
+            return  # every prompt position must be computed to be scored
         # The last token is always computed so that there are logits to sample from.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes[:max_blocks]

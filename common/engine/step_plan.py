@@ -14,6 +14,10 @@ class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
     start_position: int  # position of token_ids[0]
     block_ids: list[int]  # the whole block table of the sequence
     sample: bool  # the step ends at the sequence's last token: sample the next
+    # Prompt logprobs: token_ids[k]'s row scores next_ids[k] (the next prompt token) for
+    # k < len(score_next_ids), with score_top alternatives (common/engine/prompt_logprobs.py)
+    score_next_ids: list[int] = []
+    score_top: int = 0
 
     @property
     def context_len(self) -> int:

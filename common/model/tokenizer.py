@@ -93,9 +93,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
     ) -> str:
         """``template_kwargs``: extra template variables (vLLM's chat_template_kwargs, e.g.
-        enable_thinking); they cannot replace the messages or the special tokens."""
+        enable_thinking); they cannot replace the messages or the special tokens.
+        ``tools``: OpenAI's tool list, which the template shows the model (transformers'
+        ``tools``)."""
         if self._template is None:
             raise PdserveError(
                 "this model has no chat template; send a raw prompt (a completion request) instead"
@@ -106,7 +109,7 @@ class Tokenizer:
         variables = {
             **(template_kwargs or {}),
             "messages": chat,
-            "tools": None,
+            "tools": tools,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self.special_tokens,

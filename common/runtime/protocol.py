@@ -57,6 +57,9 @@ class TokenChunk(Message, kw_only=True, omit_defaults=True):
     # empty ones are not encoded, so peers without the field still read every other chunk
     timings: dict[str, float] = {}
     logprobs: list[TokenLogprobs] = []  # one per token of token_ids, when asked for
+    # first chunk only, when SamplingParams.prompt_logprobs asked: entry i is the logprobs
+    # of prompt token i + 1 given the tokens before it
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -119,6 +122,7 @@ class PrefillDone(Message, kw_only=True, omit_defaults=True):
     handle: KVHandle
     timings: dict[str, float] = {}  # prefill's wall-clock marks (common/runtime/ttft.py)
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs] | None = None  # as TokenChunk's, when asked for
 
 
 # -- router -> decode -----------------------------------------------------------------------

@@ -50,6 +50,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # /health and /metrics. PDSERVE_API_KEY sets it without putting it on a command line.
     api_key: str = ""
     allowed_origins: list[str] = []  # browser origins CORS lets in ("*": any); empty: off
+    # how chat answers' tool calls are read (services/router/tool_calls.py): llama3_json,
+    # hermes, or auto (from the chat template)
+    tool_call_parser: str = "auto"
     router_address: str = ""  # the ZMQ SDK's front door; derived when empty
     prefill_instances: int = 1
     decode_instances: int = 1
@@ -114,6 +117,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError(
                 f"max_queued_requests must be at least 1, got {self.max_queued_requests}"
             )
+        if self.tool_call_parser not in ("auto", "llama3_json", "hermes"):
+            raise PdserveError(f"tool_call_parser must be auto, llama3_json or hermes, got "
+                               f"{self.tool_call_parser!r}")  # fmt: skip
         if any(not name for name in self.served_model_names):
             raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:

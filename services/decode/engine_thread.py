@@ -370,6 +370,7 @@ class DecodeEngineThread(EngineThread):
                     text=out.text,
                     timings=timings,
                     logprobs=out.logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
                 ),
             )
         if out.finished:

@@ -231,6 +231,7 @@ class PrefillEngineThread(EngineThread):
             num_cached_tokens=done.num_cached_tokens,
             handle=handle,
             first_logprobs=done.logprobs[0] if done.logprobs else None,
+            prompt_logprobs=done.prompt_logprobs,
             timings={
                 "prefill_scheduled": self.scheduled_at.pop(done.request_id, time.time()),
                 "prefill_done": time.time(),

@@ -18,6 +18,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] = []  # the first token's, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # entry i: prompt token i + 1's
 
 
 class PrefillEngine(EngineCore[Prefilled]):

@@ -23,6 +23,8 @@ import torch
 
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.prompt_logprobs import PromptScores
+from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.errors import FatalError
 from pdserve.common.runtime import protocol as p
@@ -82,6 +84,7 @@ class RankGroup:
                 self.handshake_replies.append(ready.handshake)
             layouts.append(ready.layout)
         self.layout: KVLayout = layouts[0]
+        self.last_prompt_logprobs: PromptScores = {}  # the last step's, of every rank
 
     @classmethod
     def prefill(
@@ -103,13 +106,19 @@ class RankGroup:
         for conn in self.conns:
             conn.send_bytes(payload)
         logits = torch.empty(0)
+        # Each rank's prompt logprobs are of its own positions (PCP); TP ranks repeat theirs.
+        by_position: dict[str, dict[int, TokenLogprobs]] = {}
         for rank in range(self.num_ranks):
+            reply: m.Logits | m.StepDone
             if rank == 0:
-                out = self._expect(rank, m.Logits, STEP_TIMEOUT)
+                reply = out = self._expect(rank, m.Logits, STEP_TIMEOUT)
                 buf = np.frombuffer(out.data, dtype=np.float32).reshape(out.shape)
                 logits = torch.from_numpy(buf.copy())
             else:
-                self._expect(rank, m.StepDone, STEP_TIMEOUT)
+                reply = self._expect(rank, m.StepDone, STEP_TIMEOUT)
+            for request_id, entries in reply.prompt_logprobs.items():
+                by_position.setdefault(request_id, {}).update(entries)
+        self.last_prompt_logprobs = {rid: sorted(d.items()) for rid, d in by_position.items()}
         return logits
 
     def send(self, rank: int, command: m.ToRank) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.prompt_logprobs import PromptScores
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.runtime import protocol as p
 from pdserve.common.transfer.kv_pulls import PullSpec
@@ -74,12 +75,15 @@ class Ready(RankMessage):
 
 
 class StepDone(RankMessage):
-    pass
+    # this rank's prompt logprobs (common/engine/prompt_logprobs.py): under PCP each rank
+    # scores its own positions
+    prompt_logprobs: PromptScores = {}
 
 
 class Logits(RankMessage):
     shape: list[int]
     data: bytes  # float32
+    prompt_logprobs: PromptScores = {}
 
 
 class BlockBytes(RankMessage):

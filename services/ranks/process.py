@@ -83,9 +83,10 @@ def _serve(
 def _step(cmd: m.Step | m.ReadBlocks, rank: int, runner: Any) -> m.RankMessage:
     if isinstance(cmd, m.Step):
         logits = runner.execute(cmd.plan)
+        scores = runner.last_prompt_logprobs
         if rank != 0:
-            return m.StepDone()
-        return m.Logits(list(logits.shape), logits.float().cpu().numpy().tobytes())
+            return m.StepDone(scores)
+        return m.Logits(list(logits.shape), logits.float().cpu().numpy().tobytes(), scores)
     # tests compare replicas byte for byte
     return m.BlockBytes(runner.kv_cache[cmd.block_ids].float().cpu().numpy().tobytes())
 

@@ -106,6 +106,8 @@ class Result:
     finish_reason: str  # stop | length | abort
     usage: Usage
     logprobs: list[TokenLogprobs]  # one per token, when asked for (logprobs=N)
+    # prompt_logprobs=N: entry i is prompt token i + 1's (the first token has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def _dealer(ctx: zmq.Context[_S], address: str, curve: CurveKeys | None) -> _S:
@@ -156,6 +158,7 @@ def _result(request_id: str, chunks: list[TokenChunk], finished: Finished) -> Re
         finish_reason=finished.finish_reason,
         usage=finished.usage,
         logprobs=[lp for c in chunks for lp in c.logprobs],
+        prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_logprobs), None),
     )
 
 

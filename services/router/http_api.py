@@ -23,7 +23,7 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -36,10 +36,16 @@ from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 from pdserve.services.router import openai_schema as oa
-from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.core_api import Batch, Event, RouterCore
 from pdserve.services.router.cors import Cors
 from pdserve.services.router.openapi import openapi
-from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
+from pdserve.services.router.renderers import (
+    ChatRenderer,
+    CompletionRenderer,
+    PromptScored,
+    Renderer,
+)
+from pdserve.services.router.tool_calls import detect_parser, template_messages
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -61,6 +67,8 @@ _RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
 
 T = TypeVar("T")
+# a choice's index and its prompt's logprobs -> how to show them
+ScoredPrompt = Callable[[int, list[TokenLogprobs]], PromptScored]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -178,10 +186,13 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
 
 
 class OpenAIApi:
-    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = ()) -> None:
+    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
+                 tool_call_parser: str = "auto") -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
-        carry when a request names none); empty: the core's model name alone."""
+        carry when a request names none); empty: the core's model name alone.
+        ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template)."""
         self.core = core
+        self.tool_call_parser = tool_call_parser
         self.model_names = list(served_model_names) or [core.model_name]
         self.created = int(time.time())
         self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
@@ -264,8 +275,9 @@ class OpenAIApi:
         echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
         renderer = CompletionRenderer(request_id, model, self._token_text)
+        max_tokens = 1 if req.is_scoring_only else req.max_tokens
         return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    req.max_tokens, renderer, echoes)  # fmt: skip
+                                    max_tokens, renderer, echoes, req.is_scoring_only)  # fmt: skip
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.ChatCompletionRequest)
@@ -276,7 +288,10 @@ class OpenAIApi:
             last = req.messages[-1]
             echoes = [_content_text(last.content) if last.role == "assistant" else ""]
         request_id = self._request_id(request, "chatcmpl")
-        renderer = ChatRenderer(request_id, model, self._token_text)
+        parser = self.tool_call_parser
+        if parser == "auto":
+            parser = detect_parser(self.core.tokenizer.chat_template)
+        renderer = ChatRenderer(request_id, model, self._token_text, req.tool_mode, parser)
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
                                     renderer, echoes)  # fmt: skip
 
@@ -330,8 +345,10 @@ class OpenAIApi:
         requested_max_tokens: int | None,
         renderer: Renderer,
         echoes: list[str] | None = None,
+        scoring_only: bool = False,
     ) -> web.StreamResponse:
-        """One Generate per candidate: best_of (else n) per prompt, index = prompt index x
+        """``scoring_only``: the generated token is left out of the answer (max_tokens 0).
+        One Generate per candidate: best_of (else n) per prompt, index = prompt index x
         n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
         n = req.num_candidates
         num_choices = len(prompts) * n
@@ -350,7 +367,16 @@ class OpenAIApi:
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
                                  sampling=sampling, stream=req.is_stream))  # fmt: skip
         choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
-        batch = Batch()
+        scored: ScoredPrompt | None = None
+        if req.requested_prompt_logprobs is not None:
+            show_echo = bool(getattr(req, "echo", False)) and req.requested_logprobs is not None
+            show_field = getattr(req, "prompt_logprobs", None) is not None
+
+            def scored(index: int, lps: list[TokenLogprobs]) -> PromptScored:
+                return PromptScored(token_ids=prompts[index // n], logprobs=lps,
+                                    echo=show_echo, vllm_field=show_field)  # fmt: skip
+
+        batch = _ScoringOnly() if scoring_only else Batch()
         self._in_flight.update(ids)
         try:
             # The first candidate of each prompt first: once it has a token, its prompt's
@@ -367,26 +393,30 @@ class OpenAIApi:
                         raise ApiError.from_failed(event)
             if req.is_stream:
                 return await self._stream(request, batch, renderer, req.include_usage,
-                                          num_choices, n, choice_echoes)  # fmt: skip
+                                          num_choices, n, choice_echoes, scored)  # fmt: skip
             return await self._collect(batch, renderer, num_choices, n, choice_echoes,
-                                       req.num_choices, req.requested_logprobs is not None)  # fmt: skip
+                                       req.num_choices, req.requested_logprobs is not None,
+                                       scored)  # fmt: skip
         finally:
             await batch.close()
             self._in_flight.difference_update(ids)
 
     async def _collect(self, batch: Batch, renderer: Renderer, num_choices: int, n: int,
-                       echoes: list[str] | None, keep: int,
-                       show_logprobs: bool) -> web.Response:  # fmt: skip
+                       echoes: list[str] | None, keep: int, show_logprobs: bool,
+                       scored: ScoredPrompt | None = None) -> web.Response:  # fmt: skip
         """``n`` candidates per prompt, of which the ``keep`` most likely are answered."""
         texts: list[list[str]] = (
             [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
         )
         logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
+        prompts: list[PromptScored | None] = [None] * num_choices
         finished: list[Finished | None] = [None] * num_choices
         async for index, event in batch.events():
             if isinstance(event, TokenChunk):
                 texts[index].append(event.text)
                 logprobs[index] += event.logprobs
+                if scored is not None and event.prompt_logprobs is not None:
+                    prompts[index] = scored(index, event.prompt_logprobs)
             elif isinstance(event, Finished):
                 finished[index] = event
             else:
@@ -404,12 +434,13 @@ class OpenAIApi:
             usage,
             [logprobs[i] if show_logprobs else [] for i in chosen],
             [echoes[i] for i in chosen] if echoes else [],
+            [prompts[i] for i in chosen],
         )
         return _json(body)
 
     async def _stream(
         self, request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
-        num_choices: int, n: int, echoes: list[str] | None,
+        num_choices: int, n: int, echoes: list[str] | None, scored: ScoredPrompt | None = None,
     ) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -421,16 +452,22 @@ class OpenAIApi:
         try:
             for index in range(num_choices):
                 await _send(response, renderer.start(index))
-                if echoes and echoes[index]:
+                # with prompt logprobs the echo waits for them (they come with the first token)
+                if echoes and echoes[index] and scored is None:
                     await _send(response, renderer.delta(index, echoes[index]))
             async for index, event in batch.events():
                 if isinstance(event, TokenChunk):
+                    if scored is not None and event.prompt_logprobs is not None:
+                        prompt = scored(index, event.prompt_logprobs)
+                        echo = echoes[index] if echoes else ""
+                        await _send(response, renderer.prompt_delta(index, echo, prompt))
                     # a partial character yields no text: no empty delta, unless logprobs
                     if event.text or event.logprobs:
                         await _send(response, renderer.delta(index, event.text, event.logprobs))
                 elif isinstance(event, Finished):
                     done[index] = event
-                    await _send(response, renderer.finish(index, event.finish_reason))
+                    for chunk in renderer.finish_chunks(index, event.finish_reason):
+                        await _send(response, chunk)
                 else:
                     await _send(response, ApiError.from_failed(event).detail)
                     break
@@ -449,6 +486,20 @@ class OpenAIApi:
                 await _send(response, error.detail)
                 await response.write(b"data: [DONE]\n\n")
         return response
+
+
+class _ScoringOnly(Batch):
+    """A batch whose generated tokens are not part of the answer (completions with
+    max_tokens 0 and echo): chunks keep only the prompt's logprobs, usage counts none."""
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        async for index, event in super().events():
+            if isinstance(event, TokenChunk):
+                event = msgspec.structs.replace(event, token_ids=[], text="", logprobs=[])
+            elif isinstance(event, Finished):
+                usage = msgspec.structs.replace(event.usage, completion_tokens=0)
+                event = msgspec.structs.replace(event, usage=usage, finish_reason="length")
+            yield index, event
 
 
 async def _send(response: web.StreamResponse, event: msgspec.Struct | None) -> None:
@@ -509,8 +560,10 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_gene
 
 
 def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
-    chat = [{"role": m.role, "content": _content_text(m.content, i), "name": m.name}
-            for i, m in enumerate(req.messages)]  # fmt: skip
+    chat = template_messages([{"role": m.role, "content": _content_text(m.content, i),
+                               "name": m.name, "tool_calls": m.tool_calls,
+                               "tool_call_id": m.tool_call_id}
+                              for i, m in enumerate(req.messages)])  # fmt: skip
     kwargs = req.chat_template_kwargs or {}
     reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if reserved:
@@ -518,7 +571,8 @@ def _chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
                        "request's own fields", param="chat_template_kwargs",
                        code="invalid_value")  # fmt: skip
     try:
-        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs)
+        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs,
+                                                  tools=req.tools or None)  # fmt: skip
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     if req.continue_final_message:
@@ -553,7 +607,8 @@ def _package_version() -> str:
 
 
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
-             allowed_origins: Sequence[str] = ()) -> web.Application:  # fmt: skip
+             allowed_origins: Sequence[str] = (),
+             tool_call_parser: str = "auto") -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
@@ -567,7 +622,7 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_ke
     )
     if allowed_origins:
         Cors(allowed_origins).install(app)
-    api = OpenAIApi(core, served_model_names)
+    api = OpenAIApi(core, served_model_names, tool_call_parser)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)

@@ -45,7 +45,8 @@ async def serve(cfg: DeploymentConfig) -> None:
     front_task = asyncio.create_task(front.serve())
     # The drain has already ended every request when the runner is cleaned up.
     app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.api_key,
-                   allowed_origins=cfg.allowed_origins)  # fmt: skip
+                   allowed_origins=cfg.allowed_origins,
+                   tool_call_parser=cfg.tool_call_parser)  # fmt: skip
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()

@@ -20,9 +20,19 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from pdserve.common.runtime.protocol import Usage
 from pdserve.services.router.structured_request import StructuredError, structured_of
+from pdserve.services.router.tool_calls import (
+    DeltaToolCall,
+    ToolCall,
+    ToolError,
+    ToolMode,
+    check_calls,
+    choice_of,
+    constraint,
+    functions_of,
+)
 
 T = TypeVar("T")
 
@@ -92,15 +102,18 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-NO_TOOLS = "tool calling is not supported yet; describe the tools in the prompt instead"
-NO_PROMPT_LOGPROBS = "the prompt's logprobs are not supported yet (only generated tokens')"
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+NO_FUNCTIONS = "the legacy functions / function_call are not supported; use tools and tool_choice"
+NO_PROMPT_LOGPROBS = (
+    "the prompt's logprobs are given by completions (echo with logprobs, "
+    "or prompt_logprobs), not by chat completions"
+)
 
 # Fields this server takes only at their default: (field, allowed values, why). Declared
 # so that they are seen (an unknown field is ignored, as OpenAI does); null is always the
 # default. Each is refused with a 400 naming it rather than silently ignored.
 _Refusal = tuple[str, tuple[Any, ...], str]
 _COMMON_REFUSALS: tuple[_Refusal, ...] = (
-    ("prompt_logprobs", (None, 0), NO_PROMPT_LOGPROBS),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("bad_words", (None, []), "bad_words is not supported"),
     ("allowed_token_ids", (None,), "allowed_token_ids is not supported"),
@@ -143,7 +156,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    prompt_logprobs: NullableAny = None
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's: completions only
     use_beam_search: NullableAny = None
     bad_words: NullableAny = None
     allowed_token_ids: NullableAny = None
@@ -211,8 +224,17 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             logprobs=0
             if self.requested_logprobs is None and self.num_candidates > self.num_choices
             else self.requested_logprobs,
-            structured=structured_of(self),
+            structured=self.constraint(),
+            prompt_logprobs=self.requested_prompt_logprobs,
         )
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
+    def constraint(self) -> StructuredOutput | None:
+        """The grammar the output must follow (chat: a forced tool call's, tool_calls.py)."""
+        return structured_of(self)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -223,7 +245,6 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
-NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
 )
@@ -231,19 +252,37 @@ _COMPLETION_REFUSALS: tuple[_Refusal, ...] = (
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Prompt
+    max_tokens: NonNegative | None = None  # 0: with echo, the prompt scored, nothing generated
     echo: bool | None = None  # the prompt's text before the completion
     logprobs: NumLogprobs | None = None  # each token's logprob and this many alternatives
     suffix: Annotated[str | None, only({"maxLength": 0})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.echo and self.logprobs is not None:
-            return "echo", f"echo with logprobs: {NO_PROMPT_LOGPROBS}"
+        if self.max_tokens == 0 and not self.echo:
+            return (
+                "max_tokens",
+                "max_tokens 0 generates nothing; it needs echo (to score the prompt)",
+            )
         return self._refused(_COMPLETION_REFUSALS) or self._common_unsupported()
+
+    @property
+    def is_scoring_only(self) -> bool:
+        """max_tokens 0 with echo: one token is computed (prefill always samples one) and
+        left out of the answer, as vLLM answers it."""
+        return self.max_tokens == 0
 
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs N: the prompt's tokens get N alternatives as well (OpenAI's
+        legacy shape); vLLM's prompt_logprobs asks on its own (and wins)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -255,16 +294,15 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: NullableAny = None  # an assistant's calls: refused until tools are supported
-    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message's answer to that call
     function_call: NullableAny = None
 
 
 _CHAT_REFUSALS: tuple[_Refusal, ...] = (
-    ("tools", (None, []), NO_TOOLS),
-    ("functions", (None, []), NO_TOOLS),
-    ("function_call", (None, "none"), NO_TOOLS),
-    ("tool_choice", (None, "none", "auto"), NO_TOOLS),
+    ("prompt_logprobs", (None,), NO_PROMPT_LOGPROBS),
+    ("functions", (None, []), NO_FUNCTIONS),
+    ("function_call", (None, "none"), NO_FUNCTIONS),
     ("documents", (None, []), "documents (RAG templates) are not supported"),
     ("chat_template", (None,), "a chat template in the request is not accepted; the model's "
      "own template renders the messages (chat_template_kwargs passes variables to it)"),
@@ -281,9 +319,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
     logprobs: bool | None = None  # each generated token's logprob
     top_logprobs: NumLogprobs | None = None  # and this many alternatives (needs logprobs)
-    tools: Annotated[list[Any] | None, only({"maxItems": 0})] = None
-    tool_choice: NullableAny = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as OpenAI does
+    tools: list[Any] | None = None  # [{"type": "function", "function": {...}}] (tool_calls.py)
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "function": ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: NullableAny = None
     function_call: NullableAny = None
     documents: NullableAny = None
@@ -298,10 +336,40 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
             return "continue_final_message", ("continue_final_message and "
                                               "add_generation_prompt cannot both be true")  # fmt: skip
         for i, message in enumerate(self.messages):
-            if message.role in ("tool", "function") or message.tool_calls or message.function_call:
-                what = "tool calls" if message.role == "assistant" else f"{message.role} messages"
-                return f"messages[{i}]", f"messages[{i}]: {what} in the history: {NO_TOOLS}"
+            if message.role == "function" or message.function_call:
+                return f"messages[{i}]", f"messages[{i}]: {NO_FUNCTIONS}"
+            try:
+                check_calls(message.tool_calls or [], f"messages[{i}]")
+            except ToolError as exc:
+                return exc.param, str(exc)
+        try:
+            tools = self.tool_mode
+        except ToolError as exc:
+            return exc.param, str(exc)
+        if tools is not None and tools.forced is not None:
+            if structured_of(self) is not None:
+                return "tool_choice", (f"tool_choice {self.tool_choice!r} constrains the output; "
+                                       "it cannot be combined with response_format or guided_*")  # fmt: skip
+            if self.num_candidates > 1:
+                return "tool_choice", "tool_choice 'required' or a named function takes n = 1"
         return self._common_unsupported()
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """What the request's tools ask for (None: no tools); ToolError names a bad field."""
+        functions = functions_of(self.tools or [])
+        choice = choice_of(self.tool_choice, functions)
+        if not functions:
+            return None
+        parallel = self.parallel_tool_calls is not False
+        return ToolMode(choice=choice, functions=functions, parallel=parallel,
+                        forced=constraint(choice, functions, parallel))  # fmt: skip
+
+    def constraint(self) -> StructuredOutput | None:
+        tools = self.tool_mode
+        if tools is not None and tools.forced is not None:
+            return tools.forced
+        return structured_of(self)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -337,9 +405,17 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     logprob, the chosen token always among them) and offset in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for the first token of an echoed prompt
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's entry of ``prompt_logprobs``, keyed by token id (as a string)."""
+
+    logprob: float
+    rank: int | None  # 1: the most likely; null: the prompt's token, outside the top N
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -347,6 +423,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     finish_reason: str | None  # stop | length | abort; null in a stream until the end
     logprobs: CompletionLogprobs | None = None
+    # vLLM's prompt_logprobs: null for the first token, then the prompt token and top N
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -378,7 +456,8 @@ class Completion(msgspec.Struct, kw_only=True):
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -400,6 +479,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

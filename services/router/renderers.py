@@ -25,11 +25,23 @@ from pdserve.services.router.openai_schema import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    PromptLogprob,
     TopLogprob,
     UsageInfo,
 )
+from pdserve.services.router.tool_calls import ToolMode, ToolStream, call_deltas
 
 TokenText = Callable[[int], str]
+
+
+class PromptScored(msgspec.Struct, kw_only=True):
+    """A choice's prompt with its logprobs (entry i: token i + 1's), and how to show them:
+    before the completion's own (``echo`` with ``logprobs``) and/or as vLLM's field."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    echo: bool
+    vllm_field: bool
 
 
 class Renderer(abc.ABC):
@@ -46,17 +58,26 @@ class Renderer(abc.ABC):
 
     @abc.abstractmethod
     def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct: ...  # noqa: B006 - read only  # fmt: skip
+              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct | None: ...  # noqa: B006 - read only  # fmt: skip
 
     @abc.abstractmethod
     def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
+
+    def finish_chunks(self, index: int, finish_reason: str) -> list[msgspec.Struct]:
+        """What a stream sends when choice ``index`` ends (chat: held tool calls first)."""
+        return [self.finish(index, finish_reason)]
 
     @abc.abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
 
     @abc.abstractmethod
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> msgspec.Struct: ...  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> msgspec.Struct: ...  # fmt: skip
+
+    def prompt_delta(self, index: int, text: str, prompt: PromptScored) -> msgspec.Struct:
+        """The echoed prompt of a stream, with its logprobs (completions only)."""
+        raise NotImplementedError
 
 
 class CompletionRenderer(Renderer):
@@ -86,6 +107,49 @@ class CompletionRenderer(Renderer):
             offset += len(token)
         return out
 
+    def _prompt_parts(self, prompt: PromptScored) -> tuple[CompletionLogprobs | None,
+                                                           list[dict[str, PromptLogprob] | None] | None]:  # fmt: skip
+        """OpenAI's legacy logprobs of the echoed prompt (the first token has none), and
+        vLLM's prompt_logprobs."""
+        legacy: CompletionLogprobs | None = None
+        vllm: list[dict[str, PromptLogprob] | None] | None = None
+        first = self.token_text(prompt.token_ids[0])
+        if prompt.echo:
+            legacy = CompletionLogprobs(tokens=[first], token_logprobs=[None],
+                                        top_logprobs=[None], text_offset=[0])  # fmt: skip
+            offset = len(first)
+            for lp in prompt.logprobs:
+                token = self.token_text(lp.token_id)
+                top = {self.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs,
+                                                               strict=True)}  # fmt: skip
+                top.setdefault(token, lp.logprob)
+                legacy.tokens.append(token)
+                legacy.token_logprobs.append(lp.logprob)
+                legacy.top_logprobs.append(top)
+                legacy.text_offset.append(offset)
+                offset += len(token)
+        if prompt.vllm_field:
+            vllm = [None]  # the first token has nothing before it
+            for lp in prompt.logprobs:
+                entries = {str(t): PromptLogprob(logprob=v, rank=r + 1,
+                                                 decoded_token=self.token_text(t))
+                           for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs,
+                                                          strict=True))}  # fmt: skip
+                entries.setdefault(
+                    str(lp.token_id),
+                    PromptLogprob(
+                        logprob=lp.logprob, rank=None, decoded_token=self.token_text(lp.token_id)
+                    ),
+                )
+                vllm.append(entries)
+        return legacy, vllm
+
+    def prompt_delta(self, index: int, text: str, prompt: PromptScored) -> Completion:
+        legacy, vllm = self._prompt_parts(prompt)
+        self._offsets[index] = len(text)
+        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
+                                             logprobs=legacy, prompt_logprobs=vllm)])  # fmt: skip
+
     def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = []) -> Completion:  # noqa: B006 - read only
         lps = self._logprobs(index, text, logprobs)
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
@@ -98,17 +162,39 @@ class CompletionRenderer(Renderer):
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> Completion:  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> Completion:  # fmt: skip
         choices = []
         for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
             self._offsets[i] = len(echoes[i]) if echoes else 0
             lps = self._logprobs(i, "", logprobs[i])
+            prompt = prompts[i] if prompts else None
+            legacy, vllm = self._prompt_parts(prompt) if prompt is not None else (None, None)
+            if legacy is not None:  # the echoed prompt's tokens come first
+                gen = lps or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                                                text_offset=[])  # fmt: skip
+                lps = CompletionLogprobs(
+                    tokens=legacy.tokens + gen.tokens,
+                    token_logprobs=legacy.token_logprobs + gen.token_logprobs,
+                    top_logprobs=legacy.top_logprobs + gen.top_logprobs,
+                    text_offset=legacy.text_offset + gen.text_offset,
+                )
             choices.append(CompletionChoice(index=i, text=text, finish_reason=reason,
-                                            logprobs=lps))  # fmt: skip
+                                            logprobs=lps, prompt_logprobs=vllm))  # fmt: skip
         return self._chunk(choices, usage)
 
 
 class ChatRenderer(Renderer):
+    def __init__(self, request_id: str, model: str, token_text: TokenText = str,
+                 tools: ToolMode | None = None, parser: str = "llama3_json") -> None:  # fmt: skip
+        """``tools``: the request's (tool_calls.py), whose calls are parsed out of the text
+        in ``parser``'s format."""
+        super().__init__(request_id, model, token_text)
+        self.tools = tools if tools is not None and tools.parses else None
+        self.parser = parser
+        self._streams: dict[int, ToolStream] = {}
+        self._held_logprobs: dict[int, list[TokenLogprobs]] = {}
+
     def _chunk(self, choices: list[ChatChunkChoice],
                usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
         return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
@@ -136,10 +222,41 @@ class ChatRenderer(Renderer):
         return self._chunk([ChatChunkChoice(index=index, delta=delta)])
 
     def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk:  # noqa: B006 - read only  # fmt: skip
+              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk | None:  # noqa: B006 - read only  # fmt: skip
+        if self.tools is not None:
+            stream = self._streams.setdefault(
+                index, ToolStream(self.parser, forced=self.tools.forced is not None)
+            )
+            text = stream.feed(text)
+            if stream.holding:  # a call's tokens: their logprobs go with the call
+                self._held_logprobs.setdefault(index, []).extend(logprobs)
+                logprobs = []
+            if not text and not logprobs:
+                return None
         choice = ChatChunkChoice(index=index, delta=Delta(content=text),
                                  logprobs=self._logprobs(logprobs))  # fmt: skip
         return self._chunk([choice])
+
+    def finish_chunks(self, index: int, finish_reason: str) -> list[msgspec.Struct]:
+        stream = self._streams.pop(index, None)
+        held = self._held_logprobs.pop(index, [])
+        if self.tools is None or stream is None or not stream.held():
+            return [self.finish(index, finish_reason)]
+        content, calls = self.tools.calls(self.parser, stream.held())
+        logprobs = self._logprobs(held)
+        if not calls:  # not a call after all: the held text is content
+            delta = Delta(content=stream.held())
+            return [self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)]),
+                    self.finish(index, finish_reason)]  # fmt: skip
+        chunks: list[msgspec.Struct] = []
+        if content:
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=Delta(content=content))]))
+        for i, call in enumerate(call_deltas(calls)):
+            delta = Delta(tool_calls=[call])
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=delta,
+                                                       logprobs=logprobs if i == 0 else None)]))  # fmt: skip
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return [*chunks, self.finish(index, reason)]
 
     def finish(self, index: int, finish_reason: str) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
@@ -149,9 +266,19 @@ class ChatRenderer(Renderer):
         return self._chunk([], usage)
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
-             logprobs: list[list[TokenLogprobs]], echoes: list[str]) -> ChatCompletion:  # fmt: skip
-        choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text),
-                              finish_reason=reason, logprobs=self._logprobs(logprobs[i]))
-                   for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
+             logprobs: list[list[TokenLogprobs]], echoes: list[str],
+             prompts: list[PromptScored | None] | None = None) -> ChatCompletion:  # fmt: skip
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            content: str | None = text
+            calls = None
+            if self.tools is not None:
+                content, found = self.tools.calls(self.parser, text)
+                if found:
+                    calls = found
+                    reason = "tool_calls" if reason == "stop" else reason
+            message = ChatMessageOut(role="assistant", content=content, tool_calls=calls)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
+                                      logprobs=self._logprobs(logprobs[i])))  # fmt: skip
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
                               model=self.model, choices=choices, usage=usage)  # fmt: skip

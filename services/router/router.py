@@ -249,6 +249,7 @@ class Router:
         last = state.arrived
         try:
             first_token, num_cached, handle, first_logprobs = None, 0, None, None
+            prompt_logprobs: list[p.TokenLogprobs] | None = None
             if not self.cfg.colocated:
                 done = await self._prefill(state, ids, sampling)
                 if not isinstance(done, p.PrefillDone):
@@ -260,6 +261,7 @@ class Router:
                     done.handle,
                 )
                 first_logprobs = done.first_logprobs
+                prompt_logprobs = done.prompt_logprobs
                 state.marks.update(done.timings)
             decode = pick(self.decodes, timeout=self.peer_timeout)
             if decode is None:
@@ -289,6 +291,8 @@ class Router:
                         )
                         self._observe_ttft_parts(state, event)
                         got_first = True
+                        if event.prompt_logprobs is None:  # prefill's, on the first chunk
+                            event.prompt_logprobs = prompt_logprobs
                     else:
                         self.metrics.observe("pdserve:inter_token_latency_seconds", now - last)
                     last = now
