@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ class Deployment:
         self.config_path = self.log_dir / "deployment.json"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.num_restarts: dict[str, int] = {}
+        self.made_keys: Path | None = None  # the runtime key directory start() made, if any
 
     @property
     def url(self) -> str:
@@ -54,6 +56,17 @@ class Deployment:
         return out + [("router", ["router"])]
 
     def start(self) -> None:
+        sec = self.cfg.security
+        if not sec.internal_keys and not sec.insecure:
+            # Secure by default: the internal sockets get CURVE with this deployment's own
+            # keys, made in a private directory that only the children are told of.
+            from pdserve.common.runtime.curve import make_runtime_keys
+
+            self.made_keys = make_runtime_keys()
+            self.cfg = msgspec.structs.replace(
+                self.cfg,
+                security=msgspec.structs.replace(sec, internal_keys_dir=str(self.made_keys)),
+            )
         # Owner-only: it may hold the API key.
         self.config_path.touch(mode=0o600)
         self.config_path.chmod(0o600)
@@ -160,6 +173,9 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[name] = proc.wait()
+        if self.made_keys is not None:
+            shutil.rmtree(self.made_keys, ignore_errors=True)
+            self.made_keys = None
         return codes
 
     def __enter__(self) -> Deployment:

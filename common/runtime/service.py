@@ -33,6 +33,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from pdserve.common.runtime import boundary
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import WireSecurity
 from pdserve.common.runtime.engine_commands import Abort, Barrier
@@ -60,7 +61,7 @@ class Service(abc.ABC):
         self.instance = instance
         self.address = address
         self.metrics = Metrics(self.role, instance)
-        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
+        self.security = WireSecurity.counted(cfg.security, self.metrics)
         self.ctx = zmq.asyncio.Context()
         self._decoder: p.Decoder[Any] = p.Decoder(inbound)
         self.handlers: dict[type, Handler] = {p.Ping: self.on_ping, p.MetricsQuery: self.on_metrics}
@@ -234,6 +235,8 @@ class Service(abc.ABC):
                     ),
                 )
                 continue
+            if not self._valid(sock, identity, msg):
+                continue
             if isinstance(msg, self.request_types) and not self._admit(identity, msg):
                 continue
             try:
@@ -242,6 +245,30 @@ class Service(abc.ABC):
                     await result
             except Exception:  # one bad message must not take the service down
                 self.log.exception("handler_failed", message_type=type(msg).__name__)
+
+    def _valid(self, sock: zmq.asyncio.Socket, identity: bytes, msg: Any) -> bool:
+        """The boundary's semantic checks (common/runtime/boundary.py): a message that
+        fails one is answered ``Failed(bad_request)``, counted, and goes no further."""
+        engine = self.engine_thread
+        problem = boundary.check(msg, engine.limits if engine is not None else None)
+        if problem is None:
+            return True
+        rid = getattr(msg, "request_id", "")
+        rid = rid if len(rid) <= boundary.MAX_ID_CHARS else ""
+        trace = getattr(msg, "trace_id", "")
+        trace = trace if len(trace) <= boundary.MAX_ID_CHARS else ""
+        self.metrics.inc("pdserve:bad_messages")
+        self.log.warning(
+            "bad_message",
+            message_type=type(msg).__name__,
+            request_id=rid,
+            trace_id=trace,
+            error=problem,
+            peer=identity.hex(),
+        )
+        refusal = p.Failed(request_id=rid, trace_id=trace, reason="bad_request", message=problem)
+        self.send(sock, identity, refusal)
+        return False
 
     def _admit(self, identity: bytes, msg: Any) -> bool:
         if (

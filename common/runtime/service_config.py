@@ -34,6 +34,18 @@ class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # (encrypted; only clients whose public key is in DIR/authorized_keys get in).
     # Empty: off. A relative path is taken from the working directory of each process.
     curve_keys_dir: str = ""
+    # Keys for the internal sockets only (services' ROUTERs, side channels; the front
+    # door stays as configured above): `pdserve up` makes a pair in a private runtime
+    # directory and names it here when nothing else is configured.
+    internal_keys_dir: str = ""
+    # No CURVE on the internal sockets even where `pdserve up` would make keys: any
+    # process that reaches a service's port may then talk to it (logged at start).
+    insecure: bool = False
+
+    @property
+    def internal_keys(self) -> str:
+        """The key directory of the internal sockets ("" when they run without CURVE)."""
+        return self.curve_keys_dir or self.internal_keys_dir
 
 
 class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ import structlog
 
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.boundary import Limits
 from pdserve.common.runtime.engine_commands import Abort, Heartbeat, Prefill, SideRelease
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
@@ -96,6 +97,11 @@ class PrefillEngineThread(EngineThread):
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
         self.metrics = ctx.metrics
+        self.limits = Limits(
+            vocab_size=self.engine.model_config.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            num_ranks=len(replies),
+        )
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
             "pdserve:num_preemptions",
@@ -147,6 +153,10 @@ class PrefillEngineThread(EngineThread):
             return
         self.peers[req.request_id] = (identity, req.trace_id)
 
+    def forget(self, request_id: str) -> None:
+        self.peers.pop(request_id, None)
+        self.engine.abort(request_id)
+
     def _on_abort(self, cmd: Abort) -> None:
         request_id = cmd.request_id
         if self.engine.abort(request_id) is not None:
@@ -194,6 +204,9 @@ class PrefillEngineThread(EngineThread):
                 self._fail(identity, rid, trace, "internal", f"prefill step failed: {exc}")
             return
         self._mark_scheduled(started)
+        for rid, why in self.engine.take_failures():  # this request alone
+            identity, trace = self.peers.pop(rid)
+            self._fail(identity, rid, trace, "internal", why)
         for done in results:
             self._publish(done)
 

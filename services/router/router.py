@@ -73,7 +73,7 @@ class Router:
         self.vocab_size = vocab_size
         self.block_size = cfg.engine.block_size
         self.metrics = Metrics("router", 0)
-        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
+        self.security = WireSecurity.counted(cfg.security, self.metrics)
         self.metrics.declare("pdserve:bad_messages")
         self.ping_seconds = cfg.ping_seconds
         self.peer_timeout = cfg.peer_timeout_seconds
