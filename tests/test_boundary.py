@@ -3,6 +3,8 @@ bad row never poisons its batch (issue 19, items 1 and 5). Deployments: test_hos
 
 from __future__ import annotations
 
+import subprocess
+
 import msgspec
 import torch
 
@@ -123,3 +125,16 @@ def test_a_nan_row_fails_alone() -> None:
     assert tokens[1] == tokens[2] == FAILED_TOKEN
     alone = Sampler()(logits[0:1], params[0:1], [0])[0]
     assert tokens[0] == alone and tokens[3] == int(logits[3].argmax())
+
+
+def test_the_interface_of_an_address() -> None:
+    from pdserve.common.runtime.net_scope import host_of, interface_of
+
+    assert host_of("tcp://127.0.0.1:5601") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("0.0.0.0") is None  # every interface: left to the operator
+    assert interface_of("example.invalid") is None
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for line in out.splitlines():  # "2: eth0    inet 192.0.2.2/24 ...": every address found
+        name, ip = line.split()[1], line.split()[3].split("/")[0]
+        assert interface_of(ip) == name, line

@@ -6,23 +6,32 @@ deployment serves the module (tests/test_faults.py's short liveness settings).""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import shutil
+import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from pdserve.cli.deployment import Deployment
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import CurveKeys
+from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
+from pdserve.common.runtime.sockets import make_socket
 from tests.e2e import deployment
 from tests.fault_tools import Peer, pools_full, service_metrics, wait_until
 
 pytestmark = pytest.mark.slow
 
+FIRST_TOKEN_TIMEOUT = 6.0
 FAST = {
+    "first_token_timeout_seconds": FIRST_TOKEN_TIMEOUT,
     "ping_seconds": 0.5,
     "peer_timeout_seconds": 3.0,
     "lease_seconds": 3.0,
@@ -34,9 +43,18 @@ PROMPT = [1, 504, 3458, 282, 4649, 30, 13617, 28, 17212, 28]
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
+def hold_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hold") / "hold-pulls"
+
+
+@pytest.fixture(scope="module")
+def dep(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold_path: Path
+) -> Iterator[Deployment]:
     # security={}: the default of `pdserve up` (internal CURVE with keys made at start)
-    with deployment(tmp_path_factory.mktemp("hostile"), model_dir, security={}, **FAST) as d:
+    env = {HOLD_PULLS_ENV: str(hold_path)}
+    tmp = tmp_path_factory.mktemp("hostile")
+    with deployment(tmp, model_dir, env=env, security={}, **FAST) as d:
         yield d
 
 
@@ -170,9 +188,118 @@ def test_internal_sockets_need_the_deployment_key_by_default(dep: Deployment) ->
                     peer.send(forged if role == "prefill" else p.MetricsQuery())
                     assert not peer.sock.poll(1500), f"{role} answered a peer without the key"
     finally:
-        import shutil
-
         shutil.rmtree(other, ignore_errors=True)
     m = service_metrics(dep.cfg.prefill_addresses[0].address, "prefill", keys(dep))
     assert m["pdserve:auth_failures"] >= 1
     still_serving(dep)
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses TCP sockets of process ``pid`` listen on (``ss``)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_services_listen_only_where_host_says(dep: Deployment) -> None:
+    """Issue item 8: NIXL's UCX listened on the external interface with host = 127.0.0.1."""
+    for name in ("prefill-0", "decode-0"):
+        addresses = listening(dep.procs[name].pid)
+        assert addresses, name  # its ROUTER at least
+        assert all(a.startswith("127.0.0.1:") for a in addresses), (name, addresses)
+
+
+# -- item 4: ownership and deadlines ----------------------------------------------------------
+
+
+def test_only_the_submitting_client_may_abort_and_ids_never_collide(dep: Deployment) -> None:
+    """Issue item 6: any SDK client could abort anyone's request; an SDK id equal to
+    ``chatcmpl-<x-request-id>`` failed that HTTP request; 8 MB ids were accepted."""
+    from pdserve.services.router.client import GenerationFailed
+
+    with client(dep) as alice, client(dep) as bob:
+        stream = alice.stream(prompt_token_ids=PROMPT, request_id="shared", max_tokens=24,
+                              ignore_eos=True)  # fmt: skip
+        chunks = [next(stream)]
+        bob.abort("shared")  # not bob's: nothing happens
+        mine = bob.generate(prompt_token_ids=PROMPT, request_id="shared", max_tokens=3)
+        chunks += list(stream)
+        assert sum(len(c.token_ids) for c in chunks) == 24
+        assert mine.finish_reason == "length" and len(mine.token_ids) == 3
+        with pytest.raises(GenerationFailed) as info:
+            bob.generate(prompt_token_ids=PROMPT, request_id="x" * 8_000_000, max_tokens=2)
+        assert info.value.reason == "bad_request" and "more than 128" in info.value.message
+
+        def http() -> dict[str, Any]:
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}).encode()
+            req = urllib.request.Request(
+                f"{dep.url}/v1/completions",
+                body,
+                {"Content-Type": "application/json", "x-request-id": "same"},
+            )
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return dict(json.loads(resp.read()))
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            web = pool.submit(http)
+            sdk = alice.generate(prompt_token_ids=PROMPT, request_id="cmpl-same", max_tokens=8)
+            assert web.result(timeout=120)["id"] == "cmpl-same"
+            assert sdk.request_id == "cmpl-same" and len(sdk.token_ids) == 8
+    still_serving(dep)
+
+
+def test_forged_releases_and_heartbeats_are_refused(dep: Deployment) -> None:
+    """Issue item 2: a Release from anyone freed pinned blocks of a request it never got;
+    forged heartbeats pinned every prefill block. Both must carry the handle's token."""
+    address = dep.cfg.prefill_addresses[0].address
+    with Peer(address, "prefill", keys(dep)) as pre:
+        done = pre.ask(
+            p.PrefillRequest(
+                request_id="lease-1",
+                trace_id="lease-1",
+                prompt_token_ids=PROMPT,
+                sampling=SamplingParams(),
+            )
+        )[-1]
+    assert isinstance(done, p.PrefillDone) and len(done.handle.token) == 32, done
+    h = done.handle
+    before = service_metrics(address, "prefill", keys(dep))["pdserve:kv_forged_messages"]
+    forged: list[p.Message] = [
+        p.Release(request_id="lease-1", engine_id=h.engine_id, epoch=h.epoch, token="0" * 32),
+        p.Heartbeat(engine_id=h.engine_id, epoch=h.epoch, request_ids=["lease-1"]),
+    ]
+    ctx: zmq.Context[Any] = zmq.Context()
+    side = make_socket(ctx, zmq.DEALER, connect=dep.cfg.prefill_addresses[0].side_channel,
+                       curve=keys(dep))  # fmt: skip
+    try:
+        for msg in forged:
+            side.send(p.encode(msg))
+
+        def counted() -> dict[str, float] | None:
+            m = service_metrics(address, "prefill", keys(dep))
+            return m if m["pdserve:kv_forged_messages"] == before + 2 else None
+
+        m = wait_until(counted, 10, "both forged messages to be refused")
+        assert m["pdserve:kv_blocks_free"] < m["pdserve:kv_blocks_total"]  # still pinned
+    finally:
+        side.close(linger=0)
+        ctx.term()
+    still_serving(dep)  # the lease frees the blocks: the true decode never came
+
+
+def test_a_phase_past_its_deadline_fails_with_the_phase_named(
+    dep: Deployment, hold_path: Path
+) -> None:
+    """Issue item 2/6: an unanswered phase left the router waiting forever."""
+    from pdserve.services.router.client import GenerationFailed
+
+    hold_path.touch()  # decode takes the request but starts no pull: no first token
+    try:
+        with client(dep) as c, pytest.raises(GenerationFailed) as info:
+            c.generate(prompt_token_ids=PROMPT, max_tokens=4)
+    finally:
+        hold_path.unlink(missing_ok=True)
+    err = info.value
+    assert err.reason == "timeout", err
+    assert "decode-0" in err.message and "first_token_timeout_seconds" in err.message, err
+    still_serving(dep)  # decode dropped it on the router's Abort and released the producer

@@ -35,6 +35,8 @@ COUNTERS = {
     "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
     "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
+    "pdserve:kv_forged_messages": "releases and heartbeats refused: they lacked the KV handle's token",
+    "pdserve:request_timeouts": "requests the router failed because a phase passed its deadline, by phase",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
 }
 GAUGES = {

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pdserve.decode")
 
-# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting)
-PendingByProducer = dict[str, tuple[str, int, list[str]]]
+# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting,
+# their handles' tokens)
+PendingByProducer = dict[str, tuple[str, int, list[str], list[str]]]
 
 
 @dataclass
@@ -340,6 +341,7 @@ class DecodeEngineThread(EngineThread):
                 engine_id=handle.engine_id,
                 epoch=handle.epoch,
                 rank=index,
+                token=handle.token,
             )
             self.post(self.ctx.send_side, handle.replicas[index].side_channel, release)
 
@@ -349,9 +351,11 @@ class DecodeEngineThread(EngineThread):
         for rid, pp in self.pending.items():
             for replica in pp.handle.replicas:
                 entry = out.setdefault(
-                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [])
+                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [], [])
                 )
-                entry[2].append(rid)
+                if rid not in entry[2]:  # several replicas share one side channel
+                    entry[2].append(rid)
+                    entry[3].append(pp.handle.token)
         return out
 
     # -- decoding ---------------------------------------------------------------------------

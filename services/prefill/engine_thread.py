@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class PrefillEngineThread(EngineThread):
         self.metrics.declare(
             "pdserve:num_preemptions",
             "pdserve:bad_messages",
+            "pdserve:kv_forged_messages",
             "pdserve:prefix_cache_replayed_tokens",
         )
         for rank in range(self.leases.num_ranks):
@@ -171,7 +173,14 @@ class PrefillEngineThread(EngineThread):
     def _on_heartbeat(self, cmd: Heartbeat) -> None:
         beat = cmd.beat
         if self._is_ours(beat.engine_id, beat.epoch):
-            self.leases.extend(beat.request_ids, time.time())
+            refused = [
+                rid
+                for rid in self.leases.extend(beat.request_ids, time.time(), beat.tokens)
+                if rid in self.leases
+            ]
+            if refused:  # held here, but named without the handle's token
+                self.metrics.inc("pdserve:kv_forged_messages", len(refused))
+                log.warning("heartbeat_refused", request_ids=refused[:8], num=len(refused))
 
     def _on_side_release(self, cmd: SideRelease) -> None:
         self._on_release(cmd.release, cmd.release.rank)
@@ -180,8 +189,13 @@ class PrefillEngineThread(EngineThread):
         if not self._is_ours(release.engine_id, release.epoch):
             log.warning("stale_release", request_id=release.request_id, epoch=release.epoch)
             return
+        if not self.leases.owns(release.request_id, release.token):
+            self.metrics.inc("pdserve:kv_forged_messages")
+            log.warning("release_refused", request_id=release.request_id, rank=rank,
+                        why="the release does not carry the handle's token")  # fmt: skip
+            return
         self.metrics.inc("pdserve:kv_replica_releases", rank=rank)
-        freed = self.leases.release(release.request_id, rank)
+        freed = self.leases.release(release.request_id, rank, release.token)
         if freed is not None:
             self._free(freed)
 
@@ -226,7 +240,8 @@ class PrefillEngineThread(EngineThread):
 
     def _publish(self, done: Prefilled) -> None:
         identity, trace = self.peers.pop(done.request_id)
-        deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
+        token = secrets.token_hex(16)
+        deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time(), token)
         handle = p.KVHandle(
             engine_id=self.ctx.engine_id,
             epoch=self.ctx.epoch,
@@ -236,6 +251,7 @@ class PrefillEngineThread(EngineThread):
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,
+            token=token,
         )
         msg = p.PrefillDone(
             request_id=done.request_id,

@@ -38,18 +38,27 @@ from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChu
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, RouterCore
 from pdserve.services.router.cors import Cors
+from pdserve.services.router.input_limits import num_prompts, text_chars
 from pdserve.services.router.openapi import openapi
 from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer, Renderer
+from pdserve.services.router.tokenize_pool import TokenizePool
 
 log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON ints is ~7 MB
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 LONG_TEXT_BYTES = 16_384  # tokenize longer bodies off the event loop
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
-_FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503, "draining": 503}
+_FAILED_STATUS = {
+    "bad_request": 400,
+    "overloaded": 429,
+    "peer_down": 503,
+    "draining": 503,
+    "timeout": 504,
+}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "overloaded_error",
@@ -71,6 +80,7 @@ class ApiError(Exception):
         self, status: int, message: str, *, param: str | None = None, code: str | None = None
     ) -> None:
         super().__init__(message)
+        self.args = (status, message, param, code)  # pickles (the tokenize pool raises it)
         self.status = status
         self.detail = oa.ErrorDetail(
             message=message,
@@ -78,6 +88,10 @@ class ApiError(Exception):
             param=param,
             code=code,
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        status, message, param, code = self.args
+        return (_api_error, (status, message, param, code))
 
     @classmethod
     def from_failed(cls, failed: Failed) -> ApiError:
@@ -87,6 +101,10 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         headers = {"Retry-After": "1"} if self.status in _RETRY_LATER else None
         return _json(oa.ErrorBody(error=self.detail), status=self.status, headers=headers)
+
+
+def _api_error(status: int, message: str, param: str | None, code: str | None) -> ApiError:
+    return ApiError(status, message, param=param, code=code)
 
 
 def _json(body: msgspec.Struct, status: int = 200,
@@ -155,7 +173,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         message = f"no such route: {request.method} {request.path} (see /openapi.json)"
         return ApiError(404, message, code="not_found")
     if exc.status == 413:
-        message = f"the request body is over {MAX_BODY_BYTES} bytes"
+        message = f"the request body is over {request.app[MAX_BODY_KEY]} bytes"
         return ApiError(413, message, code="body_too_large")
     return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
 
@@ -178,10 +196,16 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
 
 
 class OpenAIApi:
-    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = ()) -> None:
+    def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
+                 pool: TokenizePool | None = None, max_prompts: int = 128) -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
-        carry when a request names none); empty: the core's model name alone."""
+        carry when a request names none); empty: the core's model name alone. ``pool``:
+        where long texts are tokenised (else a thread); ``max_prompts``: per request."""
         self.core = core
+        self.pool = pool
+        self.max_prompts = max_prompts
+        # A text longer than this cannot fit max_model_len: refused before tokenising.
+        self.max_chars = core.max_model_len * core.tokenizer.longest_token_chars
         self.model_names = list(served_model_names) or [core.model_name]
         self.created = int(time.time())
         self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
@@ -260,6 +284,10 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.CompletionRequest)
         model = self._check(req, req.unsupported())
+        if num_prompts(req.prompt) > self.max_prompts:
+            raise ApiError(400, f"prompt holds {num_prompts(req.prompt)} prompts, more than "
+                           f"{self.max_prompts} (max_prompts_per_request); split the batch",
+                           param="prompt", code="too_many_prompts")  # fmt: skip
         prompts = await self._tokenize(request, _completion_prompts, req.prompt)
         echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
@@ -292,8 +320,15 @@ class OpenAIApi:
 
     async def _tokenize(self, request: web.Request, fn: Callable[[RouterCore, Any], T],
                         arg: Any) -> T:  # fmt: skip
-        # Tokenizing a long prompt takes milliseconds: keep the loop free for streams.
+        chars = text_chars(arg)
+        if chars > self.max_chars:  # it cannot fit: not worth tokenising
+            raise ApiError(400, f"the prompt has {chars} characters: more than max_model_len "
+                           f"{self.core.max_model_len} tokens can hold (at most "
+                           f"{self.max_chars}); shorten it", code="prompt_too_long")  # fmt: skip
+        # Tokenizing a long prompt holds the GIL: in a worker process, the loop stays free.
         if (request.content_length or 0) > LONG_TEXT_BYTES:
+            if self.pool is not None:
+                return await self.pool.run(fn, arg)
             return await asyncio.to_thread(fn, self.core, arg)
         return fn(self.core, arg)
 
@@ -351,6 +386,7 @@ class OpenAIApi:
                                  sampling=sampling, stream=req.is_stream))  # fmt: skip
         choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
         batch = Batch()
+        owner = f"http:{request.remote}"  # its share of the router's slots (fair admission)
         self._in_flight.update(ids)
         try:
             # The first candidate of each prompt first: once it has a token, its prompt's
@@ -361,7 +397,7 @@ class OpenAIApi:
             ])  # fmt: skip
             for stage in stages:
                 for index in stage:
-                    batch.add(self.core.submit(gens[index]), index)
+                    batch.add(self.core.submit(gens[index], owner=owner), index)
                 for event in await batch.first_events():
                     if isinstance(event, Failed):
                         raise ApiError.from_failed(event)
@@ -553,7 +589,9 @@ def _package_version() -> str:
 
 
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
-             allowed_origins: Sequence[str] = ()) -> web.Application:  # fmt: skip
+             allowed_origins: Sequence[str] = (), pool: TokenizePool | None = None,
+             max_prompts: int = 128, max_body_bytes: int = MAX_BODY_BYTES,
+             ) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
@@ -562,12 +600,13 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_ke
         middlewares.append(_key_middleware(api_key))
     app = web.Application(
         middlewares=middlewares,
-        client_max_size=MAX_BODY_BYTES,
+        client_max_size=max_body_bytes,
         handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
     )
     if allowed_origins:
         Cors(allowed_origins).install(app)
-    api = OpenAIApi(core, served_model_names)
+    app[MAX_BODY_KEY] = max_body_bytes
+    api = OpenAIApi(core, served_model_names, pool, max_prompts)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)
