@@ -39,6 +39,7 @@ from pdserve.common.runtime.curve import WireSecurity
 from pdserve.common.runtime.engine_commands import Abort, Barrier
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread
 from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog, notify
 from pdserve.common.runtime.service_config import DeploymentConfig
@@ -356,10 +357,14 @@ class Service(abc.ABC):
     async def _watch_routers(self) -> None:
         """A router that stopped pinging (it died, or its connection did) will never read
         its requests' replies: abort them, so their KV is freed now, not stranded."""
+        lag = LoopLag(self.cfg.ping_seconds, self.metrics)
         while True:
             await asyncio.sleep(self.cfg.ping_seconds)
             now = time.monotonic()
+            stalled = lag.tick()
             for identity, last in list(self.routers.items()):
+                if stalled:  # this loop's stall, not the router's silence
+                    last = self.routers[identity] = last + stalled
                 if now - last >= self.cfg.peer_timeout_seconds:
                     del self.routers[identity]
                     self.on_router_lost(identity)
@@ -374,10 +379,18 @@ class Service(abc.ABC):
             request_ids=rids[:16],
             silent_seconds=self.cfg.peer_timeout_seconds,
         )
+        message = (
+            f"{self.role} {self.instance} heard no ping from this router for "
+            f"{self.cfg.peer_timeout_seconds:g} s (peer_timeout_seconds) and aborted the "
+            "request; retry it"
+        )
         for rid in rids:
-            del self.inflight[rid]
+            _, trace = self.inflight.pop(rid)
             if self.engine_thread is not None:
                 self.engine_thread.submit(Abort(request_id=rid))
+            # Lost to us, maybe not gone: a router that was only stalled learns why at once.
+            failed = p.Failed(request_id=rid, trace_id=trace, reason="peer_down", message=message)
+            self.send(self.front, identity, failed)
 
     def on_engine_failed(self, exc: BaseException) -> None:
         """The engine thread died (a rank process died, a step raised): fail every request

@@ -30,6 +30,7 @@ from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
+from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
@@ -505,9 +506,13 @@ class Router:
                     self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
 
     async def _ping_loop(self) -> None:
+        lag = LoopLag(self.ping_seconds, self.metrics)
         while True:
             now = time.monotonic()
+            stalled = lag.tick()
             for link in self.links:
+                if stalled and link.last_pong:  # our stall, not its silence
+                    link.last_pong += stalled
                 self._send(link, p.Ping(sent_at=time.time(), interval=self.ping_seconds))
                 # Silent: down, whether it said ready or not (a draining instance that
                 # dies still fails what it held).
