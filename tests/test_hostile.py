@@ -1,7 +1,7 @@
-"""Issue 19 against one real deployment: hostile or unlucky messages and requests hurt
-only themselves. Each test shows the bad one refused with a clear error, the legitimate
-ones finishing, the services still running and every KV pool full afterwards. One
-deployment serves the module (tests/test_faults.py's short liveness settings)."""
+"""Issue 19 against one real deployment (tests/hostile_tools.py): hostile or unlucky
+messages and requests hurt only themselves. Each test shows the bad one refused with a
+clear error, the legitimate ones finishing, the services still running and every KV pool
+full afterwards. Router-side items: tests/test_hostile_router.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import concurrent.futures
 import json
 import shutil
 import subprocess
+import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,73 +22,35 @@ from pdserve.cli.deployment import Deployment
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import CurveKeys
-from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from pdserve.common.runtime.sockets import make_socket
-from tests.e2e import deployment
-from tests.fault_tools import Peer, pools_full, service_metrics, wait_until
+from tests.fault_tools import FaultReport, Peer, service_metrics, wait_until
+from tests.hostile_tools import (
+    FIRST_TOKEN_TIMEOUT,
+    PROMPT,
+    add_row,
+    bad_messages,
+    client,
+    keys,
+    roles,
+    still_serving,
+)
 
 pytestmark = pytest.mark.slow
 
-FIRST_TOKEN_TIMEOUT = 6.0
-FAST = {
-    "first_token_timeout_seconds": FIRST_TOKEN_TIMEOUT,
-    "ping_seconds": 0.5,
-    "peer_timeout_seconds": 3.0,
-    "lease_seconds": 3.0,
-    "heartbeat_seconds": 0.5,
-    "drain_seconds": 2.0,
-}
-LEASE_BOUND = 3.0 + 0.5 + 5.0
-PROMPT = [1, 504, 3458, 282, 4649, 30, 13617, 28, 17212, 28]
+
+@pytest.fixture
+def dep(hostile_dep: Deployment) -> Deployment:
+    return hostile_dep
 
 
-@pytest.fixture(scope="module")
-def hold_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hold") / "hold-pulls"
+@pytest.fixture
+def hold_path(hostile_hold: Path) -> Path:
+    return hostile_hold
 
 
-@pytest.fixture(scope="module")
-def dep(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, hold_path: Path
-) -> Iterator[Deployment]:
-    # security={}: the default of `pdserve up` (internal CURVE with keys made at start)
-    env = {HOLD_PULLS_ENV: str(hold_path)}
-    tmp = tmp_path_factory.mktemp("hostile")
-    with deployment(tmp, model_dir, env=env, security={}, **FAST) as d:
-        yield d
-
-
-def keys(dep: Deployment) -> CurveKeys:
-    """The deployment's own client keys (what an insider, or a bug, would hold)."""
-    assert dep.made_keys is not None
-    return CurveKeys.client(dep.made_keys)
-
-
-def roles(dep: Deployment) -> list[tuple[str, str]]:
-    return [(dep.cfg.prefill_addresses[0].address, "prefill")] + [
-        (dep.cfg.decode_addresses[0].address, "decode")
-    ]
-
-
-def client(dep: Deployment) -> Any:
-    from pdserve.services.router.client import Client
-
-    return Client(dep.cfg.front_address, timeout=120)
-
-
-def still_serving(dep: Deployment) -> None:
-    """Every process alive, a normal request answered, every pool back to full."""
-    dep.check_alive()
-    with client(dep) as c:
-        assert c.generate(prompt_token_ids=PROMPT, max_tokens=4).token_ids
-    wait_until(lambda: pools_full(roles(dep), keys(dep)), LEASE_BOUND, "every KV pool to be full")
-
-
-def bad_messages(dep: Deployment, address: str, role: str) -> float:
-    return service_metrics(address, role, keys(dep))["pdserve:bad_messages"]
-
-
-def test_malformed_decode_requests_are_refused_and_decode_lives(dep: Deployment) -> None:
+def test_malformed_decode_requests_are_refused_and_decode_lives(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
     """Issue item 1: replicas=[] or first_token=None ended decode's engine thread."""
     with Peer(dep.cfg.prefill_addresses[0].address, "prefill", keys(dep)) as pre:
         done = pre.ask(
@@ -134,9 +96,19 @@ def test_malformed_decode_requests_are_refused_and_decode_lives(dep: Deployment)
     assert isinstance(replies[-1], p.Finished), replies[-1]
     assert bad_messages(dep, address, "decode") == before + len(forged)
     still_serving(dep)
+    add_row(
+        hostile_report,
+        dep,
+        "DecodeRequest with replicas=[], first_token=None, bad block/token ids, 100k-char id",
+        len(forged) + 1,
+        len(forged) + 1,
+        "each Failed bad_request naming the fault, counted; the genuine one finished; decode alive",
+    )
 
 
-def test_a_tiny_temperature_is_greedy_and_poisons_no_batch(dep: Deployment) -> None:
+def test_a_tiny_temperature_is_greedy_and_poisons_no_batch(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
     """Issue item 5: temperature 1e-40 made the step's probabilities NaN and failed every
     request of that step with 500."""
     with client(dep) as c:
@@ -156,9 +128,19 @@ def test_a_tiny_temperature_is_greedy_and_poisons_no_batch(dep: Deployment) -> N
         assert tiny.result(timeout=120) == greedy
         assert all(len(f.result(timeout=120)) == 6 for f in others)
     still_serving(dep)
+    add_row(
+        hostile_report,
+        dep,
+        "temperature 1e-40 in a batch of 6",
+        6,
+        6,
+        "greedy tokens for it; the 5 others finished",
+    )
 
 
-def test_internal_sockets_need_the_deployment_key_by_default(dep: Deployment) -> None:
+def test_internal_sockets_need_the_deployment_key_by_default(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
     """Issue item 2: with nothing configured any local process reached prefill and decode
     (a forged PrefillRequest was served, an Abort cut a user's stream). Now `up` makes a
     key pair in a private directory; a peer without it gets nothing, is counted, and the
@@ -192,6 +174,14 @@ def test_internal_sockets_need_the_deployment_key_by_default(dep: Deployment) ->
     m = service_metrics(dep.cfg.prefill_addresses[0].address, "prefill", keys(dep))
     assert m["pdserve:auth_failures"] >= 1
     still_serving(dep)
+    add_row(
+        hostile_report,
+        dep,
+        "peer without the deployment key (none / a stranger key) on prefill and decode",
+        4,
+        0,
+        "no answer, auth_failures counted; services serving",
+    )
 
 
 def listening(pid: int) -> list[str]:
@@ -212,10 +202,12 @@ def test_services_listen_only_where_host_says(dep: Deployment) -> None:
 # -- item 4: ownership and deadlines ----------------------------------------------------------
 
 
-def test_only_the_submitting_client_may_abort_and_ids_never_collide(dep: Deployment) -> None:
+def test_only_the_submitting_client_may_abort_and_ids_never_collide(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
     """Issue item 6: any SDK client could abort anyone's request; an SDK id equal to
     ``chatcmpl-<x-request-id>`` failed that HTTP request; 8 MB ids were accepted."""
-    from pdserve.services.router.client import GenerationFailed
+    from pdserve.common.errors import RequestError
 
     with client(dep) as alice, client(dep) as bob:
         stream = alice.stream(prompt_token_ids=PROMPT, request_id="shared", max_tokens=24,
@@ -226,9 +218,19 @@ def test_only_the_submitting_client_may_abort_and_ids_never_collide(dep: Deploym
         chunks += list(stream)
         assert sum(len(c.token_ids) for c in chunks) == 24
         assert mine.finish_reason == "length" and len(mine.token_ids) == 3
-        with pytest.raises(GenerationFailed) as info:
+        with pytest.raises(RequestError, match="1-128 printable"):  # the SDK checks first
             bob.generate(prompt_token_ids=PROMPT, request_id="x" * 8_000_000, max_tokens=2)
-        assert info.value.reason == "bad_request" and "more than 128" in info.value.message
+        ctx: zmq.Context[Any] = zmq.Context()
+        raw = make_socket(ctx, zmq.DEALER, connect=dep.cfg.front_address)
+        try:  # and the router too, for a client that does not
+            raw.send(p.encode(p.Generate(request_id="x" * 8_000_000, prompt_token_ids=PROMPT)))
+            assert raw.poll(10_000), "no answer to an 8 MB request id"
+            answer = p.Decoder(p.RouterToClient).decode(raw.recv())
+        finally:
+            raw.close(linger=0)
+            ctx.term()
+        assert isinstance(answer, p.Failed) and answer.reason == "bad_request", answer
+        assert "more than 128" in answer.message
 
         def http() -> dict[str, Any]:
             body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}).encode()
@@ -246,9 +248,19 @@ def test_only_the_submitting_client_may_abort_and_ids_never_collide(dep: Deploym
             assert web.result(timeout=120)["id"] == "cmpl-same"
             assert sdk.request_id == "cmpl-same" and len(sdk.token_ids) == 8
     still_serving(dep)
+    add_row(
+        hostile_report,
+        dep,
+        "abort of another client's id; same id on two clients; SDK id = HTTP id; 8 MB id",
+        5,
+        5,
+        "stream finished 24/24; ids kept apart; 8 MB id refused bad_request",
+    )
 
 
-def test_forged_releases_and_heartbeats_are_refused(dep: Deployment) -> None:
+def test_forged_releases_and_heartbeats_are_refused(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
     """Issue item 2: a Release from anyone freed pinned blocks of a request it never got;
     forged heartbeats pinned every prefill block. Both must carry the handle's token."""
     address = dep.cfg.prefill_addresses[0].address
@@ -285,21 +297,41 @@ def test_forged_releases_and_heartbeats_are_refused(dep: Deployment) -> None:
         side.close(linger=0)
         ctx.term()
     still_serving(dep)  # the lease frees the blocks: the true decode never came
+    add_row(
+        hostile_report,
+        dep,
+        "forged Release and Heartbeat (no handle token) on the side channel",
+        2,
+        0,
+        "refused, kv_forged_messages +2; blocks stayed pinned until the lease",
+    )
 
 
 def test_a_phase_past_its_deadline_fails_with_the_phase_named(
-    dep: Deployment, hold_path: Path
+    hostile_report: FaultReport, dep: Deployment, hold_path: Path
 ) -> None:
     """Issue item 2/6: an unanswered phase left the router waiting forever."""
     from pdserve.services.router.client import GenerationFailed
 
     hold_path.touch()  # decode takes the request but starts no pull: no first token
+    started = time.monotonic()
     try:
         with client(dep) as c, pytest.raises(GenerationFailed) as info:
             c.generate(prompt_token_ids=PROMPT, max_tokens=4)
     finally:
         hold_path.unlink(missing_ok=True)
+    took = time.monotonic() - started
     err = info.value
     assert err.reason == "timeout", err
     assert "decode-0" in err.message and "first_token_timeout_seconds" in err.message, err
     still_serving(dep)  # decode dropped it on the router's Abort and released the producer
+    add_row(
+        hostile_report,
+        dep,
+        "no first token (pulls held)",
+        1,
+        1,
+        "Failed timeout naming decode-0 and first_token_timeout_seconds",
+        round(took, 2),
+        FIRST_TOKEN_TIMEOUT + 5,
+    )

@@ -14,7 +14,7 @@ import zmq.asyncio
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket, send_nowait
-from pdserve.services.router.router import Router
+from pdserve.services.router.router import MAX_LABEL_CHARS, Router
 from pdserve.services.router.tokenize_pool import TokenizePool
 
 log = structlog.get_logger("pdserve.router.front")
@@ -115,10 +115,8 @@ class FrontDoor:
             )  # fmt: skip
             ids = await self.pool.run(_sdk_prompt, gen)
         except PdserveError as exc:
-            self._send(
-                identity,
-                p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)),
-            )
+            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
+            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
             return
         self.preparing.pop((identity, gen.request_id), None)
         gen = msgspec.structs.replace(gen, prompt=None, messages=None, prompt_token_ids=ids)
@@ -128,10 +126,8 @@ class FrontDoor:
         try:
             events = self.router.submit(gen, owner=identity.hex())
         except PdserveError as exc:
-            self._send(
-                identity,
-                p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)),
-            )
+            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
+            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
             return
         key = (identity, gen.request_id)
         task = asyncio.create_task(self._relay(identity, gen.request_id, events))

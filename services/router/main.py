@@ -19,7 +19,6 @@ from pdserve.common.runtime.service_config import DeploymentConfig
 
 if TYPE_CHECKING:
     from pdserve.services.router.router import Router
-    from pdserve.services.router.tokenize_pool import TokenizePool
 
 log = structlog.get_logger("pdserve.router")
 
@@ -33,6 +32,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     from pdserve.services.router.front import FrontDoor
     from pdserve.services.router.http_api import make_app
     from pdserve.services.router.router import Router
+    from pdserve.services.router.tokenize_pool import TokenizePool
 
     notify("STATUS=loading the tokenizer (router)")
     model_dir = resolve_model(cfg.model)
