@@ -42,6 +42,13 @@ def post(dep: Deployment, body: dict[str, Any], timeout: float = 120) -> tuple[i
         return err.code, dict(json.loads(err.read()))
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def streams_beside(dep: Deployment, n: int, action: Any) -> tuple[Any, list[int]]:
     """Run ``action()`` while ``n`` SDK streams generate; (its result, their lengths)."""
 
@@ -63,9 +70,14 @@ def test_a_huge_prompt_is_refused_untokenised_and_streams_go_on(
     """Issue item 3: a 7-10 MB body froze the router 7-10 s; 8 unrelated streams failed
     with 503 peer_down blaming a healthy decode; router RSS went to 5.7 GB."""
     before = router_metrics(dep)
+    rss_before = rss_mb(dep.procs["router"].pid)
+    started = time.monotonic()
     (status, body), lengths = streams_beside(
         dep, 4, lambda: post(dep, {"prompt": "lorem ipsum " * 700_000, "max_tokens": 4})
     )
+    took = time.monotonic() - started
+    grown = rss_mb(dep.procs["router"].pid) - rss_before
+    assert grown < 512, f"the router grew by {grown:.0f} MB"  # was 5.6 GB, kept
     assert status == 400 and body["error"]["code"] == "prompt_too_long", body
     assert "characters" in body["error"]["message"]
     assert lengths == [STREAM_TOKENS] * 4
@@ -78,7 +90,8 @@ def test_a_huge_prompt_is_refused_untokenised_and_streams_go_on(
         "8.4M-character prompt beside 4 streams",
         5,
         5,
-        "400 prompt_too_long untokenised; 4/4 streams finished; no peer_down",
+        f"400 prompt_too_long untokenised; 4/4 streams finished in {took:.1f} s; no "
+        f"peer_down; router RSS {grown:+.0f} MB",
     )
 
 

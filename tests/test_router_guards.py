@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pdserve.common.runtime.loop_lag import LoopLag
@@ -37,3 +39,17 @@ def test_the_sdk_refuses_what_the_http_api_refuses() -> None:
         with pytest.raises(RequestError, match=words):
             _request(args["prompt"], args["prompt_token_ids"], None, args["request_id"], True, {})
     assert _request("hi", None, None, "ok-id_1", True, {}).request_id == "ok-id_1"
+
+
+def test_internal_keys_alone_leave_the_front_door_open(tmp_path: Path) -> None:
+    from pdserve.common.runtime.curve import WireSecurity, create_keys
+    from pdserve.common.runtime.service_config import SecurityConfig
+
+    create_keys(tmp_path)
+    metrics = Metrics("router", 0)
+    internal = WireSecurity.counted(SecurityConfig(internal_keys_dir=str(tmp_path)), metrics)
+    assert internal.server is not None and internal.client is not None and internal.front is None
+    full = WireSecurity.counted(SecurityConfig(curve_keys_dir=str(tmp_path)), metrics)
+    assert full.server is not None and full.front is not None
+    off = WireSecurity.counted(SecurityConfig(insecure=True), metrics)
+    assert off == WireSecurity()
