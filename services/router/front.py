@@ -69,6 +69,11 @@ class FrontDoor:
                     if preparing is not None:  # still tokenising: it never starts
                         preparing.cancel()
                     await self.router.abort(msg.request_id, owner=identity.hex())
+                elif msg.request_id and (identity, msg.request_id) in self.tasks:  # still runs
+                    self._send(identity, p.Failed(
+                        request_id=msg.request_id, reason="bad_request",
+                        message=f"request id {msg.request_id!r} is already in use by this client",
+                    ))  # fmt: skip
                 elif self.pool is not None and self._is_long(msg):
                     key = (identity, msg.request_id)
                     task = asyncio.create_task(self._tokenize_then_start(identity, msg))
