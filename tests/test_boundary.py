@@ -55,7 +55,7 @@ def test_each_broken_decode_request_is_named() -> None:
         "names no replica": decode(handle=handle(replicas=[])),
         "first token prefill sampled": decode(first_token=None),
         "first token 100 is outside": decode(first_token=100),
-        "block id 8 is outside the producer's pool": decode(handle=handle(block_ids=[3, 8])),
+        "block id -1 is negative": decode(handle=handle(block_ids=[3, -1])),
         "lists a block twice": decode(handle=handle(block_ids=[3, 3])),
         "lists 3 blocks": decode(handle=handle(block_ids=[1, 2, 3])),
         "holds 9 tokens": decode(handle=handle(num_tokens=9)),

@@ -73,11 +73,8 @@ def test_malformed_decode_requests_are_refused_and_decode_lives(
             good, handle=msgspec.structs.replace(handle, replicas=[])
         ),
         "must carry the first token": msgspec.structs.replace(good, first_token=None),
-        "outside the producer's pool": msgspec.structs.replace(
-            good,
-            handle=msgspec.structs.replace(
-                handle, block_ids=[handle.layout.num_blocks + 5] * len(handle.block_ids)
-            ),
+        "is negative": msgspec.structs.replace(
+            good, handle=msgspec.structs.replace(handle, block_ids=[-5] * len(handle.block_ids))
         ),
         "outside the vocabulary": msgspec.structs.replace(good, first_token=10**9),
         "characters, more than": msgspec.structs.replace(good, request_id="x" * 100_000),

@@ -3,7 +3,8 @@
 The typed decoders (common/runtime/protocol.py) guarantee shapes and types; these checks
 guarantee meaning: a handle names at least one replica, its block ids lie inside the
 producer's pool and match its token count, token ids lie inside the vocabulary, a
-prefilled request carries its first token, sizes stay within limits. A message that
+prefilled request carries its first token, sizes stay within limits. (Block ids past
+the producer's pool are refused by the pull, against the pool its handshake declared.) A message that
 fails one is answered ``Failed(bad_request)`` and counted (``pdserve:bad_messages``)
 before anything reaches an engine thread, so no message can end one.
 
@@ -87,9 +88,12 @@ def check_handle(handle: p.KVHandle, num_prompt_tokens: int) -> str | None:
             f"the KV handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens "
             f"from table entry {handle.first_block} need {expected}"
         )
-    bad = next((b for b in handle.block_ids if not 0 <= b < layout.num_blocks), None)
+    # Ids past the pool are the pull's to refuse, against the pool the producer's handshake
+    # declared (not the handle's own claim): that failure follows kv_load_failure_policy
+    # and releases the producer (tests/test_faults.py, wrong descriptors).
+    bad = next((b for b in handle.block_ids if b < 0), None)
     if bad is not None:
-        return f"block id {bad} is outside the producer's pool (0..{layout.num_blocks - 1})"
+        return f"block id {bad} is negative"
     if len(set(handle.block_ids)) != len(handle.block_ids):
         return "the KV handle lists a block twice"
     return None
