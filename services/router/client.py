@@ -213,7 +213,10 @@ class _Handshakes:
             self.down_since = None
             return
         if event == zmq.EVENT_DISCONNECTED:
+            was_connected = self.down_since is None
             self.down_since = time.monotonic()
+            if not was_connected:  # a handshake that failed: nothing was sent on it
+                return
             # The router answers a connection, not a client: after a reconnect the replies
             # of requests sent before it go nowhere. Fail them now (ZMTP heartbeats bound
             # how long a router that died or froze takes to be noticed), never hang.
