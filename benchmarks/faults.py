@@ -1,9 +1,12 @@
 """The fault table: run the fault suite (tests/test_faults.py, real processes, kill -9
-and friends) and print what it measured for each fault: faults injected, requests
-affected, terminal replies, KV blocks leaked, time to detect and its bound.
+and friends) and the hostile-input suite (tests/test_hostile.py, test_hostile_router.py:
+forged messages, poison values, huge prompts, greedy clients, a frozen router; issue 19)
+and print what they measured for each fault: faults injected, requests affected,
+terminal replies, KV blocks leaked, time to detect and its bound.
 
-    python benchmarks/faults.py          # runs the suite (~3 min on 2 cores), writes
-                                         # benchmarks/results/faults.json, prints the table
+    python benchmarks/faults.py          # runs both (~6 min on 2 cores), writes
+                                         # benchmarks/results/faults.json and
+                                         # faults-hostile.json, prints the table
     python benchmarks/faults.py --show   # prints the table of the last run
 """
 
@@ -39,6 +42,8 @@ def main() -> int:
             "-p",
             "no:cacheprovider",
             "tests/test_faults.py",
+            "tests/test_hostile.py",
+            "tests/test_hostile_router.py",
         ]
         code = subprocess.call(cmd, cwd=ROOT, env=env)
         if code != 0:
@@ -46,9 +51,14 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from tests.fault_tools import FaultReport, FaultRow
 
-    data = json.loads(args.json.read_text())
-    print(f"settings: {data['meta']}")
-    print(FaultReport([FaultRow(**row) for row in data["rows"]]).table())
+    rows = []  # the hostile suite writes beside the fault suite (tests/hostile_tools.py)
+    hostile = args.json.with_name(f"{args.json.stem}-hostile{args.json.suffix}")
+    for path in (args.json, hostile):
+        if path.is_file():
+            data = json.loads(path.read_text())
+            print(f"{path.name} settings: {data['meta']}")
+            rows += [FaultRow(**row) for row in data["rows"]]
+    print(FaultReport(rows).table())
     return 0
 
 

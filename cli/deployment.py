@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,18 @@ import msgspec
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime.service_config import DeploymentConfig
 
+RESTART_BACKOFF_S = 0.5  # the second restart of a process waits this long, then doubling
+RESTART_BACKOFF_MAX_S = 30.0
+START_LIMIT_BURST = 5  # restarts of one process within START_LIMIT_INTERVAL_S, at most
+START_LIMIT_INTERVAL_S = 120.0
+
+
+def restart_delay(num_recent: int) -> float:
+    """The wait before the next restart of a process restarted ``num_recent`` times lately."""
+    if num_recent == 0:
+        return 0.0
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (num_recent - 1))
+
 
 class Deployment:
     def __init__(
@@ -35,6 +48,9 @@ class Deployment:
         self.config_path = self.log_dir / "deployment.json"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.num_restarts: dict[str, int] = {}
+        self.restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
+        self.exited_at: dict[str, float] = {}  # name -> when its exit was first seen
+        self.made_keys: Path | None = None  # the runtime key directory start() made, if any
 
     @property
     def url(self) -> str:
@@ -54,6 +70,17 @@ class Deployment:
         return out + [("router", ["router"])]
 
     def start(self) -> None:
+        sec = self.cfg.security
+        if not sec.internal_keys and not sec.insecure:
+            # Secure by default: the internal sockets get CURVE with this deployment's own
+            # keys, made in a private directory that only the children are told of.
+            from pdserve.common.runtime.curve import make_runtime_keys
+
+            self.made_keys = make_runtime_keys()
+            self.cfg = msgspec.structs.replace(
+                self.cfg,
+                security=msgspec.structs.replace(sec, internal_keys_dir=str(self.made_keys)),
+            )
         # Owner-only: it may hold the API key.
         self.config_path.touch(mode=0o600)
         self.config_path.chmod(0o600)
@@ -91,21 +118,37 @@ class Deployment:
         proc.wait()
         return proc.pid
 
-    def restart_failed(self, limit: int = 5) -> list[str]:
+    def restart_failed(self, now: float | None = None) -> list[str]:
         """What systemd's Restart=on-failure does for a unit: start again each process that
-        exited with a failure (a prefill whose rank died exits 1). An exit 0 (stopped) or
-        2 (a configuration error), or a process restarted ``limit`` times, raises as
-        :meth:`check_alive` does. Returns the names restarted."""
+        exited with a failure (a prefill whose rank died exits 1), the first time at once,
+        then after an exponential backoff (RESTART_BACKOFF_S doubling up to
+        RESTART_BACKOFF_MAX_S); more than START_LIMIT_BURST restarts of one process within
+        START_LIMIT_INTERVAL_S raise, as systemd's StartLimitBurst stops a unit that keeps
+        failing. An exit 0 (stopped) or 2 (a configuration error) raises as
+        :meth:`check_alive` does. Returns the names restarted now."""
+        now = time.monotonic() if now is None else now
         restarted = []
         for name, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None:
                 continue
-            if code in (0, 2) or self.num_restarts.get(name, 0) >= limit:
+            if code in (0, 2):
                 self.check_alive()
+            recent = [t for t in self.restarts.get(name, []) if now - t < START_LIMIT_INTERVAL_S]
+            if len(recent) >= START_LIMIT_BURST:
+                raise PdserveError(
+                    f"{name} failed {len(recent) + 1} times within {START_LIMIT_INTERVAL_S:g} s "
+                    f"(exit code {code}); not restarting it again (start limit); "
+                    f"its log: {self.log_dir / (name + '.log')}"
+                )
+            exited = self.exited_at.setdefault(name, now)
+            if now < exited + restart_delay(len(recent)):
+                continue  # backing off
+            del self.exited_at[name]
+            self.restarts[name] = [*recent, now]
             self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
             self.restart(name)
-            restarted.append(f"{name} (exit code {code})")
+            restarted.append(f"{name} (exit code {code}, restart {len(recent) + 1})")
         return restarted
 
     def restart(self, name: str, env: dict[str, str] | None = None) -> None:
@@ -160,6 +203,9 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[name] = proc.wait()
+        if self.made_keys is not None:
+            shutil.rmtree(self.made_keys, ignore_errors=True)
+            self.made_keys = None
         return codes
 
     def __enter__(self) -> Deployment:

@@ -35,6 +35,11 @@ def run(args: argparse.Namespace) -> int:
         uvloop.run(serve(cfg))
         return 0
     threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // 2)
+    from pdserve.common.runtime.net_scope import confine_to
+
+    addresses = cfg.prefill_addresses if args.role == "prefill" else cfg.decode_addresses
+    if 0 <= args.instance < len(addresses):  # else the service names the bad instance
+        confine_to(addresses[args.instance].address)  # before any NIXL agent or rank starts
     if args.role == "prefill":
         from pdserve.services.prefill.service import PrefillService
 

@@ -76,6 +76,8 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--curve-keys-dir", default=None,
                    help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="no CURVE on the internal sockets (by default `up` makes keys for them)")  # fmt: skip
 
 
 def add_parsers(sub: Any) -> None:
@@ -112,11 +114,19 @@ def _start(args: argparse.Namespace) -> Any:
         pcp=args.pcp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
-        security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
+        security={
+            k: v
+            for k, v in (("curve_keys_dir", args.curve_keys_dir), ("insecure", args.insecure))
+            if v is not None
+        }
+        or None,
     )
     from pdserve.common.runtime.curve import WireSecurity
 
-    WireSecurity.from_dir(cfg.security.curve_keys_dir)  # bad keys: one error now, not one per child
+    # bad keys: one error now, not one per child
+    WireSecurity.from_dir(cfg.security.curve_keys_dir, internal_dir=cfg.security.internal_keys_dir)
+    if cfg.security.insecure:
+        print("--insecure: the internal sockets run without CURVE", file=sys.stderr)
     dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
     started = time.monotonic()
     print(

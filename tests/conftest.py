@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.model.files import resolve_model
+from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noqa: F401 (session fixtures)
 
 
 @pytest.fixture(scope="session")

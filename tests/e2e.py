@@ -18,6 +18,10 @@ def deployment(
     **flags: Any,
 ) -> Deployment:
     base = free_port_block(100)
+    # Most end-to-end tests talk to the services straight, as a router would (tests/fault_tools.py's
+    # Peer, without keys): they opt out of the internal CURVE `pdserve up` turns on by default.
+    # test_hostile.py runs the default (keys made at start) and test_security.py its own keys.
+    flags.setdefault("security", {"insecure": True})
     cfg = load_config(
         None,
         model=str(model_dir),

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.curve import CurveKeys
 from pdserve.common.runtime.sockets import make_socket
 
 T = TypeVar("T")
@@ -42,9 +43,10 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, interval: floa
 
 
 class Peer:
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, curve: CurveKeys | None = None) -> None:
+        """``curve``: the deployment's client keys, where its internal sockets run CURVE."""
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=curve)
         self.decoder: p.Decoder[Any] = p.Decoder(
             p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
         )
@@ -97,15 +99,15 @@ class Peer:
         raise AssertionError(f"no metrics within {timeout:g} s")
 
 
-def service_metrics(address: str, role: str) -> dict[str, float]:
-    with Peer(address, role) as peer:
+def service_metrics(address: str, role: str, curve: CurveKeys | None = None) -> dict[str, float]:
+    with Peer(address, role, curve) as peer:
         return peer.metrics()
 
 
-def pools_full(addresses: list[tuple[str, str]]) -> bool:
+def pools_full(addresses: list[tuple[str, str]], curve: CurveKeys | None = None) -> bool:
     """Every service's KV pool back to its starting free count, and nothing in flight."""
     for address, role in addresses:
-        m = service_metrics(address, role)
+        m = service_metrics(address, role, curve)
         if m["pdserve:kv_blocks_free"] != m["pdserve:kv_blocks_total"]:
             return False
         if m.get("pdserve:num_requests_running", 0) or m.get("pdserve:num_requests_waiting", 0):

@@ -178,7 +178,8 @@ def connected(num_replicas: int = 1) -> Connected:
 def test_a_pull_waits_for_the_handshake_then_admits_and_releases(h: Harness) -> None:
     h.turn(decode("a", handle()))
     assert h.puller.started == []  # the producer is not connected yet
-    assert h.thread.pending_by_producer == {"tcp://side:0": (ENGINE, EPOCH, ["a"])}
+    # heartbeat targets: (engine, epoch, request ids, their handles' tokens)
+    assert h.thread.pending_by_producer == {"tcp://side:0": (ENGINE, EPOCH, ["a"], [""])}
     h.turn(connected())
     [(rid, plan)] = h.puller.started
     assert rid == "a" and len(plan) == 1 and plan[0][0].remote_block_ids == [5, 6, 7]

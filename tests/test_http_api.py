@@ -63,7 +63,7 @@ class FakeCore:
         self.submitted: list[Generate] = []
         self.closed: list[str] = []  # requests whose iterator was closed before the end
 
-    def submit(self, gen: Generate) -> AsyncIterator[Event]:
+    def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
         return self._run(gen)
 
     async def _run(self, gen: Generate) -> AsyncIterator[Event]:
@@ -112,7 +112,7 @@ class FakeCore:
             if not ended:
                 self.closed.append(rid)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, owner: str = "") -> None:
         pass
 
     def is_ready(self) -> bool:

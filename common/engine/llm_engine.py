@@ -83,6 +83,7 @@ class EngineCore(Generic[OutputT]):
         self.sampler = Sampler(self.eos_token_ids, grammars)
         self._requests: dict[str, tuple[Request, TextTracker]] = {}
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
+        self.failures: list[tuple[str, str]] = []  # take_failures()
         self._arrivals = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
@@ -162,6 +163,13 @@ class EngineCore(Generic[OutputT]):
             [(r.prompt_token_ids, r.output_token_ids) for r in sampled],
             [r.request_id for r in sampled],
         )
+        if self.sampler.failed_rows:  # those requests end here, the others go on
+            keep = [i for i in range(len(sampled)) if i not in self.sampler.failed_rows]
+            for row, why in self.sampler.failed_rows.items():
+                self._fail_request(sampled[row], why)
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            sampled = [sampled[i] for i in keep]
+            tokens = [tokens[i] for i in keep]
         outputs = [self._advance(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
         if any(r.sampling.logprobs is not None for r in sampled):
             params = [r.sampling for r in sampled]
@@ -177,6 +185,16 @@ class EngineCore(Generic[OutputT]):
         if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
             self.sampler.grammars.prune(self._requests)
         return outputs
+
+    def _fail_request(self, req: Request, why: str) -> None:
+        self._requests.pop(req.request_id, None)
+        self.scheduler.finish(req, "abort")
+        self.failures.append((req.request_id, f"sampling failed: {why}"))
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """Requests the last steps ended because they alone failed (request id, why)."""
+        out, self.failures = self.failures, []
+        return out
 
     def _output(
         self, req: Request, tokens: list[int], text: str, reason: str | None
@@ -243,6 +261,8 @@ class LLMEngine(EngineCore[RequestOutput]):
             if self.last_step_tokens == 0:
                 # Here nothing else holds blocks, so an empty step would repeat forever.
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r}")
+            for rid, why in self.take_failures():
+                raise RequestError(f"request {rid}: {why}")
             for out in outputs:
                 texts[out.request_id].append(out.text)
                 tokens[out.request_id] += out.new_token_ids

@@ -9,7 +9,10 @@ import torch
 from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.common.engine.structured import GrammarTable
 
+FAILED_TOKEN = -1  # a row the sampler could not sample (Sampler.failed_rows says why)
+
 __all__ = [
+    "FAILED_TOKEN",
     "Sampler",
     "SamplingParams",
     "TokenLogprobs",
@@ -36,6 +39,9 @@ class Sampler:
         """``grammars``: the structured-output matchers; None: such requests are refused."""
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
+        # Rows of the last call that could not be sampled (row -> why); their token is
+        # FAILED_TOKEN. One request's numerical failure is its own, never its batch's.
+        self.failed_rows: dict[int, str] = {}
 
     def __call__(
         self,
@@ -49,20 +55,41 @@ class Sampler:
         only by rows whose params adjust logits (penalties, logit_bias, min_tokens,
         structured output, which also needs ``request_ids``)."""
         tokens = logits.argmax(dim=-1).tolist()
+        self.failed_rows = {}
         for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
-            row_logits = logits[row]
-            if p.adjusts_logits:
-                prompt, output = histories[row] if histories is not None else ((), ())
-                row_logits = adjust_logits(row_logits, p, prompt, output, self.eos_token_ids)
-                if p.structured is not None:
-                    self._grammar_mask(row_logits, p, output, request_ids, row)
-                if p.is_greedy:
-                    tokens[row] = int(row_logits.argmax())
-            if not p.is_greedy:
-                tokens[row] = sample_row(row_logits, p, token_generator(p.seed, n, logits.device))
-            if p.structured is not None and self.grammars is not None and request_ids:
-                self.grammars.accept(request_ids[row], tokens[row])
+            try:
+                tokens[row] = self._row(logits, row, p, n, tokens[row], histories, request_ids)
+            except (RuntimeError, ValueError) as exc:  # NaN / inf / empty distribution
+                self.failed_rows[row] = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                tokens[row] = FAILED_TOKEN
         return tokens
+
+    def _row(
+        self,
+        logits: torch.Tensor,  # [S, V]
+        row: int,
+        p: SamplingParams,
+        n: int,
+        greedy_token: int,
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+        request_ids: Sequence[str] | None,
+    ) -> int:
+        row_logits = logits[row]
+        token = greedy_token
+        if p.adjusts_logits:
+            prompt, output = histories[row] if histories is not None else ((), ())
+            row_logits = adjust_logits(row_logits, p, prompt, output, self.eos_token_ids)
+            if p.structured is not None:
+                self._grammar_mask(row_logits, p, output, request_ids, row)
+            if p.is_greedy:
+                token = int(row_logits.argmax())
+        if not p.is_greedy:
+            token = sample_row(row_logits, p, token_generator(p.seed, n, logits.device))
+        elif bool(torch.isnan(row_logits[token])):
+            raise ValueError("the model's logits for this request are NaN")
+        if p.structured is not None and self.grammars is not None and request_ids:
+            self.grammars.accept(request_ids[row], token)
+        return token
 
     def _grammar_mask(
         self,
@@ -162,4 +189,9 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     probs = logits.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise ValueError(
+            f"the sampling distribution is not finite (temperature {p.temperature:g}, "
+            f"top_p {p.top_p:g}, top_k {p.top_k}, min_p {p.min_p:g})"
+        )
     return int(torch.multinomial(probs, 1, generator=gen).item())

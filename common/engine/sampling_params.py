@@ -27,6 +27,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+
+
 class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     """A constraint on the output: ``json`` (spec: a JSON schema), ``json_object`` (any
     JSON object), ``regex``, ``choice`` (spec: a JSON list of strings), ``grammar``
@@ -62,7 +65,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below SAMPLING_EPS dividing by the temperature overflows to inf and the
+        # softmax to NaN: such a temperature means greedy (as vLLM's _SAMPLING_EPS).
+        return self.temperature < SAMPLING_EPS
 
     @property
     def adjusts_logits(self) -> bool:

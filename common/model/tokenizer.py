@@ -7,6 +7,7 @@ configuration transformers uses, so prompts come out identical to Hugging Face's
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -78,6 +79,12 @@ class Tokenizer:
             raise ModelLoadError(
                 f"the chat template in {path} does not parse ({exc}); fix or remove it"
             ) from exc
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token covers (its string's length, which counts bytes
+        for byte-level BPE): a text longer than ``n`` times this has more than ``n`` tokens."""
+        return max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

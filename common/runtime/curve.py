@@ -47,6 +47,7 @@ from pdserve.common.errors import PdserveError
 
 if TYPE_CHECKING:
     from pdserve.common.runtime.metrics import Metrics
+    from pdserve.common.runtime.service_config import SecurityConfig
 
 log = structlog.get_logger("pdserve.curve")
 
@@ -129,20 +130,53 @@ class WireSecurity:
     client: CurveKeys | None = None
 
     @classmethod
-    def from_dir(cls, keys_dir: str, on_refused: Callable[[], None] | None = None) -> WireSecurity:
-        if not keys_dir:
-            return cls()
-        return cls(server=CurveKeys.server(keys_dir, on_refused),
-                   front=CurveKeys.server(keys_dir, on_refused, front=True),
-                   client=CurveKeys.client(keys_dir))  # fmt: skip
+    def from_dir(
+        cls,
+        keys_dir: str,
+        on_refused: Callable[[], None] | None = None,
+        internal_dir: str = "",
+    ) -> WireSecurity:
+        """``keys_dir``: CURVE everywhere, the front door included; else ``internal_dir``:
+        CURVE on the internal sockets only (the front door open); neither: off."""
+        if keys_dir:
+            return cls(server=CurveKeys.server(keys_dir, on_refused),
+                       front=CurveKeys.server(keys_dir, on_refused, front=True),
+                       client=CurveKeys.client(keys_dir))  # fmt: skip
+        if internal_dir:
+            return cls(server=CurveKeys.server(internal_dir, on_refused),
+                       client=CurveKeys.client(internal_dir))  # fmt: skip
+        return cls()
 
     @classmethod
-    def counted(cls, keys_dir: str, metrics: Metrics) -> WireSecurity:
-        """From a key directory (empty: off), refusals counted in ``pdserve:auth_failures``."""
-        if not keys_dir:
+    def counted(cls, security: SecurityConfig, metrics: Metrics) -> WireSecurity:
+        """From the ``[security]`` config, refusals counted in ``pdserve:auth_failures``;
+        internal sockets without CURVE are logged (a warning: any local process reaches them)."""
+        if not security.internal_keys:
+            log.warning(
+                "internal_curve_off",
+                why="insecure = true" if security.insecure else "no CURVE keys configured",
+                hint="any process that reaches the services' ports may send them requests; "
+                "`pdserve up` makes keys unless --insecure, systemd units use `pdserve keys`",
+            )
             return cls()
         metrics.declare("pdserve:auth_failures")
-        return cls.from_dir(keys_dir, lambda: metrics.inc("pdserve:auth_failures"))
+        return cls.from_dir(
+            security.curve_keys_dir,
+            lambda: metrics.inc("pdserve:auth_failures"),
+            security.internal_keys_dir,
+        )
+
+
+def make_runtime_keys() -> Path:
+    """A fresh key directory for one `pdserve up`: private (0700, under $XDG_RUNTIME_DIR
+    when there is one), removed when the deployment stops."""
+    import tempfile
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    parent = runtime if runtime and os.path.isdir(runtime) else None
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-keys-", dir=parent))  # 0700
+    create_keys(directory)
+    return directory
 
 
 def create_keys(keys_dir: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from pdserve.common.errors import FatalError
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.boundary import Limits
 from pdserve.common.runtime.engine_commands import Barrier, Command
 from pdserve.common.runtime.fault_hooks import FaultHooks
 from pdserve.common.runtime.metrics import Metrics
@@ -82,6 +84,8 @@ class EngineThread(threading.Thread):
         # Called on the service's loop when a turn raised: the engine cannot go on.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.handlers: dict[type[Command], Callable[[Any], None]] = {Barrier: self._on_barrier}
+        # What the engine accepts, set by ``setup``: the service checks messages against it.
+        self.limits: Limits | None = None
 
     def submit(self, command: Command) -> None:
         self.inbox.put(command)
@@ -135,7 +139,7 @@ class EngineThread(threading.Thread):
                 if self._stop_event.is_set():
                     break
                 for command in commands:
-                    self.handlers[type(command)](command)
+                    self._handle(command)
                 busy = self.run_once()
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
             self.failed = exc
@@ -149,6 +153,38 @@ class EngineThread(threading.Thread):
                 self.post(self.on_fatal, exc)
         finally:
             self.teardown()
+
+    def _handle(self, command: Command) -> None:
+        """One command; an error in it fails its request, never the thread (a rank that
+        died, ``FatalError``, still ends the engine)."""
+        try:
+            self.handlers[type(command)](command)
+        except FatalError:
+            raise
+        except Exception as exc:
+            log.exception("command_failed", worker=self.name, command=type(command).__name__)
+            self.ctx.metrics.inc("pdserve:bad_messages")
+            self.command_failed(command, exc)
+
+    def command_failed(self, command: Command, exc: Exception) -> None:
+        """Answer the request of a command whose handler raised (its state dropped)."""
+        identity = getattr(command, "identity", None)
+        request = getattr(command, "request", None)
+        if identity is None or request is None:
+            return
+        self.forget(request.request_id)
+        self.reply(
+            identity,
+            p.Failed(
+                request_id=request.request_id,
+                trace_id=request.trace_id,
+                reason="bad_request",
+                message=f"the request could not be handled: {exc}",
+            ),
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the thread holds of a request that failed in a command."""
 
     def _drain(self, block: bool) -> list[Command]:
         commands: list[Command | None] = []

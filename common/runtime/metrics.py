@@ -35,6 +35,9 @@ COUNTERS = {
     "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
     "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
+    "pdserve:kv_forged_messages": "releases and heartbeats refused: they lacked the KV handle's token",
+    "pdserve:request_timeouts": "requests the router failed because a phase passed its deadline, by phase",
+    "pdserve:loop_stalls": "times this process's event loop woke later than its ping interval (its own stall)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
 }
 GAUGES = {
@@ -42,6 +45,7 @@ GAUGES = {
     "pdserve:kv_blocks_total": "KV blocks in the pool",
     "pdserve:num_requests_running": "requests running",
     "pdserve:num_requests_waiting": "requests waiting",
+    "pdserve:loop_lag_seconds": "how late the event loop's periodic task last woke (beyond its interval)",
 }
 HISTOGRAMS = {
     "pdserve:time_to_first_token_seconds": "time from arrival to the first token",

@@ -112,6 +112,9 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     # Table entries before block_ids[0]: behind a sliding window, never published (a model
     # whose every layer slides, common/engine/kv_groups.py); block_ids hold the rest.
     first_block: int = 0
+    # A secret of this request's lease, known only to whoever received the handle (the
+    # router, then the one decode it picked): a Release or Heartbeat must name it.
+    token: str = ""
 
 
 class PrefillDone(Message, kw_only=True, omit_defaults=True):
@@ -171,6 +174,7 @@ class Heartbeat(Message, kw_only=True):
     engine_id: str
     epoch: int
     request_ids: list[str]
+    tokens: list[str] = []  # each request's KVHandle.token, in the order of request_ids
 
 
 class Release(Message, kw_only=True):
@@ -182,6 +186,7 @@ class Release(Message, kw_only=True):
     engine_id: str
     epoch: int
     rank: int = 0  # the replica rank released (matters for the side-channel fallback)
+    token: str = ""  # the request's KVHandle.token: a release from anyone else is refused
 
 
 class SideReply(Message, kw_only=True):

@@ -33,11 +33,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from pdserve.common.runtime import boundary
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import WireSecurity
 from pdserve.common.runtime.engine_commands import Abort, Barrier
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread
 from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog, notify
 from pdserve.common.runtime.service_config import DeploymentConfig
@@ -60,7 +62,7 @@ class Service(abc.ABC):
         self.instance = instance
         self.address = address
         self.metrics = Metrics(self.role, instance)
-        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
+        self.security = WireSecurity.counted(cfg.security, self.metrics)
         self.ctx = zmq.asyncio.Context()
         self._decoder: p.Decoder[Any] = p.Decoder(inbound)
         self.handlers: dict[type, Handler] = {p.Ping: self.on_ping, p.MetricsQuery: self.on_metrics}
@@ -234,6 +236,8 @@ class Service(abc.ABC):
                     ),
                 )
                 continue
+            if not self._valid(sock, identity, msg):
+                continue
             if isinstance(msg, self.request_types) and not self._admit(identity, msg):
                 continue
             try:
@@ -242,6 +246,30 @@ class Service(abc.ABC):
                     await result
             except Exception:  # one bad message must not take the service down
                 self.log.exception("handler_failed", message_type=type(msg).__name__)
+
+    def _valid(self, sock: zmq.asyncio.Socket, identity: bytes, msg: Any) -> bool:
+        """The boundary's semantic checks (common/runtime/boundary.py): a message that
+        fails one is answered ``Failed(bad_request)``, counted, and goes no further."""
+        engine = self.engine_thread
+        problem = boundary.check(msg, engine.limits if engine is not None else None)
+        if problem is None:
+            return True
+        rid = getattr(msg, "request_id", "")
+        rid = rid if len(rid) <= boundary.MAX_ID_CHARS else ""
+        trace = getattr(msg, "trace_id", "")
+        trace = trace if len(trace) <= boundary.MAX_ID_CHARS else ""
+        self.metrics.inc("pdserve:bad_messages")
+        self.log.warning(
+            "bad_message",
+            message_type=type(msg).__name__,
+            request_id=rid,
+            trace_id=trace,
+            error=problem,
+            peer=identity.hex(),
+        )
+        refusal = p.Failed(request_id=rid, trace_id=trace, reason="bad_request", message=problem)
+        self.send(sock, identity, refusal)
+        return False
 
     def _admit(self, identity: bytes, msg: Any) -> bool:
         if (
@@ -329,10 +357,14 @@ class Service(abc.ABC):
     async def _watch_routers(self) -> None:
         """A router that stopped pinging (it died, or its connection did) will never read
         its requests' replies: abort them, so their KV is freed now, not stranded."""
+        lag = LoopLag(self.cfg.ping_seconds, self.metrics)
         while True:
             await asyncio.sleep(self.cfg.ping_seconds)
             now = time.monotonic()
+            stalled = lag.tick()
             for identity, last in list(self.routers.items()):
+                if stalled:  # this loop's stall, not the router's silence
+                    last = self.routers[identity] = last + stalled
                 if now - last >= self.cfg.peer_timeout_seconds:
                     del self.routers[identity]
                     self.on_router_lost(identity)
@@ -347,10 +379,18 @@ class Service(abc.ABC):
             request_ids=rids[:16],
             silent_seconds=self.cfg.peer_timeout_seconds,
         )
+        message = (
+            f"{self.role} {self.instance} heard no ping from this router for "
+            f"{self.cfg.peer_timeout_seconds:g} s (peer_timeout_seconds) and aborted the "
+            "request; retry it"
+        )
         for rid in rids:
-            del self.inflight[rid]
+            _, trace = self.inflight.pop(rid)
             if self.engine_thread is not None:
                 self.engine_thread.submit(Abort(request_id=rid))
+            # Lost to us, maybe not gone: a router that was only stalled learns why at once.
+            failed = p.Failed(request_id=rid, trace_id=trace, reason="peer_down", message=message)
+            self.send(self.front, identity, failed)
 
     def on_engine_failed(self, exc: BaseException) -> None:
         """The engine thread died (a rank process died, a step raised): fail every request

@@ -34,6 +34,18 @@ class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # (encrypted; only clients whose public key is in DIR/authorized_keys get in).
     # Empty: off. A relative path is taken from the working directory of each process.
     curve_keys_dir: str = ""
+    # Keys for the internal sockets only (services' ROUTERs, side channels; the front
+    # door stays as configured above): `pdserve up` makes a pair in a private runtime
+    # directory and names it here when nothing else is configured.
+    internal_keys_dir: str = ""
+    # No CURVE on the internal sockets even where `pdserve up` would make keys: any
+    # process that reaches a service's port may then talk to it (logged at start).
+    insecure: bool = False
+
+    @property
+    def internal_keys(self) -> str:
+        """The key directory of the internal sockets ("" when they run without CURVE)."""
+        return self.curve_keys_dir or self.internal_keys_dir
 
 
 class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -73,6 +85,18 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ping_seconds: float = 1.0
     peer_timeout_seconds: float = 5.0
     max_queued_requests: int = 1024  # per service; beyond it requests fail "overloaded"
+    # The router's deadline for each phase of a request (0: none): the prefill's answer,
+    # the first token once decode has the request, the gap between two tokens. Past one
+    # the request fails "timeout" naming the phase and the instance, which is told to abort.
+    # Router admission (one client must not starve the others): requests in flight per
+    # client (an SDK connection, an HTTP peer address), prompts per HTTP request, bytes
+    # per HTTP body (read no further).
+    max_requests_per_client: int = 256
+    max_prompts_per_request: int = 128
+    max_body_bytes: int = 32 * 2**20
+    prefill_timeout_seconds: float = 300.0
+    first_token_timeout_seconds: float = 300.0
+    token_gap_timeout_seconds: float = 60.0
     drain_seconds: float = 30.0  # on SIGTERM: how long work in flight may take to finish
     security: SecurityConfig = SecurityConfig()
     engine: EngineConfig = EngineConfig()
@@ -100,6 +124,15 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
                 "decode instances: give one size, or one per instance"
             )
+        for name in (
+            "prefill_timeout_seconds",
+            "first_token_timeout_seconds",
+            "token_gap_timeout_seconds",
+        ):
+            if getattr(self, name) < 0:
+                raise PdserveError(
+                    f"{name} must be >= 0 (0: no deadline), got {getattr(self, name)}"
+                )
         for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise PdserveError(f"{name} must be positive, got {getattr(self, name)}")
@@ -113,6 +146,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"peer_timeout_seconds ({self.peer_timeout_seconds:g}) must be at least twice "
                 f"ping_seconds ({self.ping_seconds:g}): one late ping must not mark a peer down"
             )
+        for name in ("max_requests_per_client", "max_prompts_per_request", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 1:
             raise PdserveError(
                 f"max_queued_requests must be at least 1, got {self.max_queued_requests}"

@@ -397,6 +397,7 @@ class KVConsumer(_CacheAgent):
                     engine_id=handle.engine_id,
                     epoch=handle.epoch,
                     rank=index,
+                    token=handle.token,
                 )
             )
             key = (handle.engine_id, handle.epoch, replica.agent_name)

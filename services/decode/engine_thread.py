@@ -19,6 +19,7 @@ import structlog
 from pdserve.common.engine.outputs import RequestOutput
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.boundary import Limits
 from pdserve.common.runtime.engine_commands import (
     Abort,
     Connected,
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pdserve.decode")
 
-# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting)
-PendingByProducer = dict[str, tuple[str, int, list[str]]]
+# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting,
+# their handles' tokens)
+PendingByProducer = dict[str, tuple[str, int, list[str], list[str]]]
 
 
 @dataclass
@@ -107,6 +109,10 @@ class DecodeEngineThread(EngineThread):
             assert isinstance(runner, ModelRunner)  # in process: no rank group
             self.puller = LocalPuller(agent_name, runner)
         self.metrics = ctx.metrics
+        self.limits = Limits(
+            vocab_size=self.engine.model_config.vocab_size,
+            max_model_len=self.engine.max_model_len,
+        )
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
             "pdserve:kv_transfers",
@@ -150,6 +156,13 @@ class DecodeEngineThread(EngineThread):
             return
         self.pending[rid] = PendingPull(identity, msg, msg.handle)
 
+    def forget(self, request_id: str) -> None:
+        pp = self.pending.pop(request_id, None)
+        if pp is not None and pp.blocks:
+            self.engine.pool.free(pp.blocks)
+        self.peers.pop(request_id, None)
+        self.engine.abort(request_id)
+
     def _on_connected(self, cmd: Connected) -> None:
         key = cmd.key
         try:
@@ -184,7 +197,13 @@ class DecodeEngineThread(EngineThread):
         # (on CPU, UCX copies inside the post) instead of one engine step later.
         for rid, pp in list(self.pending.items()):
             if not pp.pulling:
-                self._maybe_start(rid, pp)
+                try:
+                    self._maybe_start(rid, pp)
+                except FatalError:
+                    raise
+                except Exception as exc:  # a handle the boundary let through: this request only
+                    log.exception("pull_start_failed", request_id=rid)
+                    self._pull_failed(rid, pp, f"{type(exc).__name__}: {exc}", release=False)
         for result in self.puller.poll():
             polled = self.pending.get(result.request_id)
             if polled is not None:
@@ -322,6 +341,7 @@ class DecodeEngineThread(EngineThread):
                 engine_id=handle.engine_id,
                 epoch=handle.epoch,
                 rank=index,
+                token=handle.token,
             )
             self.post(self.ctx.send_side, handle.replicas[index].side_channel, release)
 
@@ -331,9 +351,11 @@ class DecodeEngineThread(EngineThread):
         for rid, pp in self.pending.items():
             for replica in pp.handle.replicas:
                 entry = out.setdefault(
-                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [])
+                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [], [])
                 )
-                entry[2].append(rid)
+                if rid not in entry[2]:  # several replicas share one side channel
+                    entry[2].append(rid)
+                    entry[3].append(pp.handle.token)
         return out
 
     # -- decoding ---------------------------------------------------------------------------
@@ -350,6 +372,9 @@ class DecodeEngineThread(EngineThread):
                     identity, trace = self.peers.pop(rid)
                     self._fail(identity, rid, trace, "internal", f"decode step failed: {exc}")
             return
+        for rid, why in self.engine.take_failures():  # this request alone
+            identity, trace = self.peers.pop(rid)
+            self._fail(identity, rid, trace, "internal", why)
         for out in outputs:
             self._emit(out)
 

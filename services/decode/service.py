@@ -188,7 +188,8 @@ class DecodeService(Service):
             if not self.is_ready:
                 continue
             targets = self.decode_engine.pending_by_producer  # the engine thread's snapshot
-            for address, (engine_id, epoch, rids) in targets.items():
-                self.send_side(
-                    address, p.Heartbeat(engine_id=engine_id, epoch=epoch, request_ids=rids)
+            for address, (engine_id, epoch, rids, tokens) in targets.items():
+                beat = p.Heartbeat(
+                    engine_id=engine_id, epoch=epoch, request_ids=rids, tokens=tokens
                 )
+                self.send_side(address, beat)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import structlog
 
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.boundary import Limits
 from pdserve.common.runtime.engine_commands import Abort, Heartbeat, Prefill, SideRelease
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
@@ -96,10 +98,16 @@ class PrefillEngineThread(EngineThread):
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
         self.metrics = ctx.metrics
+        self.limits = Limits(
+            vocab_size=self.engine.model_config.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            num_ranks=len(replies),
+        )
         self.metrics.set("pdserve:kv_blocks_total", self.engine.pool.num_blocks)
         self.metrics.declare(
             "pdserve:num_preemptions",
             "pdserve:bad_messages",
+            "pdserve:kv_forged_messages",
             "pdserve:prefix_cache_replayed_tokens",
         )
         for rank in range(self.leases.num_ranks):
@@ -147,6 +155,10 @@ class PrefillEngineThread(EngineThread):
             return
         self.peers[req.request_id] = (identity, req.trace_id)
 
+    def forget(self, request_id: str) -> None:
+        self.peers.pop(request_id, None)
+        self.engine.abort(request_id)
+
     def _on_abort(self, cmd: Abort) -> None:
         request_id = cmd.request_id
         if self.engine.abort(request_id) is not None:
@@ -161,7 +173,14 @@ class PrefillEngineThread(EngineThread):
     def _on_heartbeat(self, cmd: Heartbeat) -> None:
         beat = cmd.beat
         if self._is_ours(beat.engine_id, beat.epoch):
-            self.leases.extend(beat.request_ids, time.time())
+            refused = [
+                rid
+                for rid in self.leases.extend(beat.request_ids, time.time(), beat.tokens)
+                if rid in self.leases
+            ]
+            if refused:  # held here, but named without the handle's token
+                self.metrics.inc("pdserve:kv_forged_messages", len(refused))
+                log.warning("heartbeat_refused", request_ids=refused[:8], num=len(refused))
 
     def _on_side_release(self, cmd: SideRelease) -> None:
         self._on_release(cmd.release, cmd.release.rank)
@@ -170,8 +189,13 @@ class PrefillEngineThread(EngineThread):
         if not self._is_ours(release.engine_id, release.epoch):
             log.warning("stale_release", request_id=release.request_id, epoch=release.epoch)
             return
+        if not self.leases.owns(release.request_id, release.token):
+            self.metrics.inc("pdserve:kv_forged_messages")
+            log.warning("release_refused", request_id=release.request_id, rank=rank,
+                        why="the release does not carry the handle's token")  # fmt: skip
+            return
         self.metrics.inc("pdserve:kv_replica_releases", rank=rank)
-        freed = self.leases.release(release.request_id, rank)
+        freed = self.leases.release(release.request_id, rank, release.token)
         if freed is not None:
             self._free(freed)
 
@@ -194,6 +218,9 @@ class PrefillEngineThread(EngineThread):
                 self._fail(identity, rid, trace, "internal", f"prefill step failed: {exc}")
             return
         self._mark_scheduled(started)
+        for rid, why in self.engine.take_failures():  # this request alone
+            identity, trace = self.peers.pop(rid)
+            self._fail(identity, rid, trace, "internal", why)
         for done in results:
             self._publish(done)
 
@@ -213,7 +240,8 @@ class PrefillEngineThread(EngineThread):
 
     def _publish(self, done: Prefilled) -> None:
         identity, trace = self.peers.pop(done.request_id)
-        deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time())
+        token = secrets.token_hex(16)
+        deadline = self.leases.add(done.request_id, trace, done.block_ids, time.time(), token)
         handle = p.KVHandle(
             engine_id=self.ctx.engine_id,
             epoch=self.ctx.epoch,
@@ -223,6 +251,7 @@ class PrefillEngineThread(EngineThread):
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,
+            token=token,
         )
         msg = p.PrefillDone(
             request_id=done.request_id,

@@ -19,6 +19,7 @@ class Lease:
     deadline: float
     pending_ranks: set[int]
     released_ranks: set[int] = field(default_factory=set)
+    token: str = ""  # the handle's secret: releases and heartbeats must name it
 
 
 @dataclass(frozen=True)
@@ -43,30 +44,44 @@ class LeaseTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def add(self, request_id: str, trace_id: str, block_ids: list[int], now: float) -> float:
-        """Pin ``block_ids``; returns the lease deadline."""
+    def add(
+        self, request_id: str, trace_id: str, block_ids: list[int], now: float, token: str = ""
+    ) -> float:
+        """Pin ``block_ids``; returns the lease deadline. ``token``: the handle's secret."""
         deadline = now + self.lease_seconds
         self._leases[request_id] = Lease(
-            request_id, trace_id, block_ids, deadline, set(range(self.num_ranks))
+            request_id, trace_id, block_ids, deadline, set(range(self.num_ranks)), token=token
         )
         return deadline
 
-    def extend(self, request_ids: list[str], now: float) -> list[str]:
-        """Push the deadlines of still-held requests; returns those unknown here."""
+    def owns(self, request_id: str, token: str) -> bool:
+        """Whether ``token`` is the secret of ``request_id``'s lease (unknown: True, a no-op)."""
+        lease = self._leases.get(request_id)
+        return lease is None or lease.token == token
+
+    def extend(
+        self, request_ids: list[str], now: float, tokens: list[str] | None = None
+    ) -> list[str]:
+        """Push the deadlines of still-held requests whose token matches; returns those
+        unknown here or named with a wrong token."""
         unknown = []
-        for rid in request_ids:
+        for i, rid in enumerate(request_ids):
             lease = self._leases.get(rid)
-            if lease is None:
+            token = tokens[i] if tokens is not None and i < len(tokens) else ""
+            if lease is None or lease.token != token:
                 unknown.append(rid)
             else:
                 lease.deadline = max(lease.deadline, now + self.lease_seconds)
         return unknown
 
-    def release(self, request_id: str, rank: int) -> Freed | None:
-        """Rank ``rank`` is done with ``request_id``; the blocks when it was the last."""
+    def release(self, request_id: str, rank: int, token: str | None = None) -> Freed | None:
+        """Rank ``rank`` is done with ``request_id``; the blocks when it was the last.
+        ``token`` (None: the producer's own abort) must be the lease's secret."""
         lease = self._leases.get(request_id)
         if lease is None or rank not in lease.pending_ranks:
             return None  # late (after expiry) or repeated: nothing held any more
+        if token is not None and token != lease.token:
+            return None  # not from whoever received the handle: refused (the caller counts)
         lease.pending_ranks.discard(rank)
         lease.released_ranks.add(rank)
         if lease.pending_ranks:

@@ -30,6 +30,7 @@ every pending and later request at once with GenerationFailed, reason
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 import uuid
@@ -60,13 +61,15 @@ from pdserve.common.runtime.protocol import (
     Usage,
     encode,
 )
-from pdserve.common.runtime.sockets import make_socket
+from pdserve.common.runtime.sockets import HEARTBEAT_TIMEOUT_MS, make_socket
 
 log = structlog.get_logger("pdserve.client")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5600"  # DeploymentConfig's front_address by default
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+ABORT_FLUSH_MS = 1_000  # close() waits this long at most for queued aborts to leave
+_SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # the HTTP API's x-request-id rule
 HWM = 100_000  # per-token frames of many concurrent streams; queued, not dropped
 POLL_SLICE_S = 0.05  # the sync client releases the socket this often for other threads
 REACHABLE_CHECK_S = 0.25  # the async client checks the router's connection this often
@@ -140,6 +143,19 @@ def _request(
     except msgspec.ValidationError as exc:
         raise RequestError(f"bad request argument: {exc}") from None
     params.validate()  # fail here, not after a round trip
+    if request_id is not None and not _SANE_ID.fullmatch(request_id):
+        raise RequestError(  # the HTTP API's rule for x-request-id
+            "request_id must be 1-128 printable ASCII characters without spaces, "
+            f"got {request_id[:40]!r}{'...' if len(request_id) > 40 else ''}"
+        )
+    if prompt_token_ids is not None:
+        if not prompt_token_ids:
+            raise RequestError("prompt_token_ids is empty")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or t < 0), None)
+        if bad is not None:
+            raise RequestError(f"prompt_token_ids holds {bad!r}: token ids are ints >= 0")
+    if prompt is not None and not prompt:
+        raise RequestError("the prompt is empty")
     return Generate(
         request_id=request_id or f"sdk-{uuid.uuid4().hex}",
         prompt=prompt,
@@ -200,7 +216,20 @@ class _Handshakes:
             self.down_since = None
             return
         if event == zmq.EVENT_DISCONNECTED:
+            was_connected = self.down_since is None
             self.down_since = time.monotonic()
+            if not was_connected:  # a handshake that failed: nothing was sent on it
+                return
+            # The router answers a connection, not a client: after a reconnect the replies
+            # of requests sent before it go nowhere. Fail them now (ZMTP heartbeats bound
+            # how long a router that died or froze takes to be noticed), never hang.
+            lost = (f"the connection to the router at {self.address} dropped (the router went "
+                    f"away, or stopped answering heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:g} "
+                    "s): this request's replies cannot reach this client; retry it")  # fmt: skip
+            if queues:
+                log.warning("client_connection_lost", address=self.address, num_failed=len(queues))
+            for rid, queue in queues.items():
+                _put(queue, Failed(request_id=rid, reason="unreachable", message=lost))
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.has_curve:
             return  # without CURVE: a transient failure (a peer gone mid-handshake); retried
@@ -350,8 +379,9 @@ class Client:
             self._sock.send(encode(msg))
 
     def close(self) -> None:
+        """Close the socket; aborts already sent still leave (at most ABORT_FLUSH_MS)."""
         self._handshakes.close(self._sock)
-        self._sock.close()
+        self._sock.close(linger=ABORT_FLUSH_MS)
 
     def __enter__(self) -> Self:
         return self
@@ -465,7 +495,7 @@ class AsyncClient:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
         self._handshakes.close(self._sock)
-        self._sock.close()
+        self._sock.close(linger=ABORT_FLUSH_MS)  # aborts already sent still leave
 
     async def __aenter__(self) -> Self:
         return self

@@ -20,9 +20,10 @@ must be able to route replies by it:
   first request is still running, the second gets a random suffix: ids stay unique.
 - The ZMQ SDK sets it too (``sdk-<uuid4 hex>`` unless the caller names one), because it
   multiplexes many requests on one socket and routes reply frames by this id.
-- The core keeps a non-empty ``request_id`` and replies with it; it assigns one only
-  when the field is empty. (It may key its own tables by (client identity, id) so two
-  SDK clients cannot collide.)
+- The core replies with the caller's ``request_id`` (a label of at most 128 characters,
+  unique per ``owner``: the submitting connection) but gives the request an id of its
+  own (``req-<uuid4 hex>``) for the services, so no client can collide with, or abort,
+  another's request: ``abort(request_id, owner)`` reaches only that owner's.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class RouterCore(Protocol):
     max_model_len: int  # prompt + completion tokens, at most
     tokenizer: Tokenizer
 
-    def submit(self, gen: Generate) -> AsyncIterator[Event]:
+    def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
         """Validate ``gen`` (raising RequestError before yielding anything), then yield
         TokenChunks and exactly one Finished or Failed. Stopping early (``aclose()`` or
         cancelling the consumer) aborts the request inside the core."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, owner: str = "") -> None:
+        """Abort ``owner``'s request ``request_id``; another owner's is untouched."""
+        ...
 
     def is_ready(self) -> bool:
         """Every service the core routes to is up and has answered its handshake."""

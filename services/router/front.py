@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import msgspec
@@ -10,22 +11,37 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket, send_nowait
-from pdserve.services.router.router import Router
+from pdserve.services.router.router import MAX_LABEL_CHARS, Router
+from pdserve.services.router.tokenize_pool import TokenizePool
 
 log = structlog.get_logger("pdserve.router.front")
 
 
+LONG_TEXT_CHARS = 16_384  # tokenise longer prompts in the pool, off the loop's GIL
+
+
+def _sdk_prompt(core: Any, gen: p.Generate) -> list[int]:
+    """A Generate's text or chat as token ids (in a tokenize-pool worker)."""
+    if gen.messages is not None:
+        return list(core.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                for m in gen.messages]))  # fmt: skip
+    assert gen.prompt is not None
+    return list(core.tokenizer.encode(gen.prompt))
+
+
 class FrontDoor:
-    def __init__(self, router: Router, address: str) -> None:
+    def __init__(self, router: Router, address: str, pool: TokenizePool | None = None) -> None:
         self.router = router
+        self.pool = pool
         self.sock: Any = make_socket(
             router.ctx, zmq.ROUTER, bind=address, curve=router.security.front
         )
         self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # (client, its id)
+        self.preparing: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # being tokenised
 
     async def serve(self) -> None:
         while True:
@@ -48,8 +64,21 @@ class FrontDoor:
                 )
                 continue
             try:
-                if isinstance(msg, p.Abort):
-                    await self.router.abort(msg.request_id)
+                if isinstance(msg, p.Abort):  # only this connection's own request
+                    preparing = self.preparing.pop((identity, msg.request_id), None)
+                    if preparing is not None:  # still tokenising: it never starts
+                        preparing.cancel()
+                    await self.router.abort(msg.request_id, owner=identity.hex())
+                elif msg.request_id and (identity, msg.request_id) in self.tasks:  # still runs
+                    self._send(identity, p.Failed(
+                        request_id=msg.request_id, reason="bad_request",
+                        message=f"request id {msg.request_id!r} is already in use by this client",
+                    ))  # fmt: skip
+                elif self.pool is not None and self._is_long(msg):
+                    key = (identity, msg.request_id)
+                    task = asyncio.create_task(self._tokenize_then_start(identity, msg))
+                    self.tasks[key] = self.preparing[key] = task
+                    task.add_done_callback(functools.partial(self._forget, key))
                 else:
                     self._start(identity, msg)
             except Exception:  # one odd request must not close the front door
@@ -65,18 +94,50 @@ class FrontDoor:
                     ),
                 )
 
+    def _is_long(self, gen: p.Generate) -> bool:
+        if gen.prompt is not None:
+            return len(gen.prompt) > LONG_TEXT_CHARS
+        return gen.messages is not None and (
+            sum(len(m.content) for m in gen.messages) > LONG_TEXT_CHARS
+        )
+
+    def _forget(self, key: tuple[bytes, str], task: asyncio.Task[None]) -> None:
+        if self.tasks.get(key) is task:
+            del self.tasks[key]
+        if self.preparing.get(key) is task:
+            del self.preparing[key]
+
+    async def _tokenize_then_start(self, identity: bytes, gen: p.Generate) -> None:
+        """A long prompt: refused untokenised when it cannot fit, else tokenised in the
+        pool; then started as any other."""
+        assert self.pool is not None
+        try:
+            if sum(x is not None for x in (gen.prompt, gen.messages, gen.prompt_token_ids)) != 1:
+                raise RequestError("give exactly one of prompt, prompt_token_ids or messages")
+            self.router.check_chars(
+                len(gen.prompt) if gen.prompt is not None
+                else sum(len(m.content) + len(m.role) for m in gen.messages or [])
+            )  # fmt: skip
+            ids = await self.pool.run(_sdk_prompt, gen)
+        except PdserveError as exc:
+            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
+            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
+            return
+        self.preparing.pop((identity, gen.request_id), None)
+        gen = msgspec.structs.replace(gen, prompt=None, messages=None, prompt_token_ids=ids)
+        self._start(identity, gen)
+
     def _start(self, identity: bytes, gen: p.Generate) -> None:
         try:
-            events = self.router.submit(gen)
+            events = self.router.submit(gen, owner=identity.hex())
         except PdserveError as exc:
-            self._send(
-                identity,
-                p.Failed(request_id=gen.request_id, reason="bad_request", message=str(exc)),
-            )
+            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
+            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
             return
+        key = (identity, gen.request_id)
         task = asyncio.create_task(self._relay(identity, gen.request_id, events))
-        self.tasks[gen.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(gen.request_id, None))
+        self.tasks[key] = task
+        task.add_done_callback(functools.partial(self._forget, key))
 
     async def _relay(self, identity: bytes, request_id: str, events: Any) -> None:
         try:
@@ -99,7 +160,7 @@ class FrontDoor:
         rid = getattr(msg, "request_id", "")
 
         def failed(exc: zmq.ZMQError) -> None:
-            task = self.tasks.get(rid)
+            task = self.tasks.get((identity, rid))
             if task is not None and not task.done():  # the client is gone: stop its request
                 log.warning("client_send_failed", request_id=rid, error=str(exc))
                 task.cancel()  # closes the core's iterator, which aborts the request

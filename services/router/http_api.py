@@ -38,6 +38,7 @@ from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChu
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import Batch, Event, RouterCore
 from pdserve.services.router.cors import Cors
+from pdserve.services.router.input_limits import num_prompts, text_chars
 from pdserve.services.router.openapi import openapi
 from pdserve.services.router.renderers import (
     ChatRenderer,
@@ -45,17 +46,25 @@ from pdserve.services.router.renderers import (
     PromptScored,
     Renderer,
 )
+from pdserve.services.router.tokenize_pool import TokenizePool
 from pdserve.services.router.tool_calls import detect_parser, template_messages
 
 log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON ints is ~7 MB
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 LONG_TEXT_BYTES = 16_384  # tokenize longer bodies off the event loop
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
-_FAILED_STATUS = {"bad_request": 400, "overloaded": 429, "peer_down": 503, "draining": 503}
+_FAILED_STATUS = {
+    "bad_request": 400,
+    "overloaded": 429,
+    "peer_down": 503,
+    "draining": 503,
+    "timeout": 504,
+}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "overloaded_error",
@@ -79,6 +88,7 @@ class ApiError(Exception):
         self, status: int, message: str, *, param: str | None = None, code: str | None = None
     ) -> None:
         super().__init__(message)
+        self.args = (status, message, param, code)  # pickles (the tokenize pool raises it)
         self.status = status
         self.detail = oa.ErrorDetail(
             message=message,
@@ -86,6 +96,10 @@ class ApiError(Exception):
             param=param,
             code=code,
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        status, message, param, code = self.args
+        return (_api_error, (status, message, param, code))
 
     @classmethod
     def from_failed(cls, failed: Failed) -> ApiError:
@@ -95,6 +109,10 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         headers = {"Retry-After": "1"} if self.status in _RETRY_LATER else None
         return _json(oa.ErrorBody(error=self.detail), status=self.status, headers=headers)
+
+
+def _api_error(status: int, message: str, param: str | None, code: str | None) -> ApiError:
+    return ApiError(status, message, param=param, code=code)
 
 
 def _json(body: msgspec.Struct, status: int = 200,
@@ -163,7 +181,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         message = f"no such route: {request.method} {request.path} (see /openapi.json)"
         return ApiError(404, message, code="not_found")
     if exc.status == 413:
-        message = f"the request body is over {MAX_BODY_BYTES} bytes"
+        message = f"the request body is over {request.app[MAX_BODY_KEY]} bytes"
         return ApiError(413, message, code="body_too_large")
     return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
 
@@ -187,12 +205,19 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
 
 class OpenAIApi:
     def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
-                 tool_call_parser: str = "auto") -> None:  # fmt: skip
+                 tool_call_parser: str = "auto", pool: TokenizePool | None = None,
+                 max_prompts: int = 128) -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
         carry when a request names none); empty: the core's model name alone.
-        ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template)."""
+        ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template).
+        ``pool``: where long texts are tokenised (else a thread); ``max_prompts``: per
+        request."""
         self.core = core
         self.tool_call_parser = tool_call_parser
+        self.pool = pool
+        self.max_prompts = max_prompts
+        # A text longer than this cannot fit max_model_len: refused before tokenising.
+        self.max_chars = core.max_model_len * core.tokenizer.longest_token_chars
         self.model_names = list(served_model_names) or [core.model_name]
         self.created = int(time.time())
         self._in_flight: set[str] = set()  # HTTP request ids now running, to keep them unique
@@ -271,6 +296,10 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await _decode(request, oa.CompletionRequest)
         model = self._check(req, req.unsupported())
+        if num_prompts(req.prompt) > self.max_prompts:
+            raise ApiError(400, f"prompt holds {num_prompts(req.prompt)} prompts, more than "
+                           f"{self.max_prompts} (max_prompts_per_request); split the batch",
+                           param="prompt", code="too_many_prompts")  # fmt: skip
         prompts = await self._tokenize(request, _completion_prompts, req.prompt)
         echoes = _completion_echoes(self.core, req.prompt, prompts) if req.echo else None
         request_id = self._request_id(request, "cmpl")
@@ -307,8 +336,15 @@ class OpenAIApi:
 
     async def _tokenize(self, request: web.Request, fn: Callable[[RouterCore, Any], T],
                         arg: Any) -> T:  # fmt: skip
-        # Tokenizing a long prompt takes milliseconds: keep the loop free for streams.
+        chars = text_chars(arg)
+        if chars > self.max_chars:  # it cannot fit: not worth tokenising
+            raise ApiError(400, f"the prompt has {chars} characters: more than max_model_len "
+                           f"{self.core.max_model_len} tokens can hold (at most "
+                           f"{self.max_chars}); shorten it", code="prompt_too_long")  # fmt: skip
+        # Tokenizing a long prompt holds the GIL: in a worker process, the loop stays free.
         if (request.content_length or 0) > LONG_TEXT_BYTES:
+            if self.pool is not None:
+                return await self.pool.run(fn, arg)
             return await asyncio.to_thread(fn, self.core, arg)
         return fn(self.core, arg)
 
@@ -377,6 +413,7 @@ class OpenAIApi:
                                     echo=show_echo, vllm_field=show_field)  # fmt: skip
 
         batch = _ScoringOnly() if scoring_only else Batch()
+        owner = f"http:{request.remote}"  # its share of the router's slots (fair admission)
         self._in_flight.update(ids)
         try:
             # The first candidate of each prompt first: once it has a token, its prompt's
@@ -387,7 +424,7 @@ class OpenAIApi:
             ])  # fmt: skip
             for stage in stages:
                 for index in stage:
-                    batch.add(self.core.submit(gens[index]), index)
+                    batch.add(self.core.submit(gens[index], owner=owner), index)
                 for event in await batch.first_events():
                     if isinstance(event, Failed):
                         raise ApiError.from_failed(event)
@@ -607,8 +644,9 @@ def _package_version() -> str:
 
 
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
-             allowed_origins: Sequence[str] = (),
-             tool_call_parser: str = "auto") -> web.Application:  # fmt: skip
+             allowed_origins: Sequence[str] = (), tool_call_parser: str = "auto",
+             pool: TokenizePool | None = None, max_prompts: int = 128,
+             max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
@@ -617,12 +655,13 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_ke
         middlewares.append(_key_middleware(api_key))
     app = web.Application(
         middlewares=middlewares,
-        client_max_size=MAX_BODY_BYTES,
+        client_max_size=max_body_bytes,
         handler_args={"handler_cancellation": True},  # disconnect -> cancel -> abort
     )
     if allowed_origins:
         Cors(allowed_origins).install(app)
-    api = OpenAIApi(core, served_model_names, tool_call_parser)
+    app[MAX_BODY_KEY] = max_body_bytes
+    api = OpenAIApi(core, served_model_names, tool_call_parser, pool, max_prompts)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)

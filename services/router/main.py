@@ -32,6 +32,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     from pdserve.services.router.front import FrontDoor
     from pdserve.services.router.http_api import make_app
     from pdserve.services.router.router import Router
+    from pdserve.services.router.tokenize_pool import TokenizePool
 
     notify("STATUS=loading the tokenizer (router)")
     model_dir = resolve_model(cfg.model)
@@ -41,12 +42,16 @@ async def serve(cfg: DeploymentConfig) -> None:
         cfg, Tokenizer.from_dir(model_dir), model_dir.name, max_len, model_cfg.vocab_size
     )
     await router.start()
-    front = FrontDoor(router, cfg.front_address)
+    pool = TokenizePool(model_dir)  # long prompts are tokenised there, off this loop's GIL
+    await pool.start()
+    front = FrontDoor(router, cfg.front_address, pool)
     front_task = asyncio.create_task(front.serve())
     # The drain has already ended every request when the runner is cleaned up.
     app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.api_key,
                    allowed_origins=cfg.allowed_origins,
-                   tool_call_parser=cfg.tool_call_parser)  # fmt: skip
+                   tool_call_parser=cfg.tool_call_parser, pool=pool,
+                   max_prompts=cfg.max_prompts_per_request,
+                   max_body_bytes=cfg.max_body_bytes)  # fmt: skip
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()
@@ -76,6 +81,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     front_task.cancel()
     await runner.cleanup()
     await router.close()
+    pool.close()
 
 
 async def _watchdog(watchdog: Watchdog) -> None:

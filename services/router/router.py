@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -29,6 +30,7 @@ from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
+from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.sockets import make_socket
@@ -38,16 +40,24 @@ from pdserve.services.router.links import Link, pick
 log = structlog.get_logger("pdserve.router")
 
 PEER_TIMEOUT = 5.0  # no Pong for this long: the instance is down, its requests fail
+MAX_LABEL_CHARS = 128  # a client's own request id, kept as the label its replies carry
 SCRAPE_TIMEOUT = 2.0
 
 Event = p.TokenChunk | p.Finished | p.Failed
+PHASES = {  # a request's phases with a deadline: what did not come
+    "prefill": "no prefill answer",
+    "first_token": "no first token",
+    "token_gap": "no next token",
+}
 
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the router's own, unique; what the services see
     trace_id: str
     num_prompt_tokens: int
+    label: str = ""  # the client's id for it: what its replies carry
+    owner: str = ""  # the connection that submitted it: only it may abort it
     arrived: float = field(default_factory=time.monotonic)
     marks: dict[str, float] = field(
         default_factory=lambda: {"arrived": time.time()}
@@ -72,15 +82,21 @@ class Router:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_size = cfg.engine.block_size
+        # A text longer than this has more tokens than max_model_len: refused untokenised.
+        self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
+        self.per_owner: dict[str, int] = {}  # requests in flight by owner (fair admission)
         self.metrics = Metrics("router", 0)
-        self.security = WireSecurity.counted(cfg.security.curve_keys_dir, self.metrics)
+        self.security = WireSecurity.counted(cfg.security, self.metrics)
         self.metrics.declare("pdserve:bad_messages")
+        for phase in PHASES:
+            self.metrics.declare("pdserve:request_timeouts", phase=phase)
         self.ping_seconds = cfg.ping_seconds
         self.peer_timeout = cfg.peer_timeout_seconds
         self.ctx = zmq.asyncio.Context()
         self.prefills: list[Link] = []
         self.decodes: list[Link] = []
         self.requests: dict[str, RequestState] = {}
+        self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
         self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM: new requests fail "draining" (main.py drains)
@@ -134,8 +150,17 @@ class Router:
             for link in self.links
         }
 
-    def submit(self, gen: p.Generate) -> AsyncIterator[Event]:
-        """Validates now (RequestError), then runs the request as the iterator is consumed."""
+    def submit(self, gen: p.Generate, owner: str = "") -> AsyncIterator[Event]:
+        """Validates now (RequestError), then runs the request as the iterator is consumed.
+        ``owner``: the submitting connection; ``gen.request_id`` is unique per owner and
+        only that owner may abort it. The services see an id of the router's own."""
+        label = gen.request_id
+        if len(label) > MAX_LABEL_CHARS:
+            raise RequestError(
+                f"request_id has {len(label)} characters, more than {MAX_LABEL_CHARS}"
+            )
+        if label and (owner, label) in self.owned:
+            raise RequestError(f"request id {label!r} is already in use by this client")
         ids = self._prompt_ids(gen)
         gen.sampling.validate(self.vocab_size)
         if len(ids) > self.max_model_len:
@@ -148,20 +173,37 @@ class Router:
                 f"max_tokens {gen.sampling.max_tokens} plus the prompt's {len(ids)} tokens "
                 f"exceeds max_model_len {self.max_model_len}; ask for at most {max(room, 0)}"
             )
-        rid = gen.request_id or f"req-{uuid.uuid4().hex}"
-        if rid in self.requests:
-            raise RequestError(f"request id {rid!r} is already in use")
-        state = RequestState(rid, uuid.uuid4().hex, len(ids))
-        return self._run(state, ids, gen.sampling)
+        rid = f"req-{uuid.uuid4().hex}"
+        state = RequestState(rid, uuid.uuid4().hex, len(ids), label=label or rid, owner=owner)
+        return self._labelled(state, self._run(state, ids, gen.sampling))
 
-    async def abort(self, request_id: str) -> None:
-        state = self.requests.get(request_id)
+    async def _labelled(
+        self, state: RequestState, events: AsyncIterator[Event]
+    ) -> AsyncIterator[Event]:
+        """The request's events as its client named it."""
+        key = (state.owner, state.label)
+        self.owned[key] = state.request_id
+        try:
+            async for event in events:
+                if state.label != state.request_id:
+                    event = msgspec.structs.replace(event, request_id=state.label)
+                yield event
+        finally:
+            if self.owned.get(key) == state.request_id:
+                del self.owned[key]
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def abort(self, request_id: str, owner: str = "") -> None:
+        """Abort ``owner``'s request ``request_id`` (its label); anyone else's is untouched."""
+        rid = self.owned.get((owner, request_id))
+        state = self.requests.get(rid) if rid is not None else None
         if state is not None and not state.finished:
             if state.link is not None:
-                self._send(state.link, p.Abort(request_id=request_id, trace_id=state.trace_id))
+                abort = p.Abort(request_id=state.request_id, trace_id=state.trace_id)
+                self._send(state.link, abort)
             state.queue.put_nowait(
                 p.Finished(
-                    request_id=request_id,
+                    request_id=state.request_id,
                     trace_id=state.trace_id,
                     finish_reason="abort",
                     usage=p.Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=0),
@@ -205,10 +247,23 @@ class Router:
 
     # -- one request ------------------------------------------------------------------------
 
+    def check_chars(self, num_chars: int) -> None:
+        """Refuse a text that cannot fit max_model_len, before tokenising it."""
+        if num_chars > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt has {num_chars} characters: more than max_model_len "
+                f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}); "
+                "shorten it"
+            )
+
     def _prompt_ids(self, gen: p.Generate) -> list[int]:
         given = [x is not None for x in (gen.prompt_token_ids, gen.prompt, gen.messages)]
         if sum(given) != 1:
             raise RequestError("give exactly one of prompt, prompt_token_ids or messages")
+        if gen.prompt is not None:
+            self.check_chars(len(gen.prompt))
+        elif gen.messages is not None:
+            self.check_chars(sum(len(m.content) + len(m.role) for m in gen.messages))
         if gen.prompt_token_ids is not None:
             ids = list(gen.prompt_token_ids)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -244,7 +299,17 @@ class Router:
                 f"the router holds {len(self.requests)} requests, its limit; retry later",
             )
             return
+        held = self.per_owner.get(state.owner, 0)
+        if held >= self.cfg.max_requests_per_client:  # one client cannot take every slot
+            yield self._failed(
+                state,
+                "overloaded",
+                f"this client holds {held} requests, its share (max_requests_per_client); "
+                "retry when some have finished",
+            )
+            return
         self.requests[rid] = state
+        self.per_owner[state.owner] = held + 1
         got_first = False
         last = state.arrived
         try:
@@ -282,7 +347,12 @@ class Router:
                 ),
             )
             while True:
-                event = await state.queue.get()
+                if got_first:
+                    event = await self._next(state, self.cfg.token_gap_timeout_seconds, "token_gap")
+                else:
+                    event = await self._next(
+                        state, self.cfg.first_token_timeout_seconds, "first_token"
+                    )
                 now = time.monotonic()
                 if isinstance(event, p.TokenChunk):
                     if not got_first:
@@ -317,6 +387,11 @@ class Router:
                 bound.info("request_aborted", at=state.link.name)
             self._undispatch(state)
             self.requests.pop(rid, None)
+            left = self.per_owner.get(state.owner, 1) - 1
+            if left > 0:
+                self.per_owner[state.owner] = left
+            else:
+                self.per_owner.pop(state.owner, None)
 
     async def _prefill(
         self, state: RequestState, ids: list[int], sampling: p.SamplingParams
@@ -336,7 +411,7 @@ class Router:
             ),
         )
         link.remember(hashes)
-        event = await state.queue.get()
+        event = await self._next(state, self.cfg.prefill_timeout_seconds, "prefill")
         self._undispatch(state)
         if isinstance(event, p.PrefillDone) and not state.queue.empty():
             # Aborted (or failed over) while the answer was on its way: the prefill frees
@@ -349,6 +424,30 @@ class Router:
             )
             state.finished = True
         return event
+
+    async def _next(self, state: RequestState, timeout: float, phase: str) -> Any:
+        """The request's next event, or past ``timeout`` (0: none) a Failed "timeout" naming
+        the phase and the instance, which is told to abort the request."""
+        if timeout <= 0:
+            return await state.queue.get()
+        try:
+            return await asyncio.wait_for(state.queue.get(), timeout)
+        except TimeoutError:
+            pass
+        at = state.link.name if state.link is not None else "?"
+        self.metrics.inc("pdserve:request_timeouts", phase=phase)
+        log.warning("request_timeout", request_id=state.request_id, trace_id=state.trace_id,
+                    phase=phase, at=at, seconds=timeout)  # fmt: skip
+        if state.link is not None:
+            self._send(state.link, p.Abort(request_id=state.request_id, trace_id=state.trace_id))
+        what = PHASES[phase]
+        return p.Failed(
+            request_id=state.request_id,
+            trace_id=state.trace_id,
+            reason="timeout",
+            message=f"{at} gave {what} within {timeout:g} s ({phase}_timeout_seconds); "
+            "retry the request",
+        )
 
     def _observe_ttft_parts(self, state: RequestState, first: p.TokenChunk) -> None:
         marks = {**state.marks, **first.timings, "router_first_chunk": time.time()}
@@ -411,9 +510,13 @@ class Router:
                     self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
 
     async def _ping_loop(self) -> None:
+        lag = LoopLag(self.ping_seconds, self.metrics)
         while True:
             now = time.monotonic()
+            stalled = lag.tick()
             for link in self.links:
+                if stalled and link.last_pong:  # our stall, not its silence
+                    link.last_pong += stalled
                 self._send(link, p.Ping(sent_at=time.time(), interval=self.ping_seconds))
                 # Silent: down, whether it said ready or not (a draining instance that
                 # dies still fails what it held).

@@ -1,0 +1,70 @@
+"""Keep a service's transfer and collective listeners on the interface its address names.
+
+UCX (under every NIXL agent) opens a TCP listener on every network interface, and gloo
+binds where the hostname resolves: with ``host = 127.0.0.1`` a prefill's KV agents were
+still reachable from outside. Before any agent or process group starts, a service sets
+``UCX_NET_DEVICES`` and ``GLOO_SOCKET_IFNAME`` (inherited by its rank processes) to the
+interface holding its own address; a wildcard address (0.0.0.0), or one no interface
+holds (a hostname, another machine's), leaves them as the operator set them, logged.
+Variables the operator set already are kept.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from urllib.parse import urlsplit
+
+import structlog
+
+log = structlog.get_logger("pdserve.net")
+
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def host_of(address: str) -> str:
+    """``tcp://10.0.0.1:5601`` -> ``10.0.0.1``."""
+    return urlsplit(address).hostname or ""
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface holding IPv4 address ``host``; None when none does."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return "lo"
+    if ip.is_unspecified or ip.version != 4:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(
+                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode())
+                )
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == host:
+                return name
+    return None
+
+
+def confine_to(address: str) -> str | None:
+    """Point UCX and gloo at the interface of ``address``; returns it (None: left open)."""
+    host = host_of(address)
+    name = interface_of(host)
+    if name is None:
+        log.warning(
+            "transfer_listeners_unconfined",
+            address=address,
+            hint="UCX/NIXL and gloo listen on every interface; set UCX_NET_DEVICES and "
+            "GLOO_SOCKET_IFNAME, or bind the service to one address",
+        )
+        return None
+    os.environ.setdefault("UCX_NET_DEVICES", name)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    return name
