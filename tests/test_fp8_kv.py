@@ -14,6 +14,7 @@ positions whose reference margin exceeds 0.05 (38% and 46% of them).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,13 @@ BLOCK = 16
 def gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gqa")
     return save_random_llama(
-        path, hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256, num_layers=2
+        path,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=256,
+        num_layers=2,
+        tokenizer_from=os.environ.get("PDSERVE_TEST_MODEL") or None,  # the GPU machine's
     )
 
 
