@@ -46,7 +46,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(
-    q,  # [M, D] in the cache dtype
+    q,  # [M, D] in the compute dtype (compute_dtype: the cache's, or q's over fp8)
     acc,  # [M, D] fp32, unnormalised output
     m_i,  # [M] fp32, running max of the base-2 scores
     l_i,  # [M] fp32, running sum of exp2(score - m_i)
