@@ -52,7 +52,8 @@ LLAMA1B=$(shape_model 1b)
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
 
 suite_tests() {
-    timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_serving.py \
+    timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_fp8.py \
+        tests/test_fp8_kv.py tests/test_gpu_serving.py \
         -p no:cacheprovider --durations=10 > "$OUT/gpu_tests.txt" 2>&1
     local rc=$?; tail -12 "$OUT/gpu_tests.txt"; return $rc
 }
@@ -94,6 +95,13 @@ suite_transfer() {
         --fragment 8 --order head,block --repeats 9 --json "$OUT/transfer_h200.json" \
         2>"$OUT/transfer_err.txt" | tail -26
 }
+suite_fp8() {  # --kv-cache-dtype fp8 next to the bf16 cache (issue #15)
+    timeout 150 "${ENGINE[@]}" --prompt-len 1024 --batch-sizes 1,16,64 --no-hf --kv-cache-dtype fp8 \
+        --json "$OUT/engine_fp8_h200.json" 2>"$OUT/engine_fp8_err.txt" | tail -6
+    timeout 240 python3 -m pdserve bench transfer --device cuda --shape 1b,8b --tokens 8192,32768 \
+        --order block --repeats 9 --kv-cache-dtype fp8 --json "$OUT/transfer_fp8_h200.json" \
+        2>"$OUT/transfer_fp8_err.txt" | tail -10
+}
 suite_pcp() {
     timeout 200 python3 benchmarks/pcp_prefill.py --model $LLAMA1B --device cuda \
         --lengths 1024,4096,8192 --pcp 1,2,4 --chunk 8192 --repeats 3 --json "$OUT/pcp_h200.json" \
@@ -105,7 +113,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, pcp, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

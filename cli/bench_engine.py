@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cli.engine_flags import add_kv_cache_dtype
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,6 +80,7 @@ def add_parser(sub: Any) -> None:
         "checkpoint takes (default: the embedded model's)",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_kv_cache_dtype(p, default="auto")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -448,6 +451,7 @@ def bench_config(
         "device": args.device,
         "device_name": device_name(args.device),
         "dtype": engine.config.torch_dtype_name,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
         "torch_version": torch.__version__,
         "transformers_version": None,
         "prompt_len": args.prompt_len,
@@ -516,6 +520,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=max_batch * args.prompt_len,
         enable_prefix_caching=False,
         cuda_graphs=not args.no_cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine(config)
 

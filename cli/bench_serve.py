@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.cli import ttft_parts
 from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 from pdserve.cli.serve_load import (
     STATS,
@@ -72,6 +73,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
+    add_kv_cache_dtype(p)  # --compare only
     p.add_argument("--num-prompts", type=_positive_int, default=64)
     p.add_argument(
         "--request-rate",
@@ -302,7 +304,8 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
 
     base = free_port_block(100)
     cfg = local_config(model=args.model, device=args.device, colocated=colocated,
-                       base_port=base, http_port=base + 99)  # fmt: skip
+                       base_port=base, http_port=base + 99,
+                       engine=None if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype})  # fmt: skip
     dep = Deployment(cfg)
     progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
     results = []
@@ -358,6 +361,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         **provenance(),
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
         "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference, "input_len": args.input_len,
         "output_len": args.output_len, "seed": args.seed, "timeout_s": args.timeout,

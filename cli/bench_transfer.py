@@ -56,8 +56,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 
+DTYPE = "bfloat16"  # the stored dtype of --kv-cache-dtype auto (cli/transfer_peers.py's DTYPE)
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
     ("cpu", "8b"): [1024, 4096, 8192],
@@ -76,6 +78,7 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_kv_cache_dtype(p, default="auto")  # auto: bfloat16, the GPU engine's dtype
     p.add_argument("--shape", type=_shapes, default=["1b"], help="1b, 8b or 1b,8b")
     p.add_argument(
         "--tokens",
@@ -203,6 +206,7 @@ def run_shape(
         "device": device, "shape": shape, "order": order, "tokens": tokens, "fragment": args.fragment,
         "repeats": args.repeats, "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
         "num_blocks": cache_blocks(shape, max(tokens)),
+        "dtype": kv_dtype_of(args.kv_cache_dtype),
     }  # fmt: skip
     ctx = mp.get_context("spawn")
     producer = _Peer(ctx, "producer", producer_main, spec)
@@ -237,14 +241,19 @@ def run_shape(
     }
 
 
-def check_memory(device: str, shape: str, tokens: list[int]) -> None:
+def kv_dtype_of(kv_cache_dtype: str) -> str:
+    """The stored dtype of the pulled caches: bfloat16 (auto) or float8_e4m3fn (fp8)."""
+    return "float8_e4m3fn" if kv_cache_dtype == "fp8" else DTYPE
+
+
+def check_memory(device: str, shape: str, tokens: list[int], dtype: str = DTYPE) -> None:
     """Refuse a cpu run whose two caches would not fit the memory available now."""
     from pdserve.cli.transfer_peers import cache_blocks, make_layout
     from pdserve.common.errors import PdserveError
 
     if device != "cpu":
         return
-    layout = make_layout(shape, cache_blocks(shape, max(tokens)))
+    layout = make_layout(shape, cache_blocks(shape, max(tokens)), dtype=dtype)
     need = 2 * layout.total_bytes
     available = _available_bytes()
     if available is not None and need > 0.8 * available:
@@ -308,7 +317,7 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
         "device": args.device, "device_name": device_name(args.device), "shapes": args.shape, "orders": args.order,
         "tokens": args.tokens, "fragment": args.fragment, "repeats": args.repeats,
         "num_threads": args.num_threads, "producer_poll_ms": args.producer_poll_ms,
-        "block_size": 64, "dtype": "bfloat16",
+        "block_size": 64, "dtype": kv_dtype_of(args.kv_cache_dtype),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "torch_version": torch.__version__, "nixl_version": nixl_version,
         "cpu_count": os.cpu_count(), "loadavg_1m_start": load_start,
@@ -326,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError("--device cuda: torch sees no CUDA device")
     plans = [(shape, args.tokens or DEFAULT_TOKENS[(args.device, shape)]) for shape in args.shape]
     for shape, tokens in plans:
-        check_memory(args.device, shape, tokens)
+        check_memory(args.device, shape, tokens, kv_dtype_of(args.kv_cache_dtype))
     load_start = os.getloadavg()[0]
     rows, shapes = [], {}
     for shape, tokens in plans:

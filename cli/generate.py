@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from pdserve.cli.engine_flags import add_kv_cache_dtype
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt (monolithic engine)")
@@ -18,6 +20,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_kv_cache_dtype(p, default="auto")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(run=run)
 
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     sampling.validate()  # before loading the model: a bad flag fails fast
-    config = EngineConfig(model=args.model, device=args.device)
+    config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(config)
     tok = engine.tokenizer
     if args.raw:

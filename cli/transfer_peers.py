@@ -37,12 +37,16 @@ COMPAT = {"model": "bench-transfer", "kv_cache_dtype": DTYPE}
 PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
 
 
-def make_layout(shape: str, num_blocks: int, order: str = "head") -> KVLayout:
+def make_layout(shape: str, num_blocks: int, order: str = "head", dtype: str = DTYPE) -> KVLayout:
     from pdserve.common.engine.kv_layout import KVLayout
 
     return KVLayout(
-        num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=DTYPE, order=order, **SHAPES[shape]
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, order=order, **SHAPES[shape]
     )
+
+
+def compat_of(dtype: str) -> dict[str, str]:
+    return {**COMPAT, "kv_cache_dtype": dtype}
 
 
 def num_blocks_for(tokens: int) -> int:
@@ -100,8 +104,9 @@ def check(
     index = tuple(i.to(cache.device) for i in index)
     for lo, r in zip(local_ids, remote_ids, strict=True):
         got = blocks[lo][index].float().cpu()
-        want = ((flat % PATTERN_MOD) + 37 * r) % PATTERN_MOD
-        if not torch.equal(got, want.float()):
+        want = (((flat % PATTERN_MOD) + 37 * r) % PATTERN_MOD).float()
+        want = want.to(cache.dtype).float()  # as stored: fp8 rounds the pattern (17 -> 16)
+        if not torch.equal(got, want):
             raise AssertionError(
                 f"pulled block {r} -> {lo} holds wrong bytes: {got[:6]} vs {want[:6]}"
             )
@@ -193,13 +198,13 @@ def producer_main(conn: Connection, spec: dict[str, Any]) -> None:
 
     producer = raw = None
     try:
-        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"])
+        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"], spec["dtype"])
         cache = new_cache(layout, spec["device"])
         fill(cache, layout)
         _sync(spec["device"])  # filled before any reader's copy engine can see it
         producer = KVProducer(
             engine_id=ENGINE_ID, epoch=EPOCH, agent_name=f"bench-producer-{os.getpid()}",
-            kv_cache=cache, layout=layout, compat=COMPAT, num_threads=spec["num_threads"],
+            kv_cache=cache, layout=layout, compat=compat_of(spec["dtype"]), num_threads=spec["num_threads"],
         )  # fmt: skip
         raw = RawAgent(f"bench-producer-raw-{os.getpid()}", cache, spec["num_threads"])
         conn.send(
@@ -238,17 +243,17 @@ def consumer_main(conn: Connection, spec: dict[str, Any]) -> None:
     consumer = checker = raw = None
     try:
         device = spec["device"]
-        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"])
+        layout = make_layout(spec["shape"], spec["num_blocks"], spec["order"], spec["dtype"])
         cache = new_cache(layout, device)
         # Timed pulls run as decode runs them (no NIXL telemetry); a second agent with
         # telemetry makes each row's checked first pull, for NIXL's own descriptor count.
         consumer = KVConsumer(
             agent_name=f"bench-consumer-{os.getpid()}", kv_cache=cache, layout=layout,
-            compat=COMPAT, num_threads=spec["num_threads"],
+            compat=compat_of(spec["dtype"]), num_threads=spec["num_threads"],
         )  # fmt: skip
         checker = KVConsumer(
             agent_name=f"bench-checker-{os.getpid()}", kv_cache=cache, layout=layout,
-            compat=COMPAT, num_threads=spec["num_threads"], capture_telemetry=True,
+            compat=compat_of(spec["dtype"]), num_threads=spec["num_threads"], capture_telemetry=True,
         )  # fmt: skip
         raw = RawAgent(f"bench-consumer-raw-{os.getpid()}", cache, spec["num_threads"])
         command, (reply_bytes, raw_metadata, raw_base) = conn.recv()

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from pdserve.cli.engine_flags import add_kv_cache_dtype
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -73,6 +75,7 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="no prefill service: decode computes prompts",
     )
+    add_kv_cache_dtype(p)
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument("--curve-keys-dir", default=None,
                    help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
@@ -114,6 +117,7 @@ def _start(args: argparse.Namespace) -> Any:
         pcp=args.pcp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        engine=None if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype},
         security={
             k: v
             for k, v in (("curve_keys_dir", args.curve_keys_dir), ("insecure", args.insecure))

@@ -1,7 +1,8 @@
 """Paged-attention and pointwise kernels, with the implementation chosen at run time per call.
 
 ``write_kv``, ``prefill_attention`` and ``decode_attention`` have the signatures of
-:mod:`pdserve.kernels.reference`; ``rms_norm``, ``rotary`` and ``silu_and_mul`` those of
+:mod:`pdserve.kernels.reference` (fp8 caches: per-tensor ``k_scale``/``v_scale``,
+:mod:`pdserve.kernels.fp8`); ``rms_norm``, ``rotary`` and ``silu_and_mul`` those of
 :mod:`pdserve.kernels.pointwise_ref` (Triton: :mod:`pdserve.kernels.triton_pointwise`). By default, CUDA tensors go to the Triton kernels
 (:mod:`pdserve.kernels.triton_ops`) when triton imports, everything else to the torch
 reference. ``PDSERVE_KERNELS=torch|triton`` forces one; Triton on CPU tensors runs only
@@ -144,8 +145,10 @@ def write_kv(
     k: torch.Tensor,  # [T, H_kv, D]
     v: torch.Tensor,  # [T, H_kv, D]
     slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset
+    k_scale: float = 1.0,  # fp8 caches: stored = k / k_scale (kernels/fp8.py)
+    v_scale: float = 1.0,
 ) -> None:
-    _impl(layer_cache.device).write_kv(layer_cache, k, v, slot_mapping)
+    _impl(layer_cache.device).write_kv(layer_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def prefill_attention(
@@ -156,9 +159,19 @@ def prefill_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H_q, D]
     return _impl(q.device).prefill_attention(
-        q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
+        q,
+        layer_cache,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale,
+        sliding_window,
+        k_scale,
+        v_scale,
     )
 
 
@@ -170,9 +183,19 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,  # decode_splits() of the (padded) batch; None: of this one
+    k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [S, H_q, D]
     return _impl(q.device).decode_attention(
-        q, layer_cache, context_lens, block_tables, scale, sliding_window, num_splits
+        q,
+        layer_cache,
+        context_lens,
+        block_tables,
+        scale,
+        sliding_window,
+        num_splits,
+        k_scale,
+        v_scale,
     )
 
 

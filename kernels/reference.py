@@ -9,6 +9,10 @@ Positions: a slot is ``block_id * block_size + offset``. The query tokens of seq
 are its last ``q_len`` positions, ``context_len - q_len .. context_len - 1``; each attends
 causally to every cached position up to its own (bounded by ``sliding_window`` if set:
 key position k is visible to query position p iff ``p - sliding_window < k <= p``).
+
+fp8 caches (float8_e4m3fn, ``--kv-cache-dtype fp8``): ``write_kv`` quantizes K and V with
+their per-tensor scales, the attention functions dequantize what they read into q's dtype
+and compute in it (kernels/fp8.py). Other caches: q is cast to the cache dtype, as before.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.fp8 import dequantize, is_fp8, quantize
+
 
 def write_kv(
     layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D]
     k: torch.Tensor,  # [T, H_kv, D]
     v: torch.Tensor,  # [T, H_kv, D]
     slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset
+    k_scale: float = 1.0,  # fp8 caches: stored = k / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     block_size = layer_cache.shape[3]
     if bool((slot_mapping < 0).any()):  # negative slots mark padding: nothing to write
@@ -30,8 +38,25 @@ def write_kv(
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indices around a slice put the indexed dims first: [T, H_kv, D].
+    if is_fp8(layer_cache.dtype):
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
     layer_cache[blocks, 0, :, offsets] = k.to(layer_cache.dtype)
     layer_cache[blocks, 1, :, offsets] = v.to(layer_cache.dtype)
+
+
+def _dequantize_kv(
+    blocks: torch.Tensor,  # [..., 2, H_kv, B, D]: K and V along kv_dim
+    kv_dim: int,
+    k_scale: float,
+    v_scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Gathered blocks of an fp8 cache as ``dtype`` (K and V each times its scale); blocks of
+    any other cache as they are."""
+    if not is_fp8(blocks.dtype):
+        return blocks
+    k, v = blocks.unbind(kv_dim)
+    return torch.stack((dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype)), kv_dim)
 
 
 def gather_kv(
@@ -39,12 +64,16 @@ def gather_kv(
     block_table: torch.Tensor,  # [max_blocks] int
     context_len: int,
     first_block: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    dtype: torch.dtype | None = None,  # fp8 caches: dequantized into this (default fp32)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached K and V of positions ``first_block * B .. context_len - 1`` of one
     sequence, each [H_kv, n, D]."""
     block_size = layer_cache.shape[3]
     num_blocks = (context_len + block_size - 1) // block_size
     blocks = layer_cache[block_table[first_block:num_blocks].long()]  # [n, 2, H_kv, B, D]
+    blocks = _dequantize_kv(blocks, 1, k_scale, v_scale, dtype or torch.float32)
     kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, H_kv, n*B, D]
     num = context_len - first_block * block_size
     return kv[0, :, :num], kv[1, :, :num]
@@ -82,6 +111,8 @@ def prefill_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H_q, D]
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -93,7 +124,7 @@ def prefill_attention(
         # before it may have gone back to the pool (common/engine/kv_groups.py).
         first_key = 0 if sliding_window is None else max(ctx - (hi - lo) - sliding_window + 1, 0)
         first_block = first_key // block_size
-        k, v = gather_kv(layer_cache, block_tables[s], ctx, first_block)
+        k, v = gather_kv(layer_cache, block_tables[s], ctx, first_block, k_scale, v_scale, q.dtype)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window, first_block * block_size)
     return out
 
@@ -106,6 +137,8 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,  # the Triton kernel's flash-decoding split; one softmax here
+    k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [S, H_q, D]
     """All sequences in one padded SDPA call: a per-sequence loop costs more than the
     padding at decode sizes."""
@@ -115,6 +148,7 @@ def decode_attention(
     _, _, num_kv_heads, block_size, _ = layer_cache.shape
     num_blocks = int((int(context_lens.max()) + block_size - 1) // block_size)
     blocks = layer_cache[block_tables[:, :num_blocks].long()]  # [S, n, 2, H_kv, B, D]
+    blocks = _dequantize_kv(blocks, 2, k_scale, v_scale, q.dtype)
     kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # [2, S, H_kv, n*B, D]
     k_pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]  # [1, ctx]
     q_pos = (context_lens.long() - 1)[:, None]  # [S, 1]

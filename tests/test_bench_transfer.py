@@ -68,3 +68,26 @@ def test_bench_transfer_1b_1k(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         ["block", "contiguous"],
         ["block", "fragmented"],
     ]
+
+
+def test_bench_transfer_fp8_pulls_half_the_bytes(tmp_path: Path) -> None:
+    """--kv-cache-dtype fp8: the same 1,024 tokens in float8_e4m3fn caches, pulled (and their
+    bytes checked against the producer's pattern, as fp8 stores it) with half of bf16's bytes."""
+    out = tmp_path / "transfer.json"
+    rc = main(["bench", "transfer", "--tokens", "1024", "--shape", "1b", "--repeats", "1",
+               "--fragment", "1", "--order", "block", "--kv-cache-dtype", "fp8",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert payload["config"]["dtype"] == "float8_e4m3fn"
+    shape = dict(num_blocks=16, num_layers=16, num_kv_heads=8, block_size=64, head_dim=64)
+    bf16 = KVLayout(**shape, dtype="bfloat16").total_bytes
+    fp8 = KVLayout(**shape, dtype="float8_e4m3fn").total_bytes
+    assert fp8 * 2 == bf16 == 32 * 2**20
+    rows = payload["rows"]
+    assert [(r["order"], r["pattern"]) for r in rows] == [
+        ("block", "contiguous"),
+        ("block", "fragmented"),
+    ]
+    for row in rows:
+        assert row["bytes"] == row["bytes_pulled"] == fp8

@@ -431,3 +431,27 @@ def test_nixl_imported_lazily() -> None:
         names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not [n for n in names if n.split(".")[0] == "nixl"], module.__name__
+
+
+def test_handshake_refuses_another_kv_cache_dtype_naming_both(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
+    """A producer whose cache is fp8 (or fp8 with other scales) is refused by a float32
+    decode before any read: a pull moves bytes and never converts them."""
+    reply = producers[0].read_reply()
+    fp8 = msgspec.structs.replace(LAYOUT, dtype="float8_e4m3fn")
+    bad = msgspec.structs.replace(reply, compat={**COMPAT, "dtype": "float8_e4m3fn"}, layout=fp8)
+    with pytest.raises(KVTransferError) as err:
+        consumer.connect(bad)
+    msg = str(err.value)
+    assert (
+        "KV cache dtype: this decode stores float32 (--kv-cache-dtype auto), the producer "
+        "float8_e4m3fn (--kv-cache-dtype fp8, k_scale 1, v_scale 1)"
+    ) in msg
+    assert "compat['dtype']" not in msg  # said once
+    assert not consumer.is_connected(ENGINE, EPOCH)
+    from pdserve.common.transfer.kv_transfer import kv_dtype_mismatch
+
+    rescaled = msgspec.structs.replace(fp8, k_scale=0.5)
+    assert "k_scale 0.5" in (kv_dtype_mismatch(fp8, rescaled) or "")
+    assert kv_dtype_mismatch(fp8, fp8) is None

@@ -8,6 +8,9 @@ from pdserve.common.errors import PdserveError
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache storage (vLLM's --kv-cache-dtype): "auto" stores K/V in the model dtype, "fp8"
+# in float8 e4m3 with per-tensor scales (common/engine/kv_quant.py, docs/models.md).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -22,6 +25,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Storage order of the KV cache (common/engine/kv_layout.py): "head" suits readers of a head
     # slice (decode TP != prefill TP), "block" readers of every head; "auto" lets the
     # deployment choose from its TP sizes (a lone engine takes "head").
@@ -38,6 +42,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             )
         if self.dtype not in DTYPES:
             raise PdserveError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise PdserveError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise PdserveError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_batch"):
@@ -53,3 +62,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def kv_cache_torch_dtype_name(self) -> str:
+        """The torch dtype of the KV cache: the model's for "auto", float8_e4m3fn for fp8."""
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else self.torch_dtype_name

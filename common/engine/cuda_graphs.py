@@ -55,6 +55,7 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_blocks: int,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 caches: (k_scale, v_scale)
     ) -> None:
         started = time.perf_counter()
         device = kv_cache.device
@@ -78,6 +79,7 @@ class DecodeGraphs:
                 prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
                 decode_splits=kernels.decode_splits(size, kv_cache.shape[3], device),
+                k_scale=kv_scales[0], v_scale=kv_scales[1],
             )  # fmt: skip
             self._keep.append(meta)
             args = (

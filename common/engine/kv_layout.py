@@ -35,7 +35,7 @@ BLOCK_LOGICAL_FROM_STORAGE = (0, 2, 3, 1, 4, 5)
 BLOCK_STORAGE_FROM_LOGICAL = (0, 3, 1, 2, 4, 5)
 ORDERS = ("head", "block")
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,8 +44,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     block_size: int
     head_dim: int
-    dtype: str  # one of DTYPE_SIZES
+    dtype: str  # one of DTYPE_SIZES: the stored K/V dtype (float8_e4m3fn: --kv-cache-dtype fp8)
     order: Literal["head", "block"] = "head"  # storage order of the (head, block) units
+    # fp8: stored = value / scale, one fp32 scale per tensor for every K (and every V) of the
+    # cache (common/engine/kv_quant.py). Part of the layout: the handshake compares them, so
+    # a decode never reads bytes quantized with another scale. 1.0 for other dtypes.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -81,6 +86,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         if self.order == "block":
             return block * self.num_kv_heads + head
         return head * self.num_blocks + block
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "float8_e4m3fn"
 
     @property
     def itemsize(self) -> int:

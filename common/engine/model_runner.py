@@ -87,6 +87,7 @@ class ModelRunner:
         gpu_memory_utilization: float,
         parallel: ParallelContext | None = None,
         kv_order: str = "head",
+        kv_cache_dtype: str | None = None,
         cuda_graph_max_batch: int = 0,
         cuda_graphs: bool = True,
         max_model_len: int | None = None,
@@ -118,7 +119,7 @@ class ModelRunner:
             )[1],
             block_size=block_size,
             head_dim=cfg.head_dim,
-            dtype=dtype,
+            dtype=kv_cache_dtype or dtype,
             order="block" if kv_order == "block" else "head",
         )
         if num_blocks is None:
@@ -140,6 +141,7 @@ class ModelRunner:
             model=str(model_dir),
             device=device,
             dtype=dtype,
+            kv_cache_dtype=self.layout.dtype,
             load_seconds=round(self.load_seconds, 2),
             num_kv_blocks=num_blocks,
             kv_cache_mib=round(self.layout.total_bytes / 2**20),
@@ -167,7 +169,12 @@ class ModelRunner:
             return
         max_blocks = min(self.layout.num_blocks, -(-self._max_model_len // self.layout.block_size))
         self.graphs = DecodeGraphs(
-            self.model, self.kv_cache, self.layout.block_size, self._graph_max_batch, max_blocks
+            self.model,
+            self.kv_cache,
+            self.layout.block_size,
+            self._graph_max_batch,
+            max_blocks,
+            kv_scales=(self.layout.k_scale, self.layout.v_scale),
         )
 
     def kv_compat(self) -> dict[str, str | int]:
@@ -195,6 +202,7 @@ class ModelRunner:
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_order=config.kv_order,
+            kv_cache_dtype=config.kv_cache_torch_dtype_name,
             cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
@@ -281,6 +289,8 @@ class ModelRunner:
             decode_splits=kernels.decode_splits(
                 padded_batch(len(decodes), self._graph_max_batch), self.layout.num_kv_heads, dev
             ),
+            k_scale=self.layout.k_scale,
+            v_scale=self.layout.v_scale,
         )
         return (
             as_tensor(tokens, torch.int64),
@@ -343,6 +353,8 @@ class ModelRunner:
                 [b + [0] * (width - len(b)) for _, _, b in pieces], dtype=torch.int32, device=dev
             ).reshape(len(pieces), width),
             kv_gather=lambda kv: par.gather_padded(kv, num_own, pad_to),
+            k_scale=self.layout.k_scale,
+            v_scale=self.layout.v_scale,
         )
         return (
             torch.tensor(tokens, dtype=torch.int64, device=dev),

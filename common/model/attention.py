@@ -29,6 +29,9 @@ class AttentionMetadata:
     # kernels.decode_splits of the decode batch as a CUDA graph would pad it: an eager step
     # and a replayed graph then sum each softmax in the same order. None: of the batch as is.
     decode_splits: int | None = None
+    # fp8 KV caches: the per-tensor scales of K and V (KVLayout.k_scale / v_scale).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def num_prefills(self) -> int:
@@ -47,9 +50,8 @@ def paged_attention(
     if meta.kv_gather is not None:
         # Every rank writes every new token's K/V: all PCP ranks hold an equal replica.
         kv = meta.kv_gather(torch.stack((k, v)))  # [2, T_all, H_kv, D]
-        kernels.write_kv(layer_cache, kv[0], kv[1], meta.slot_mapping)
-    else:
-        kernels.write_kv(layer_cache, k, v, meta.slot_mapping)
+        k, v = kv[0], kv[1]
+    kernels.write_kv(layer_cache, k, v, meta.slot_mapping, meta.k_scale, meta.v_scale)
     nd = meta.num_decode_tokens
     if q.shape[0] == 0:  # a PCP rank with no piece of this step still joins the gather
         return torch.empty_like(q)
@@ -62,6 +64,8 @@ def paged_attention(
             scale,
             sliding_window,
             meta.decode_splits,
+            meta.k_scale,
+            meta.v_scale,
         )
     out = torch.empty_like(q)
     if nd:
@@ -73,6 +77,8 @@ def paged_attention(
             scale,
             sliding_window,
             meta.decode_splits,
+            meta.k_scale,
+            meta.v_scale,
         )
     out[nd:] = kernels.prefill_attention(
         q[nd:],
@@ -82,5 +88,7 @@ def paged_attention(
         meta.prefill_block_tables,
         scale,
         sliding_window,
+        meta.k_scale,
+        meta.v_scale,
     )
     return out

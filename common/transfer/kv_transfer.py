@@ -44,8 +44,10 @@ log = structlog.get_logger("pdserve.kv_transfer")
 
 # Fields that must agree for a block id to mean the same bytes on both sides (num_blocks,
 # the pool size, may differ).
-# num_kv_heads is per TP rank: checked against the TP mapping instead.
-LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "dtype")
+# num_kv_heads is per TP rank: checked against the TP mapping instead. The stored dtype and
+# the fp8 scales are compared first, by kv_dtype_mismatch (a pull moves bytes, never converts).
+LAYOUT_KEYS = ("num_layers", "block_size", "head_dim")
+KV_DTYPE_NAMES = {"float8_e4m3fn": "fp8"}  # the --kv-cache-dtype that stores each dtype
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)
 
@@ -62,10 +64,34 @@ def _pull_error(request_id: str, peer: str, why: str) -> KVTransferError:
     return KVTransferError(f"KV pull of request {request_id!r} from {peer}: {why}")
 
 
+def _kv_dtype(layout: KVLayout) -> str:
+    flag = KV_DTYPE_NAMES.get(layout.dtype, "auto")
+    scales = f", k_scale {layout.k_scale:g}, v_scale {layout.v_scale:g}" if layout.is_fp8 else ""
+    return f"{layout.dtype} (--kv-cache-dtype {flag}{scales})"
+
+
+def kv_dtype_mismatch(local: KVLayout, remote: KVLayout) -> str | None:
+    """The line refusing a producer whose stored KV dtype (or fp8 scales) differs, naming
+    both; None when they agree."""
+    if (local.dtype, local.k_scale, local.v_scale) == (
+        remote.dtype,
+        remote.k_scale,
+        remote.v_scale,
+    ):
+        return None
+    return (
+        f"KV cache dtype: this decode stores {_kv_dtype(local)}, the producer "
+        f"{_kv_dtype(remote)}; start prefill and decode with the same kv_cache_dtype"
+    )
+
+
 def incompatibilities(layout: KVLayout, compat: dict[str, Any], reply: HandshakeReply) -> list[str]:
     """One 'what: local=.. remote=..' line per difference; empty when compatible."""
-    diffs = []
+    dtype_line = kv_dtype_mismatch(layout, reply.layout)
+    diffs = [dtype_line] if dtype_line else []
     for key in sorted(set(compat) | set(reply.compat)):
+        if key == "dtype" and dtype_line:
+            continue  # the same difference, said above
         mine, theirs = compat.get(key, "<missing>"), reply.compat.get(key, "<missing>")
         if mine != theirs:
             diffs.append(f"compat[{key!r}]: local={mine!r} remote={theirs!r}")

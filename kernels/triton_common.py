@@ -1,0 +1,133 @@
+"""What the Triton paged-attention kernels share (``triton_ops.py``: write and prefill,
+``triton_decode.py``: decode), with the signatures and semantics of reference.py.
+
+Layouts (see reference.py): one layer's cache is the strided view ``[N, 2, H_kv, B, D]``
+(dim 1: 0 is K, 1 is V) of ``[num_blocks, num_layers, 2, H_kv, B, D]``; every stride is
+passed to the kernels, so neither the cache view nor q has to be contiguous. A slot is
+``block_id * B + offset``. The queries of a sequence are its last ``q_len`` positions,
+``context_len - q_len .. context_len - 1``; key position k is visible to query position
+p iff ``k <= p`` and, with a sliding window w, ``k > p - w``.
+
+Attention runs as flash attention: scores in fp32, a running max and sum per query row
+(online softmax, in base 2 with ``scale * log2(e)`` folded into the scores), the output
+accumulated in fp32 and written in ``q.dtype``. As in the reference, q (and the new K/V
+of ``write_kv``) are first cast to the cache dtype, by torch, so they round the same way.
+Keys are walked one cache block at a time through the block table, from the first block
+that the window leaves visible to the block of the tile's last query.
+
+Deviation from the reference: ``write_kv`` skips negative slots (the usual padding
+marker); the reference would write them into the last block through negative indexing.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``) the kernels upcast K, V and q to fp32
+before ``tl.dot``: the interpreter has no bfloat16 arithmetic (it would multiply the raw
+bit patterns, triton-lang/triton#11584).
+
+fp8 caches (float8_e4m3fn): the write kernel quantizes in the kernel (K times
+``1 / k_scale``, saturated to +-448, rounded to nearest even, as kernels/fp8.py does) and the
+attention kernels load fp8 and dequantize in the kernel (times ``k_scale`` in fp32, then to
+q's dtype); q is then never cast to the cache dtype, the dots run in q's dtype.
+
+Constraints: head_dim and block_size must be powers of two >= 16 (``tl.arange`` needs
+powers of two, ``tl.dot`` needs an inner dimension >= 16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.fp8 import is_fp8
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(
+    q,  # [M, D] in the compute dtype (compute_dtype: the cache's, or q's over fp8)
+    acc,  # [M, D] fp32, unnormalised output
+    m_i,  # [M] fp32, running max of the base-2 scores
+    l_i,  # [M] fp32, running sum of exp2(score - m_i)
+    kv_ptrs,  # [B, D] pointers to this block's K rows (V is stride_ckv further)
+    stride_ckv,
+    k_ok,  # [B] key position < context_len (the rest of the block is not loaded)
+    visible,  # [M, B] causal and window mask
+    qk_scale,
+    k_scale,  # fp8 caches: K = stored * k_scale
+    v_scale,
+    FP8: tl.constexpr,  # the cache holds float8_e4m3fn: dequantize into q's dtype
+    UPCAST: tl.constexpr,  # interpreter: compute in fp32
+):
+    # One online-softmax step over one cache block of keys.
+    k = tl.load(kv_ptrs, mask=k_ok[:, None], other=0.0)  # [B, D]
+    v = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)  # [B, D]
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, B]
+    s = tl.where(visible, s, float("-inf"))
+    # m_i starts finite (-1e30), so a row with nothing visible yet gets alpha = 1, p = 0
+    # instead of exp2(-inf - -inf) = NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+    alpha = tl.exp2(m_i - m_new)  # [M]
+    p = tl.exp2(s - m_new[:, None])  # [M, B]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+# True when TRITON_INTERPRET was set as this module was imported (the kernels are then
+# interpreter functions rather than JITFunctions).
+_INTERPRETED = not isinstance(_attend_block, triton.runtime.JITFunction)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_cache(layer_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(H_kv, block_size, head_dim) of a ``[N, 2, H_kv, B, D]`` layer view, checked."""
+    assert layer_cache.dim() == 5 and layer_cache.shape[1] == 2, (
+        f"layer_cache must be [N, 2, H_kv, block_size, head_dim], got {tuple(layer_cache.shape)}"
+    )
+    _, _, num_kv_heads, block_size, head_dim = layer_cache.shape
+    assert _is_pow2(head_dim) and head_dim >= 16, (
+        f"triton kernels need head_dim to be a power of two >= 16 (64 and 128 are tested), "
+        f"got {head_dim}"
+    )
+    assert _is_pow2(block_size) and block_size >= 16, (
+        f"triton kernels need block_size to be a power of two >= 16, got {block_size}"
+    )
+    return num_kv_heads, block_size, head_dim
+
+
+def _check_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, sliding_window: int | None
+) -> tuple[int, int, int, int]:
+    """(GQA group, H_kv, block_size, head_dim), checked against q."""
+    num_kv_heads, block_size, head_dim = _check_cache(layer_cache)
+    assert q.dim() == 3 and q.shape[2] == head_dim, (
+        f"q must be [tokens, H_q, {head_dim}], got {tuple(q.shape)}"
+    )
+    assert q.shape[1] % num_kv_heads == 0, (
+        f"H_q ({q.shape[1]}) must be a multiple of H_kv ({num_kv_heads})"
+    )
+    assert sliding_window is None or sliding_window >= 1, (
+        f"sliding_window must be None or >= 1, got {sliding_window}"
+    )
+    return q.shape[1] // num_kv_heads, num_kv_heads, block_size, head_dim
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on t's GPU (Triton uses the current device); a no-op for CPU tensors."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def compute_dtype(q: torch.Tensor, layer_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the dots run in: the cache's, or q's when the cache is fp8 (dequantized)."""
+    return q.dtype if is_fp8(layer_cache.dtype) else layer_cache.dtype
