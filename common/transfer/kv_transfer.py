@@ -45,7 +45,7 @@ log = structlog.get_logger("pdserve.kv_transfer")
 # Fields that must agree for a block id to mean the same bytes on both sides (num_blocks,
 # the pool size, may differ).
 # num_kv_heads is per TP rank: checked against the TP mapping instead.
-LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "dtype")
+LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "dtype", "num_kv_parts")
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)
 
