@@ -76,7 +76,9 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--shape", type=_shapes, default=["1b"], help="1b, 8b or 1b,8b")
+    p.add_argument(
+        "--shape", type=_shapes, default=["1b"], help="1b, 8b, dsv3 (MLA latent) or a comma list"
+    )
     p.add_argument(
         "--tokens",
         type=_positive_ints,

@@ -243,3 +243,23 @@ def test_pdserve_generate_raw_on_deepseek_v3(
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == tok.decode(want) + "\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["v3-yarn", "v3-no-q-lora"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_fp32_greedy_identical_to_transformers(
+    mla_checkpoints: dict[str, Path], prompts: list[list[int]], name: str, graphs: bool
+) -> None:
+    """On CUDA (fp32): the Triton latent write and absorbed decode, in CUDA graphs or not."""
+    want = hf_greedy(mla_checkpoints[name], prompts)
+    got = engine_greedy(
+        mla_checkpoints[name],
+        prompts,
+        device="cuda",
+        dtype="float32",
+        cuda_graphs=graphs,
+        num_kv_blocks=256,
+    )
+    assert got == want
