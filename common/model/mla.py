@@ -170,11 +170,14 @@ class MLAAttention(nn.Module):
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, rows[:, None, self.latent :].expand(-1, heads, -1)), dim=-1)
             q = torch.cat((q_nope[lo:hi], q_rope[lo:hi]), dim=-1)  # [q_len, H, nope + rope]
-            q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
-            visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), visible, scale=self.scale
-            )  # [H, q_len, v]
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            if hi - lo == ctx:  # no cached prefix: plain causal (SDPA's fused kernels)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
+                visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
+                o = F.scaled_dot_product_attention(q, k, v, visible, scale=self.scale)
+            # o: [H, q_len, v]
             out[lo:hi] = o.transpose(0, 1)
         return out
 
