@@ -263,3 +263,21 @@ def test_cuda_fp32_greedy_identical_to_transformers(
         num_kv_blocks=256,
     )
     assert got == want
+
+
+def test_bench_shape_writer_gives_a_checkpoint_transformers_reads(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``write_random_deepseek`` (bench engine --shape dsv3) at a tiny size: transformers
+    loads its config.json and weights, and our engine gives HF's tokens on it (yarn rope,
+    interleaved, q low-rank: DeepSeek-V3's switches)."""
+    from pdserve.common.model.random import SHAPES, write_random_deepseek
+
+    assert SHAPES["dsv3"]["kv_lora_rank"] == 512 and SHAPES["dsv3"]["num_heads"] == 128
+    path = write_random_deepseek(
+        tmp_path / "dsv3-tiny", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        dtype="float32", tokenizer_from=model_dir,
+    )  # fmt: skip
+    prompts = [[(i * 7 + 3) % 40000 + 100 for i in range(n)] for n in (5, 150)]
+    assert engine_greedy(path, prompts) == hf_greedy(path, prompts)
