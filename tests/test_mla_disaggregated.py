@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.common.model.config import ModelConfig
+from pdserve.services.router.client import Result
 from tests.test_families import hf_greedy
 from tests.test_mla import build_mla
 
@@ -63,10 +65,10 @@ def test_tp2_rank_group_matches_transformers(
         ranks.close()
 
 
-def _serve(front: str, prompts: list[str | list[int]]) -> list[list[int]]:
+def _serve(front: str, prompts: list[str | list[int]]) -> list[Result]:
     from pdserve.services.router.client import AsyncClient
 
-    async def run() -> list[list[int]]:
+    async def run() -> list[Result]:
         async with AsyncClient(front, timeout=600) as client:
             results = await asyncio.gather(
                 *(
@@ -76,7 +78,7 @@ def _serve(front: str, prompts: list[str | list[int]]) -> list[list[int]]:
                     for p in prompts
                 )
             )
-        return [r.token_ids for r in results]
+        return list(results)
 
     return asyncio.run(run())
 
@@ -104,7 +106,7 @@ def test_tp2_x_pcp2_prefill_to_decode_tp_1_and_2(
         pull_from="striped",
         engine={"kv_cache_memory_gb": 0.05},
     ) as dep:
-        got = _serve(dep.cfg.front_address, prompts)
+        got = [r.token_ids for r in _serve(dep.cfg.front_address, prompts)]
         for text, tokens in zip(prompts[:4], got[:4], strict=True):
             assert isinstance(text, str) and tokens == reference[text], text
         snap = metrics(dep.url)
@@ -123,11 +125,16 @@ def test_tp1_prefill_to_decode_tp2_reads_the_whole_latent_per_rank(
     tmp_path: Path, mla_model: Path, reference: dict[str, list[int]]
 ) -> None:
     from tests.e2e import deployment
-    from tests.test_serving import assert_pools_full, metrics
+    from tests.test_serving import assert_pools_full, metrics, total
 
     with deployment(tmp_path, mla_model, decode_tp=2, engine={"kv_cache_memory_gb": 0.05}) as dep:
-        got = _serve(dep.cfg.front_address, list(TEXTS))
-        assert got == [reference[t] for t in TEXTS]
+        results = _serve(dep.cfg.front_address, list(TEXTS))
+        assert [r.token_ids for r in results] == [reference[t] for t in TEXTS]
         snap = metrics(dep.url)
         assert snap["pdserve:kv_replica_releases_total{service=prefill,instance=0,rank=0}"] == 2
+        # each of the 2 decode ranks reads every block's latent rows (fp32, all layers)
+        cfg, block = ModelConfig.from_dir(mla_model), dep.cfg.engine.block_size
+        block_bytes = cfg.num_hidden_layers * block * cfg.kv_cache_head_dim * 4
+        blocks = sum(-(-r.usage.prompt_tokens // block) for r in results)
+        assert total(snap, "pdserve:kv_transfer_bytes_total", "decode") == 2 * blocks * block_bytes
         assert_pools_full(dep.url)
