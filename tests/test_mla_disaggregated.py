@@ -4,8 +4,10 @@ once (replica 0, or striped over the replicas) -- at decode TP > 1 every decode 
 the whole latent itself (``tp.pull_plan`` with one "KV head": each rank its own copy) --
 and releases every producer rank exactly once (``pdserve:kv_replica_releases``).
 
-Two deployments (slow): prefill TP 2 x PCP 2 to decode instances of TP 1 and TP 2 (striped
-pulls, 20 concurrent requests plus HF-checked prompts); prefill TP 1 x PCP 1 to decode TP 2.
+Three deployments (slow): prefill TP 2 x PCP 2 to decode instances of TP 1 and TP 2 (striped
+pulls, 20 concurrent requests plus HF-checked prompts); prefill TP 1 x PCP 1 to decode TP 2
+(bytes: each decode rank reads the whole latent); prefill TP 2 x PCP 2 whose decode is
+killed mid-pull (every replica expires once).
 Greedy output equals HF transformers'. One TP-2 rank group in-process checks the weight
 shards (q_b/kv_b/o_proj by heads, the latent's projections replicated) against HF first.
 """
@@ -13,6 +15,7 @@ shards (q_b/kv_b/o_proj by heads, the latent's projections replicated) against H
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,49 @@ def test_tp1_prefill_to_decode_tp2_reads_the_whole_latent_per_rank(
         blocks = sum(-(-r.usage.prompt_tokens // block) for r in results)
         assert total(snap, "pdserve:kv_transfer_bytes_total", "decode") == 2 * blocks * block_bytes
         assert_pools_full(dep.url)
+
+
+def test_decode_killed_mid_pull_expires_each_of_the_four_replicas_once(
+    tmp_path: Path, mla_model: Path
+) -> None:
+    """Prefill TP 2 x PCP 2 (4 latent replicas); decode holds the pull and is killed: the
+    request fails naming the peer, and at lease expiry each producer rank frees its replica
+    once (kv_expired_requests 1 on every rank, no release counted), the pool full again."""
+    from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
+    from tests.e2e import deployment
+    from tests.fault_tools import pools_full, service_metrics, wait_until
+    from tests.test_faults import (
+        DETECT_BOUND,
+        FAST,
+        LEASE_BOUND,
+        PROMPT,
+        decode_waiting,
+        failure_of,
+        in_background,
+    )
+    from tests.test_serving import metrics
+
+    hold = tmp_path / "hold-pulls"
+    hold.touch()
+    flags = dict(FAST, prefill_tp=2, pcp=2)
+    env = {HOLD_PULLS_ENV: str(hold)}
+    with deployment(tmp_path, mla_model, env=env, **flags) as dep:  # type: ignore[arg-type]
+        prefill = dep.cfg.prefill_addresses[0].address
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = in_background(pool, dep, PROMPT, max_tokens=4)
+            wait_until(lambda: decode_waiting(dep), 60, "decode to hold the pull")
+            dep.kill("decode-0")
+            err = failure_of(fut, DETECT_BOUND)
+        hold.unlink()
+        assert err.reason == "peer_down" and "decode-0" in err.message, err
+        wait_until(
+            lambda: service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"] >= 4,
+            LEASE_BOUND,
+            "every replica's lease to expire",
+        )
+        wait_until(lambda: pools_full([(prefill, "prefill")]), 5, "the producer's pool to be full")
+        snap = metrics(dep.url)
+        for rank in range(4):
+            key = f"{{service=prefill,instance=0,rank={rank}}}"
+            assert snap[f"pdserve:kv_expired_requests_total{key}"] == 1, rank
+            assert snap.get(f"pdserve:kv_replica_releases_total{key}", 0) == 0, rank
