@@ -281,3 +281,42 @@ def test_bench_shape_writer_gives_a_checkpoint_transformers_reads(
     )  # fmt: skip
     prompts = [[(i * 7 + 3) % 40000 + 100 for i in range(n)] for n in (5, 150)]
     assert engine_greedy(path, prompts) == hf_greedy(path, prompts)
+
+
+@pytest.mark.parametrize("q_lora", [16, None], ids=["q-lora", "q-proj"])
+def test_tp_shards_split_heads_and_replicate_the_latent(q_lora: int | None) -> None:
+    """TP 2: q (q_proj or q_b_proj) and kv_b_proj by rows of whole heads, o_proj by columns,
+    everything that makes the latent (q_a/kv_a and the norms) whole on both ranks."""
+    from pdserve.common.model.llama import shard_state_dict
+
+    raw = {
+        "model_type": "deepseek_v3", "vocab_size": 50, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "q_lora_rank": q_lora, "kv_lora_rank": 8,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 5,
+    }  # fmt: skip
+    cfg = ModelConfig.from_dict(raw)
+    a = "model.layers.0.self_attn."
+    shapes = {
+        a + "kv_a_proj_with_mqa.weight": (12, 32),
+        a + "kv_a_layernorm.weight": (8,),
+        a + "kv_b_proj.weight": (4 * 11, 8),
+        a + "o_proj.weight": (32, 4 * 5),
+    }
+    if q_lora is None:
+        shapes[a + "q_proj.weight"] = (4 * 10, 32)
+    else:
+        shapes |= {a + "q_a_proj.weight": (16, 32), a + "q_a_layernorm.weight": (16,)}
+        shapes[a + "q_b_proj.weight"] = (4 * 10, 16)
+    full = {k: torch.randn(s) for k, s in shapes.items()}
+    parts = [shard_state_dict(full, cfg, 2, r) for r in range(2)]
+    q = a + ("q_proj.weight" if q_lora is None else "q_b_proj.weight")
+    for name, tensor in full.items():
+        if name in (q, a + "kv_b_proj.weight"):
+            rows = tensor.shape[0] // 2  # heads 0-1 on rank 0, 2-3 on rank 1
+            assert [p[name].shape[0] for p in parts] == [rows, rows]
+            assert torch.equal(torch.cat([p[name] for p in parts]), tensor)
+        elif name == a + "o_proj.weight":
+            assert torch.equal(torch.cat([p[name] for p in parts], dim=1), tensor)
+        else:
+            assert all(torch.equal(p[name], tensor) for p in parts), name
