@@ -12,6 +12,8 @@
 #   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
 #   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
+#   mla           MLA: its GPU tests (Triton latent kernels, the engine vs HF), bench engine and
+#                 bench transfer at the DeepSeek-V3 attention shape (--shape dsv3)
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -21,7 +23,7 @@
 # from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -108,12 +110,28 @@ suite_pcp() {
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
 
+suite_mla() {
+    timeout 300 python3 -m pytest -q -m gpu tests/test_mla_kernels.py tests/test_mla.py \
+        -p no:cacheprovider --durations=5 > "$OUT/mla_gpu_tests.txt" 2>&1
+    local rc=$?; tail -8 "$OUT/mla_gpu_tests.txt"
+    timeout 300 python3 -m pdserve bench engine --shape dsv3 --tokenizer /tmp/tokmodel --device cuda \
+        --dtype bfloat16 --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
+        --json "$OUT/engine_dsv3_h200.json" 2>"$OUT/engine_dsv3_err.txt" | tail -12
+    timeout 150 python3 -m pdserve bench engine --shape dsv3 --tokenizer /tmp/tokmodel --device cuda \
+        --dtype bfloat16 --prompt-len 2048 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 --no-hf \
+        --no-cuda-graphs --json "$OUT/engine_dsv3_eager_h200.json" 2>>"$OUT/engine_dsv3_err.txt" | tail -5
+    timeout 200 python3 -m pdserve bench transfer --device cuda --shape dsv3 --tokens 1024,8192,32768 \
+        --fragment 8 --order head,block --repeats 9 --json "$OUT/transfer_dsv3_h200.json" \
+        2>"$OUT/transfer_dsv3_err.txt" | tail -14
+    return $rc
+}
+
 suites=("$@")
 [ "${suites[*]}" = all ] && suites=(tests engine serve transfer engine-eager)
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

@@ -62,9 +62,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=("1b", "8b"),
-        help="a random bf16 Llama of this shape (1B: Llama 3.2's, 8B: Llama 3.1's), written once "
-        "into the model cache, instead of --model",
+        choices=("1b", "8b", "dsv3"),
+        help="a random bf16 model of this shape (1B: Llama 3.2's, 8B: Llama 3.1's, dsv3: "
+        "DeepSeek-V3's MLA attention on 4 dense layers), written once into the model cache, "
+        "instead of --model",
     )
     p.add_argument(
         "--layers",

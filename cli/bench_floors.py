@@ -28,7 +28,7 @@ class Ceilings:
     copy_gbps: float  # read + write bytes per second of a large device copy, in 1e9
     matmul_tflops: float  # dense matmul, the run's dtype
     weight_bytes: int  # every parameter once (tied embeddings once)
-    kv_bytes_per_token: int  # all layers, K and V
+    kv_bytes_per_token: int  # all layers, K and V (MLA: the latent row)
     linear_params: int  # parameters of the matmuls every token goes through (not the LM head)
     head_params: int  # the LM head: prefill runs it for the last token of a prompt only
     attn_flops_per_pair: int  # QK^T + PV flops for one (query, key) pair, all layers
@@ -89,7 +89,11 @@ def measure(engine: LLMEngine) -> Ceilings:
     embed = cfg.vocab_size * cfg.hidden_size
     matrices = sum(p.numel() for p in params if p.dim() == 2)
     linear = matrices - embed * (1 if cfg.tie_word_embeddings else 2)  # less lookup and LM head
-    heads_dim = cfg.num_attention_heads * cfg.head_dim
+    # QK^T over the q/k head, PV over the v head (MLA prefill expands the latent to these)
+    if cfg.is_mla:
+        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        qk_dim = v_dim = cfg.head_dim
     return Ceilings(
         copy_gbps=2 * size / copy_s / 1e9,
         matmul_tflops=2 * n**3 / mm_s / 1e12,
@@ -97,7 +101,7 @@ def measure(engine: LLMEngine) -> Ceilings:
         kv_bytes_per_token=runner.layout.bytes_per_token,
         linear_params=linear,
         head_params=embed,
-        attn_flops_per_pair=4 * heads_dim * cfg.num_hidden_layers,
+        attn_flops_per_pair=2 * cfg.num_attention_heads * (qk_dim + v_dim) * cfg.num_hidden_layers,
     )
 
 

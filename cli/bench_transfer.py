@@ -79,7 +79,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_kv_cache_dtype(p, default="auto")  # auto: bfloat16, the GPU engine's dtype
-    p.add_argument("--shape", type=_shapes, default=["1b"], help="1b, 8b or 1b,8b")
+    p.add_argument(
+        "--shape", type=_shapes, default=["1b"], help="1b, 8b, dsv3 (MLA latent) or a comma list"
+    )
     p.add_argument(
         "--tokens",
         type=_positive_ints,

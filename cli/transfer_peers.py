@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
 
 # Llama-3.2-1B and Llama-3.1-8B: KV heads, head_dim and layers are what set the bytes.
+# dsv3: DeepSeek-V3's MLA latent cache, one row of 512 + 64 per token on each of 61 layers.
 SHAPES: dict[str, dict[str, int]] = {
     "1b": {"num_layers": 16, "num_kv_heads": 8, "head_dim": 64},
     "8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
+    "dsv3": {"num_layers": 61, "num_kv_heads": 1, "head_dim": 576, "num_kv_parts": 1},
 }
 BLOCK_SIZE = 64
 DTYPE = "bfloat16"

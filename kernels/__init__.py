@@ -43,7 +43,7 @@ if __name__ == "kernels":
 
 import torch  # noqa: E402
 
-from pdserve.kernels import pointwise_ref, reference  # noqa: E402
+from pdserve.kernels import mla_reference, pointwise_ref, reference  # noqa: E402
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
@@ -53,11 +53,14 @@ __all__ = [
     "backend_name",
     "decode_attention",
     "decode_splits",
+    "mla_decode_attention",
+    "mla_decode_splits",
     "prefill_attention",
     "rms_norm",
     "rotary",
     "silu_and_mul",
     "write_kv",
+    "write_latent",
 ]
 
 
@@ -74,6 +77,13 @@ def _triton_ops() -> ModuleType | ImportError:
     except ImportError as exc:
         return exc
     return triton_ops
+
+
+@functools.cache
+def _triton_mla() -> ModuleType:
+    from pdserve.kernels import triton_mla
+
+    return triton_mla
 
 
 @functools.cache
@@ -207,4 +217,43 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
     if backend_name(device) != "triton":
         return 1
     splits: int = _impl(device).decode_splits(num_seqs, num_kv_heads, device)
+    return splits
+
+
+def _mla(device: torch.device) -> ModuleType:
+    if backend_name(device) == "triton":
+        return _triton_mla()
+    return mla_reference
+
+
+def write_latent(
+    layer_cache: torch.Tensor,  # [N, 1, 1, B, D]: one layer of an MLA latent cache
+    latent: torch.Tensor,  # [T, D]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: padding
+) -> None:
+    _mla(layer_cache.device).write_latent(layer_cache, latent, slot_mapping)
+
+
+def mla_decode_attention(
+    q: torch.Tensor,  # [S, H, D]: absorbed queries, latent part then rope part
+    layer_cache: torch.Tensor,  # [N, 1, 1, B, D]
+    context_lens: torch.Tensor,  # [S] int, incl. the token being decoded
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    latent_dim: int,  # kv_lora_rank
+    num_splits: int | None = None,  # mla_decode_splits() of the (padded) batch
+) -> torch.Tensor:  # [S, H, latent_dim]
+    """Absorbed MLA decode: every head attends the latent rows (key: the whole row, value:
+    its first ``latent_dim`` values); kernels/mla_reference.py is the reference."""
+    return _mla(q.device).mla_decode_attention(
+        q, layer_cache, context_lens, block_tables, scale, latent_dim, num_splits
+    )
+
+
+def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device | str) -> int:
+    """As :func:`decode_splits`, for the MLA decode kernel over ``num_heads`` query heads."""
+    device = torch.device(device)
+    if backend_name(device) != "triton":
+        return 1
+    splits: int = _triton_mla().mla_decode_splits(num_seqs, num_heads, device)
     return splits

@@ -21,9 +21,9 @@ import time
 import structlog
 import torch
 
-from pdserve import kernels
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger("pdserve.cuda_graphs")
 
@@ -50,7 +50,7 @@ def is_decode_step(plan: StepPlan) -> bool:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         max_batch: int,
@@ -78,7 +78,7 @@ class DecodeGraphs:
                 decode_context_lens=self._inputs[3, :size], decode_block_tables=self._tables[:size],
                 prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
-                decode_splits=kernels.decode_splits(size, kv_cache.shape[3], device),
+                decode_splits=model.decode_splits(size, kv_cache.shape[3], device),
                 k_scale=kv_scales[0], v_scale=kv_scales[1],
             )  # fmt: skip
             self._keep.append(meta)

@@ -19,6 +19,11 @@ are computed per side from each layout, and only pairs contiguous on both sides 
 The model and the kernels see the logical view ``[num_blocks, num_layers, 2, num_kv_heads,
 block_size, head_dim]`` (``shape``), a permutation of the storage; kernels take strides.
 Descriptors for transfers and the kernels' indexing both derive from this class.
+
+An MLA model's cache (common/model/mla.py) is this layout with one "KV head" holding the
+latent, ``num_kv_parts = 1`` (the latent is both key and value) and ``head_dim`` the
+latent's width in elements of ``dtype``: ``[N, L, 1, 1, B, kv_lora_rank + rope]``. How the
+bytes of one token's latent are laid out is ``LatentFormat`` (common/engine/latent_format.py).
 """
 
 from __future__ import annotations
@@ -51,14 +56,15 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     # a decode never reads bytes quantized with another scale. 1.0 for other dtypes.
     k_scale: float = 1.0
     v_scale: float = 1.0
+    num_kv_parts: int = 2  # K and V; 1 for an MLA latent (key and value in one)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """Logical shape, as the model indexes it: [N, L, 2, H_kv, B, D]."""
+        """Logical shape, as the model indexes it: [N, L, 2, H_kv, B, D] (MLA: 1 part)."""
         return (
             self.num_blocks,
             self.num_layers,
-            2,
+            self.num_kv_parts,
             self.num_kv_heads,
             self.block_size,
             self.head_dim,
@@ -68,7 +74,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     def storage_shape(self) -> tuple[int, int, int, int, int, int]:
         """Memory order: [H_kv, N, L, 2, B, D] (head) or [N, H_kv, L, 2, B, D] (block);
         ``storage.permute(self.logical_from_storage)`` is the logical view."""
-        inner = (self.num_layers, 2, self.block_size, self.head_dim)
+        inner = (self.num_layers, self.num_kv_parts, self.block_size, self.head_dim)
         if self.order == "block":
             return (self.num_blocks, self.num_kv_heads, *inner)
         return (self.num_kv_heads, self.num_blocks, *inner)
@@ -103,7 +109,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def head_block_bytes(self) -> int:
         """One KV head of one block, all layers, K and V: the unit of a transfer."""
-        return self.num_layers * 2 * self.head_bytes
+        return self.num_layers * self.num_kv_parts * self.head_bytes
 
     @property
     def block_bytes(self) -> int:

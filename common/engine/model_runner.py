@@ -17,6 +17,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_of_piece, score_rows
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
@@ -111,6 +112,13 @@ class ModelRunner:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
         self.load_seconds = time.perf_counter() - started
+        head_dim, num_kv_parts, cache_dtype = cache_head(cfg, dtype)
+        if cfg.is_mla and kv_cache_dtype not in (None, dtype):
+            raise ModelLoadError(
+                f"{model_dir}: --kv-cache-dtype fp8 with an MLA model: the fp8_ds_mla latent "
+                "layout (common/engine/kv_quant.py) is not wired into the latent cache yet; "
+                "use --kv-cache-dtype auto"
+            )
         probe = KVLayout(
             num_blocks=1,
             num_layers=cfg.num_hidden_layers,
@@ -118,9 +126,10 @@ class ModelRunner:
                 cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank
             )[1],
             block_size=block_size,
-            head_dim=cfg.head_dim,
-            dtype=kv_cache_dtype or dtype,
+            head_dim=head_dim,
+            dtype=kv_cache_dtype or cache_dtype,
             order="block" if kv_order == "block" else "head",
+            num_kv_parts=num_kv_parts,
         )
         if num_blocks is None:
             num_blocks = self._blocks_for_memory(
@@ -286,9 +295,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=as_tensor(cu),
             prefill_context_lens=as_tensor([s.context_len for s in prefills]),
             prefill_block_tables=_block_tables(prefills, dev),
-            decode_splits=kernels.decode_splits(
-                padded_batch(len(decodes), self._graph_max_batch), self.layout.num_kv_heads, dev
-            ),
+            decode_splits=self._decode_splits(padded_batch(len(decodes), self._graph_max_batch)),
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )
@@ -298,6 +305,9 @@ class ModelRunner:
             meta,
             as_tensor(logits_indices, torch.int64),
         )
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        return self.model.decode_splits(num_seqs, self.layout.num_kv_heads, self.device)
 
     def prepare_pcp(
         self, plan: StepPlan

@@ -9,11 +9,19 @@ switches read here, each the way transformers' own config and model classes read
 | mistral | no | no | no | every layer, when sliding_window is set |
 | qwen2 | always | no | no | layer_types, else layers >= max_window_layers if use_sliding_window |
 | qwen3 | attention_bias | attention_bias | yes | as qwen2 |
+
+DeepSeek V2/V3 (``deepseek_v2``, ``deepseek_v3``) are MLA models (common/model/mla.py): their
+KV cache is one latent per token, so ``num_key_value_heads`` is 1 here (every query head
+attends the one latent, replicated on every TP rank) and ``head_dim`` is the rope part
+``qk_rope_head_dim`` (as transformers sets it); ``kv_cache_head_dim`` is the latent's width.
+Only dense layers run: layers from ``first_k_dense_replace`` on are MoE in transformers and
+are refused until the MoE issue (#16) lands.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +30,7 @@ import msgspec
 from pdserve.common.errors import ModelLoadError
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+MLA_FAMILY = {"deepseek_v2", "deepseek_v3"}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -51,6 +60,43 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # MLA (deepseek_v2/v3); kv_lora_rank 0: not an MLA model. q_lora_rank None: one q_proj.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # rope over interleaved pairs (x0, x1), (x2, x3)... (V3's rope_interleave; V2 always)
+    rope_interleave: bool = False
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Elements of one KV head of one token in the cache: head_dim, or for MLA the
+        latent plus its rope part (kv_lora_rank + qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def num_kv_parts(self) -> int:
+        """2 (K and V) per KV head per token, 1 for MLA (the latent serves as both)."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention's softmax scale; for MLA over the q/k head (nope + rope), times
+        yarn's mscale(factor, mscale_all_dim) squared as transformers' DeepSeek applies it."""
+        if not self.is_mla:
+            return float(self.head_dim**-0.5)
+        scale = float((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5)
+        rope = self.rope_scaling or {}
+        if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+            factor = float(rope["factor"])
+            m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1
+            scale *= m * m
+        return scale
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -69,10 +115,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type", "llama")
+        if model_type in MLA_FAMILY:
+            return cls._from_mla_dict(raw)
         if model_type not in LLAMA_FAMILY:
             raise ModelLoadError(
                 f"model_type {model_type!r} is not supported; pdserve runs Llama-family "
-                f"models ({', '.join(sorted(LLAMA_FAMILY))})"
+                f"models ({', '.join(sorted(LLAMA_FAMILY))}) and dense MLA models "
+                f"({', '.join(sorted(MLA_FAMILY))})"
             )
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
@@ -103,6 +152,51 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             mlp_bias=model_type == "llama" and raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def _from_mla_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """DeepseekV2Config / DeepseekV3Config as transformers reads them, dense layers only."""
+        model_type = raw["model_type"]
+        num_layers = raw["num_hidden_layers"]
+        # transformers' defaults when the key is absent (V2: 0, V3: 3)
+        dense = raw.get("first_k_dense_replace", 3 if model_type == "deepseek_v3" else 0)
+        if dense is None or dense < num_layers:
+            raise ModelLoadError(
+                f"{model_type}: layers {dense}..{num_layers - 1} are mixture-of-experts "
+                f"(first_k_dense_replace={dense} < num_hidden_layers={num_layers}); pdserve "
+                "runs dense MLA models only until MoE support lands (issue #16)"
+            )
+        rope_dim = raw.get("qk_rope_head_dim", 64)
+        rope = _rope_parameters(raw)
+        eos = raw.get("eos_token_id")
+        bias = raw.get("attention_bias", False)
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=1,  # one latent, shared by every query head
+            head_dim=rope_dim,  # the rotary part, as transformers' config sets head_dim
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.pop("rope_theta", 10000.0),
+            rope_scaling=rope or None,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            layer_types=(FULL_ATTENTION,) * num_layers,
+            attention_bias=bias,  # on q_a_proj and kv_a_proj_with_mqa
+            o_proj_bias=bias,
+            mlp_bias=model_type == "deepseek_v2" and raw.get("mlp_bias", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            kv_lora_rank=raw.get("kv_lora_rank", 512),
+            q_lora_rank=raw.get("q_lora_rank", 1536),
+            qk_nope_head_dim=raw.get("qk_nope_head_dim", 128),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=raw.get("v_head_dim", 128),
+            rope_interleave=model_type == "deepseek_v2" or raw.get("rope_interleave", True),
         )
 
     @classmethod

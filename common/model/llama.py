@@ -25,26 +25,11 @@ from torch.nn import functional as F
 from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.mla import MLAAttention, attention_shards
+from pdserve.common.model.norm import RMSNorm
 from pdserve.common.model.rope import RotaryEmbedding
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import kv_heads_of, q_heads_of
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as the reference does.
-        return kernels.rms_norm(x, self.weight, self.eps)[0]
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm."""
-        out, total = kernels.rms_norm(x, self.weight, self.eps, residual)
-        assert total is not None
-        return out, total
 
 
 def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,11 +130,21 @@ class MLP(nn.Module):
         return out if self.down_proj.bias is None else out + self.down_proj.bias
 
 
+def attention_for(cfg: ModelConfig, par: ParallelContext, layer: int) -> Attention | MLAAttention:
+    """Layer ``layer``'s attention: MLA for DeepSeek V2/V3, else GQA (common/model/mla.py)."""
+    return MLAAttention(cfg, par, layer) if cfg.is_mla else Attention(cfg, par, layer)
+
+
+def mlp_for(cfg: ModelConfig, par: ParallelContext, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP (the seam where a mixture-of-experts layer plugs in)."""
+    return MLP(cfg, par)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, par, layer)
-        self.mlp = MLP(cfg, par)
+        self.self_attn = attention_for(cfg, par, layer)
+        self.mlp = mlp_for(cfg, par, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -173,6 +168,7 @@ class DecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext) -> None:
         super().__init__()
+        self.tp_size = par.tp_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -210,12 +206,21 @@ class LlamaForCausalLM(nn.Module):
             x, _ = self.model.norm.add(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """The decode kernel's split of a batch of ``num_seqs`` (``kernels.decode_splits``,
+        for MLA ``kernels.mla_decode_splits`` over this rank's query heads)."""
+        if self.config.is_mla:
+            heads = q_heads_of(self.config.num_attention_heads, self.model.tp_size, 0)[1]
+            return kernels.mla_decode_splits(num_seqs, heads, device)
+        return kernels.decode_splits(num_seqs, num_kv_heads, device)
+
     def pack_weights(self) -> None:
         """Pack q/k/v and gate/up of every layer (CUDA: fewer, larger GEMMs)."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.pack()
-            layer.mlp.pack()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.pack()
 
 
 def shard_state_dict(
@@ -236,6 +241,10 @@ def shard_state_dict(
         "up_proj": (tp_rank * m, m),
     }
     cols = {"o_proj": (q0 * d, nq * d), "down_proj": (tp_rank * m, m)}
+    if cfg.is_mla:  # heads of q/q_b/kv_b and o_proj; the latent's projections replicated
+        mla_rows, mla_cols = attention_shards(cfg, tp_size, tp_rank)
+        rows.update(mla_rows)
+        cols.update(mla_cols)
     out = {}
     for name, tensor in state.items():
         parts = name.split(".")

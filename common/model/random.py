@@ -117,14 +117,38 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
 
 
 # Model shapes for benchmarks (``pdserve bench engine --shape``): Llama 3.2 1B's and Llama 3.1
-# 8B's layers, heads and MLP, with the embedded tokenizer's vocabulary.
-SHAPES: dict[str, dict[str, int]] = {
+# 8B's layers, heads and MLP, with the embedded tokenizer's vocabulary; ``dsv3``: DeepSeek-V3's
+# attention (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, its
+# yarn rope) on 4 dense layers with a small MLP (MoE is issue #16).
+SHAPES: dict[str, dict[str, Any]] = {
     "1b": dict(
         num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192
     ),
     "8b": dict(
         num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336
     ),
+    "dsv3": dict(
+        num_layers=4,
+        hidden_size=7168,
+        num_heads=128,
+        intermediate_size=2048,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),  # fmt: skip
+}
+# DeepSeek-V3's rope: yarn, factor 40 over 4096 positions, mscale = mscale_all_dim = 1
+DSV3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
 }
 
 
@@ -219,9 +243,103 @@ def random_shape_model(
     dims = dict(SHAPES[shape])
     if num_layers is not None:
         dims["num_layers"] = num_layers
-    path = cache_root() / "random" / f"llama-{shape}-{dims['num_layers']}l-{dtype}"
+    family = "deepseek" if "kv_lora_rank" in dims else "llama"
+    path = cache_root() / "random" / f"{family}-{shape}-{dims['num_layers']}l-{dtype}"
     if not (path / "model.safetensors").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        write_random_llama(tmp, **dims, dtype=dtype, device=device, tokenizer_from=tokenizer_from)
+        write = write_random_deepseek if family == "deepseek" else write_random_llama
+        write(tmp, **dims, dtype=dtype, device=device, tokenizer_from=tokenizer_from)
         tmp.replace(path)
     return path
+
+
+def write_random_deepseek(
+    path: str | os.PathLike[str],
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    intermediate_size: int,
+    q_lora_rank: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    max_position_embeddings: int = 16384,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A random dense DeepseekV3ForCausalLM checkpoint (HF names, config.json with
+    first_k_dense_replace = num_layers) written tensor by tensor, as write_random_llama."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(tokenizer_from)
+    vocab = _tokenizer_vocab_size(source)
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02
+        return w.to(torch_dtype).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch_dtype)
+
+    qk = qk_nope_head_dim + qk_rope_head_dim
+    state = {
+        "model.embed_tokens.weight": weight(vocab, hidden_size),
+        "model.norm.weight": ones(hidden_size),
+        "lm_head.weight": weight(vocab, hidden_size),
+    }
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        state[p + "self_attn.q_a_proj.weight"] = weight(q_lora_rank, hidden_size)
+        state[p + "self_attn.q_a_layernorm.weight"] = ones(q_lora_rank)
+        state[p + "self_attn.q_b_proj.weight"] = weight(num_heads * qk, q_lora_rank)
+        state[p + "self_attn.kv_a_proj_with_mqa.weight"] = weight(
+            kv_lora_rank + qk_rope_head_dim, hidden_size
+        )
+        state[p + "self_attn.kv_a_layernorm.weight"] = ones(kv_lora_rank)
+        state[p + "self_attn.kv_b_proj.weight"] = weight(
+            num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank
+        )
+        state[p + "self_attn.o_proj.weight"] = weight(hidden_size, num_heads * v_head_dim)
+        state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
+        state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
+        state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
+        state[p + "input_layernorm.weight"] = ones(hidden_size)
+        state[p + "post_attention_layernorm.weight"] = ones(hidden_size)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim,
+        "qk_nope_head_dim": qk_nope_head_dim,
+        "v_head_dim": v_head_dim,
+        "rope_interleave": True,
+        "rope_scaling": DSV3_ROPE,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        **_special_token_ids(source),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    _copy_tokenizer(source, out)
+    return out

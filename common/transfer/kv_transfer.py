@@ -46,7 +46,7 @@ log = structlog.get_logger("pdserve.kv_transfer")
 # the pool size, may differ).
 # num_kv_heads is per TP rank: checked against the TP mapping instead. The stored dtype and
 # the fp8 scales are compared first, by kv_dtype_mismatch (a pull moves bytes, never converts).
-LAYOUT_KEYS = ("num_layers", "block_size", "head_dim")
+LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "num_kv_parts")
 KV_DTYPE_NAMES = {"float8_e4m3fn": "fp8"}  # the --kv-cache-dtype that stores each dtype
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)

@@ -1,0 +1,322 @@
+"""Triton kernels for an MLA latent cache, with the signatures of kernels/mla_reference.py.
+
+One layer's cache is the strided view ``[N, 1, 1, B, D]``, D = LATENT + ROPE: per token the
+latent (kv_lora_rank values) then the rotated rope key. The absorbed decode attends it
+as multi-query attention: query head h's row ``q[s, h]`` (D values: q_nope through W_UK,
+then q_rope) scores ``q . row`` against every cached row, and the output is the softmax
+over those scores applied to the rows' latent parts (LATENT values).
+
+``_mla_decode_kernel``: one program per (sequence, BLOCK_H query heads, split). The heads
+of the tile are the rows of ``tl.dot``, so each latent row is read once per BLOCK_H heads
+(DeepSeek-V3: 128 heads, 8 reads per step at BLOCK_H = 16, against 128 for per-head K/V).
+Scores in fp32, online softmax in base 2 (``scale * log2(e)`` folded in), accumulated in
+fp32. With SPLITS > 1 the sequence's blocks are cut into SPLITS equal runs (flash
+decoding), each run's partial softmax merged by ``_mla_reduce_kernel`` in split order; the
+cut depends on the context length and SPLITS only, so an eager step and a CUDA-graph replay
+that pass the same ``num_splits`` agree bit for bit.
+
+Constraints: LATENT and ROPE powers of two >= 16 (DeepSeek: 512 and 64), block_size a
+power of two >= 16. Under Triton's interpreter (``TRITON_INTERPRET=1``) operands are
+upcast to fp32 (the interpreter has no bfloat16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.triton_ops import _LOG2E, MAX_DECODE_SPLITS, _device_guard, _is_pow2, _num_sms
+
+BLOCK_H = 16  # query heads per program: the rows of tl.dot (>= 16)
+
+
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr,  # [N, 1, 1, B, D]
+    row_ptr,  # [T, D] in the cache dtype
+    slot_ptr,  # [T]
+    stride_cn,
+    stride_cb,
+    stride_cd,
+    stride_rt,
+    stride_rd,
+    D,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token: copies one latent row; negative slots (padding) are skipped.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        row = tl.load(row_ptr + t * stride_rt + d * stride_rd, mask=ok)
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+        tl.store(dst + d * stride_cd, row, mask=ok)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    out_ptr,  # [S, H, LATENT], written when SPLITS == 1
+    q_ptr,  # [S, H, LATENT + ROPE] in the cache dtype
+    cache_ptr,  # [N, 1, 1, B, LATENT + ROPE]
+    context_lens_ptr,  # [S]
+    block_tables_ptr,  # [S, max_blocks]
+    part_acc_ptr,  # [S, H, SPLITS, LATENT] fp32
+    part_ml_ptr,  # [S, H, SPLITS, 2] fp32
+    qk_scale,  # scale * log2(e)
+    num_heads,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_cn,
+    stride_cb,
+    stride_cd,
+    stride_bts,
+    stride_btb,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per tile, dividing BLOCK_SIZE
+    SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H_t]
+    h_ok = heads < num_heads
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
+
+    dl = tl.arange(0, LATENT)
+    dr = tl.arange(0, ROPE)
+    q_row = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + dl[None, :] * stride_qd, mask=h_ok[:, None], other=0.0)  # [H_t, L]
+    q_rope = tl.load(q_row + (LATENT + dr)[None, :] * stride_qd, mask=h_ok[:, None], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    hi = tl.cdiv(ctx, BLOCK_SIZE)
+    lo = 0
+    if SPLITS > 1:
+        per_split = tl.cdiv(hi, SPLITS)
+        lo = split * per_split
+        hi = tl.minimum(hi, lo + per_split)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bts
+    for j in range(lo, hi):
+        block_id = tl.load(table + j * stride_btb).to(tl.int64)
+        block_base = cache_ptr + block_id * stride_cn
+        for sub in tl.static_range(BLOCK_SIZE // BLOCK_N):
+            offs = sub * BLOCK_N + offs_n  # [N] offsets in the block
+            k_ok = j * BLOCK_SIZE + offs < ctx
+            rows = block_base + offs[:, None] * stride_cb
+            c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)  # [N, L]
+            r = tl.load(rows + (LATENT + dr)[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
+            if UPCAST:
+                c = c.to(tl.float32)
+                r = r.to(tl.float32)
+            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(r))  # [H_t, N] fp32
+            visible = k_ok[None, :] & h_ok[:, None]
+            s = tl.where(visible, s * qk_scale, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m_i = m_new
+
+    if SPLITS > 1:  # an empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing
+        acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + dl[None, :]
+        tl.store(acc_ptrs + split * stride_ap, acc, mask=h_ok[:, None])
+        ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh + split * stride_mp
+        tl.store(ml_ptrs, m_i, mask=h_ok)
+        tl.store(ml_ptrs + 1, l_i, mask=h_ok)
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dl[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    out_ptr,  # [S, H, LATENT]
+    part_acc_ptr,  # [S, H, SPLITS, LATENT] fp32
+    part_ml_ptr,  # [S, H, SPLITS, 2] fp32
+    num_heads,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    LATENT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    # One program per (sequence, BLOCK_H heads): the splits merged in split order.
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    dl = tl.arange(0, LATENT)
+    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + dl[None, :]
+    ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    for p in range(SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptrs + p * stride_mp, mask=h_ok, other=-1.0e30))
+    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for p in range(SPLITS):
+        alpha = tl.exp2(tl.load(ml_ptrs + p * stride_mp, mask=h_ok, other=-1.0e30) - m)
+        total += alpha * tl.load(ml_ptrs + p * stride_mp + 1, mask=h_ok, other=0.0)
+        acc += alpha[:, None] * tl.load(acc_ptrs + p * stride_ap, mask=h_ok[:, None], other=0.0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = acc / total[:, None]
+    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dl[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+# True when TRITON_INTERPRET was set as this module was imported.
+_INTERPRETED = not isinstance(_mla_decode_kernel, triton.runtime.JITFunction)
+
+
+def _check_cache(layer_cache: torch.Tensor) -> tuple[int, int]:
+    """(block_size, D) of a ``[N, 1, 1, B, D]`` latent layer view, checked."""
+    assert layer_cache.dim() == 5 and layer_cache.shape[1:3] == (1, 1), (
+        f"an MLA layer cache is [N, 1, 1, block_size, D], got {tuple(layer_cache.shape)}"
+    )
+    block_size = layer_cache.shape[3]
+    assert _is_pow2(block_size) and block_size >= 16, (
+        f"triton kernels need block_size to be a power of two >= 16, got {block_size}"
+    )
+    return block_size, layer_cache.shape[4]
+
+
+def write_latent(
+    layer_cache: torch.Tensor,  # [N, 1, 1, B, D]
+    latent: torch.Tensor,  # [T, D]
+    slot_mapping: torch.Tensor,  # [T] int64; negative: padding, skipped
+) -> None:
+    block_size, width = _check_cache(layer_cache)
+    assert latent.dim() == 2 and latent.shape[1] == width, (
+        f"latent rows must be [T, {width}], got {tuple(latent.shape)}"
+    )
+    if latent.shape[0] == 0:
+        return
+    latent = latent.to(layer_cache.dtype)
+    slot_mapping = slot_mapping.contiguous()
+    stride_cn, _, _, stride_cb, stride_cd = layer_cache.stride()
+    with _device_guard(layer_cache):
+        _write_latent_kernel[(latent.shape[0],)](
+            layer_cache,
+            latent,
+            slot_mapping,
+            stride_cn,
+            stride_cb,
+            stride_cd,
+            *latent.stride(),
+            width,
+            BLOCK_SIZE=block_size,
+            BLOCK_D=triton.next_power_of_2(width),
+        )
+
+
+def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device) -> int:
+    """Programs per (sequence, head tile): about two programs per SM, 1 once the batch
+    fills the GPU (as triton_ops.decode_splits)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tiles = num_seqs * triton.cdiv(num_heads, BLOCK_H)
+    return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(2 * _num_sms(index), max(1, tiles))))
+
+
+def mla_decode_attention(
+    q: torch.Tensor,  # [S, H, D]
+    layer_cache: torch.Tensor,  # [N, 1, 1, B, D]
+    context_lens: torch.Tensor,  # [S] int
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    scale: float,
+    latent_dim: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [S, H, latent_dim]
+    block_size, width = _check_cache(layer_cache)
+    rope = width - latent_dim
+    assert _is_pow2(latent_dim) and latent_dim >= 16 and _is_pow2(rope) and rope >= 16, (
+        f"the triton MLA kernel needs kv_lora_rank and the rope part to be powers of two "
+        f">= 16, got {latent_dim} and {rope}"
+    )
+    num_seqs, num_heads, _ = q.shape
+    assert q.shape[2] == width, f"q must be [S, H, {width}], got {tuple(q.shape)}"
+    out = torch.empty((num_seqs, num_heads, latent_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    splits = num_splits or mla_decode_splits(num_seqs, num_heads, q.device)
+    q = q.to(layer_cache.dtype)
+    context_lens = context_lens.contiguous()
+    part_acc = torch.empty(
+        (num_seqs, num_heads, splits, latent_dim), dtype=torch.float32, device=q.device
+    )
+    part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    stride_cn, _, _, stride_cb, stride_cd = layer_cache.stride()
+    tiles = triton.cdiv(num_heads, BLOCK_H)
+    with _device_guard(q):
+        _mla_decode_kernel[(num_seqs, tiles, splits)](
+            out,
+            q,
+            layer_cache,
+            context_lens,
+            block_tables,
+            part_acc,
+            part_ml,
+            scale * _LOG2E,
+            num_heads,
+            *q.stride(),
+            *out.stride(),
+            stride_cn,
+            stride_cb,
+            stride_cd,
+            *block_tables.stride(),
+            *part_acc.stride()[:3],
+            *part_ml.stride()[:3],
+            LATENT=latent_dim,
+            ROPE=rope,
+            BLOCK_H=BLOCK_H,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=min(block_size, 32),
+            SPLITS=splits,
+            UPCAST=_INTERPRETED,
+        )
+        if splits > 1:
+            _mla_reduce_kernel[(num_seqs, tiles)](
+                out,
+                part_acc,
+                part_ml,
+                num_heads,
+                *out.stride(),
+                *part_acc.stride()[:3],
+                *part_ml.stride()[:3],
+                LATENT=latent_dim,
+                BLOCK_H=BLOCK_H,
+                SPLITS=splits,
+            )
+    return out

@@ -1,0 +1,128 @@
+"""MLA latent-cache kernels: the Triton kernels (kernels/triton_mla.py) against the torch
+reference (kernels/mla_reference.py, itself checked against expanded attention in
+tests/test_mla.py).
+
+- ``pytest tests/test_mla_kernels.py -m gpu`` on a CUDA machine: Triton on the GPU,
+  including the DeepSeek-V3 shape (128 heads, kv_lora_rank 512, rope 64, bf16).
+- ``TRITON_INTERPRET=1 pytest tests/test_mla_kernels.py -m interp``: the small cases on CPU
+  through Triton's interpreter (the variable must be set before triton is imported).
+
+The oracle is the reference in float64 on CPU over the same rounded values; unwritten
+cache slots and table padding hold NaN, so reading a slot that should not be read shows.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from pdserve.kernels import mla_reference
+from tests.test_kernels import INTERPRET, TRITON_DEVICES
+
+NUM_LAYERS, LAYER = 3, 1  # the kernels get cache[:, LAYER], a strided view
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
+
+# (heads, kv_lora_rank, rope, block_size, context lengths); the big one on the GPU only
+CASES = {
+    "small": (4, 32, 16, 16, [1, 17, 40]),
+    "heads20": (20, 64, 16, 32, [33, 5, 64, 100]),
+    "v3": (128, 512, 64, 64, [1, 700, 2048, 64, 129]),
+}
+INTERP_CASES = ("small", "heads20")
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def ops(device: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    if device == "cpu":
+        _fix_interpreter_index(monkeypatch)
+    return pytest.importorskip("pdserve.kernels.triton_mla")
+
+
+def _fix_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with ``int(array)``, which
+    numpy >= 2.4 refuses for its shape-(1,) scalars (tests/test_kernels.py's interp tests
+    fail the same way): convert through ``.item()`` instead."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def _filled_cache(
+    gen: torch.Generator, lens: list[int], width: int, block: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """A NaN cache [N, L, 1, 1, B, D] whose LAYER holds each sequence's rows in shuffled
+    blocks; returns (cache, tables, rows, slots of every row)."""
+    need = [-(-n // block) for n in lens]
+    num_blocks = sum(need) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: padding
+    width_t = max(need) + 1  # one more column of padding
+    tables = torch.zeros((len(lens), width_t), dtype=torch.int32)
+    cache = torch.full((num_blocks, NUM_LAYERS, 1, 1, block, width), float("nan"), dtype=dtype)
+    rows, slots = [], []
+    for s, n in enumerate(lens):
+        tables[s, : need[s]] = torch.tensor([ids.pop() for _ in range(need[s])])
+        rows.append(torch.randn(n, width, generator=gen).to(dtype))
+        slots.append(tables[s, torch.arange(n) // block].long() * block + torch.arange(n) % block)
+    return cache, tables, rows, torch.cat(slots)
+
+
+def _case(name: str, device: str) -> tuple[int, int, int, int, list[int]]:
+    if device == "cpu" and name not in INTERP_CASES:
+        pytest.skip("too big for Triton's interpreter")
+    return CASES[name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one", "split3"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_mla_decode_matches_reference(ops, device, gen, name, dtype, splits) -> None:  # type: ignore[no-untyped-def]
+    heads, latent, rope, block, lens = _case(name, device)
+    width = latent + rope
+    cache, tables, rows, slots = _filled_cache(gen, lens, width, block, dtype)
+    ref_cache = cache.clone()
+    mla_reference.write_latent(ref_cache[:, LAYER], torch.cat(rows), slots)
+    dev_cache = cache.to(device)
+    ops.write_latent(dev_cache[:, LAYER], torch.cat(rows).to(device), slots.to(device))
+    # the Triton write must put the same bytes where the reference does (NaN elsewhere)
+    assert torch.equal(dev_cache.cpu().nan_to_num(7.0), ref_cache.nan_to_num(7.0))
+    q = (torch.randn(len(lens), heads, width, generator=gen) * 0.5).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    scale = width**-0.5
+    out = ops.mla_decode_attention(
+        q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale, latent,
+        splits,
+    )  # fmt: skip
+    want = mla_reference.mla_decode_attention(
+        q.double(), ref_cache[:, LAYER].double(), lens_t, tables, scale, latent
+    )
+    assert out.shape == (len(lens), heads, latent) and out.dtype == dtype
+    err = (out.cpu().double() - want).norm() / want.norm()
+    assert err < TOL[dtype], float(err)
+
+
+def test_write_latent_skips_padding_slots(ops, device, gen) -> None:  # type: ignore[no-untyped-def]
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("set TRITON_INTERPRET=1")
+    cache = torch.zeros((4, 1, 1, 16, 48), device=device)
+    rows = torch.randn(3, 48, generator=gen).to(device)
+    ops.write_latent(cache, rows, torch.tensor([5, -1, 20], device=device))
+    assert torch.equal(cache[0, 0, 0, 5].cpu(), rows[0].cpu())
+    assert torch.equal(cache[1, 0, 0, 4].cpu(), rows[2].cpu())
+    assert int((cache != 0).any(dim=-1).sum()) == 2
