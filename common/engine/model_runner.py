@@ -22,12 +22,17 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.moe import fuse_expert_weights
+from pdserve.common.model.moe_config import check_ep
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
 from pdserve.common.parallel.zigzag import rank_pieces
 
 log = structlog.get_logger("pdserve.model_runner")
+
+# kept in float32 whatever the model dtype (DeepSeek routes on them in float32, as HF does)
+FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
 def load_model(
@@ -48,6 +53,8 @@ def load_model(
         state.update(load_file(f, device="cpu"))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
+        state = fuse_expert_weights(state, cfg.moe, par.tp_size, par.tp_rank)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -58,7 +65,11 @@ def load_model(
             f"unexpected {sorted(unexpected)[:4]}"
         )
     state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(
+        {k: v.float() if k.endswith(FLOAT32_KEYS) else v.to(dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer was built on meta; rebuild it for real.
@@ -101,7 +112,7 @@ class ModelRunner:
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.intermediate_size,
-        )
+        ) or check_ep(self.parallel.tp_size, cfg.moe)
         if reason:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)

@@ -9,6 +9,10 @@ switches read here, each the way transformers' own config and model classes read
 | mistral | no | no | no | every layer, when sliding_window is set |
 | qwen2 | always | no | no | layer_types, else layers >= max_window_layers if use_sliding_window |
 | qwen3 | attention_bias | attention_bias | yes | as qwen2 |
+| qwen3_moe | attention_bias | attention_bias | yes | every layer, when use_sliding_window |
+
+Mixture-of-experts switches (which layers are sparse, the routing) are read by
+common/model/moe_config.py into ``ModelConfig.moe``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from typing import Any
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.moe_config import MoEConfig, moe_config
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
+QK_NORM = {"qwen3", "qwen3_moe"}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -51,6 +57,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # the experts of the sparse layers; None: every MLP dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -98,11 +108,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             sliding_window=window,
             layer_types=layer_types,
             attention_bias={"qwen2": True, "mistral": False}.get(model_type, bias),
-            o_proj_bias=bias and model_type in ("llama", "qwen3"),
-            qk_norm=model_type == "qwen3",
+            o_proj_bias=bias and model_type in ("llama", *QK_NORM),
+            qk_norm=model_type in QK_NORM,
             mlp_bias=model_type == "llama" and raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config(model_type, raw, num_layers),
         )
 
     @classmethod
@@ -139,6 +150,9 @@ def _attention_kinds(
         return None, full
     if model_type == "mistral":  # MistralAttention passes config.sliding_window on every layer
         return window, (SLIDING_ATTENTION,) * num_layers
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig keeps the window only with use_sliding_window
+        every = raw.get("use_sliding_window", False)
+        return (window, (SLIDING_ATTENTION,) * num_layers) if every else (None, full)
     # Qwen2/Qwen3 (Qwen2Config.__post_init__): no window unless use_sliding_window; the
     # layer kinds from layer_types when given, else sliding from max_window_layers on.
     if not raw.get("use_sliding_window", False):

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.moe import SparseMoeBlock
 from pdserve.common.model.rope import RotaryEmbedding
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import kv_heads_of, q_heads_of
@@ -149,7 +150,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, par, layer)
-        self.mlp = MLP(cfg, par)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.moe is not None and cfg.is_moe_layer(layer):  # common/model/moe.py
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, par)
+        else:
+            self.mlp = MLP(cfg, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -227,20 +232,23 @@ def shard_state_dict(
     d = cfg.head_dim
     q0, nq = q_heads_of(cfg.num_attention_heads, tp_size, tp_rank)
     k0, nk = kv_heads_of(cfg.num_key_value_heads, tp_size, tp_rank)
-    m = cfg.intermediate_size // tp_size
     rows = {
         "q_proj": (q0 * d, nq * d),
         "k_proj": (k0 * d, nk * d),
         "v_proj": (k0 * d, nk * d),
-        "gate_proj": (tp_rank * m, m),
-        "up_proj": (tp_rank * m, m),
     }
-    cols = {"o_proj": (q0 * d, nq * d), "down_proj": (tp_rank * m, m)}
+    cols = {"o_proj": (q0 * d, nq * d)}
     out = {}
     for name, tensor in state.items():
         parts = name.split(".")
         proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if proj in rows:
+        if proj in ("gate_proj", "up_proj"):  # dense or shared-expert MLP: its own size
+            m = tensor.shape[0] // tp_size
+            tensor = tensor.narrow(0, tp_rank * m, m)
+        elif proj == "down_proj" and kind == "weight":
+            m = tensor.shape[1] // tp_size
+            tensor = tensor.narrow(1, tp_rank * m, m)
+        elif proj in rows:
             start, size = rows[proj]
             tensor = tensor.narrow(0, start, size)
         elif proj in cols and kind == "weight":
