@@ -309,3 +309,27 @@ def test_expert_loop_reference_matches_transformers_experts() -> None:
         ]
     assert torch.equal(got, want)
     torch.testing.assert_close(halves[0] + halves[1], want)
+
+
+def test_benchmark_writer_moe_checkpoint_runs_as_transformers_does(
+    tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    """write_random_llama with experts (the 30b-a3b bench shape, tiny): HF's tokens."""
+    from pdserve.common.model.random import SHAPES, write_random_llama
+
+    assert SHAPES["30b-a3b"]["num_experts"] == 128
+    model = write_random_llama(
+        tmp_path / "moe",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        dtype="float32",
+    )
+    assert ModelConfig.from_dir(model).moe is not None
+    assert engine_greedy(model, prompts[:2]) == hf_greedy(model, prompts[:2])

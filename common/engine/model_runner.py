@@ -160,6 +160,11 @@ class ModelRunner:
             self.kv_cache = new_cache(self.layout, self.device)
             self._capture_graphs()
 
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, after a change to what the forward does."""
+        self.graphs = None
+        self._capture_graphs()
+
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps (common/engine/cuda_graphs.py), where they can run."""
         par = self.parallel

@@ -122,9 +122,13 @@ class SparseMoeBlock(nn.Module):
             if moe.num_shared_experts
             else None
         )
+        # [E] bool, set by record_expert_usage: which experts the steps since its reset chose
+        self.touched: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
+        if self.touched is not None:  # a device op: CUDA graphs capture it too
+            self.touched[ids.flatten()] = True
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -132,6 +136,16 @@ class SparseMoeBlock(nn.Module):
 
     def pack(self) -> None:
         """Nothing to pack: the experts are already one tensor per projection."""
+
+
+def record_expert_usage(model: nn.Module) -> list[SparseMoeBlock]:
+    """Make every sparse block of ``model`` mark the experts it routes to in its
+    ``touched`` tensor (benchmarks: the bytes of the experts a decode step reads)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        weight = block.gate.weight
+        block.touched = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    return blocks
 
 
 def fuse_expert_weights(
