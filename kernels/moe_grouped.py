@@ -7,8 +7,10 @@ and down in a second call; each row is scaled by its routing weight and ``index_
 back to its token. Everything stays on the device with static shapes (no host sync, no
 Python loop over experts), so a decode step can be captured in a CUDA graph.
 
-``torch._grouped_mm`` needs bfloat16 on sm90+; :func:`available` says whether this call can
-take this path (else the caller uses the loop of :mod:`pdserve.kernels.moe_ref`).
+:func:`available` says whether this call takes this path on CUDA (sm90+, bfloat16 or
+float32; seen on an H200 with torch 2.11: both dtypes, a transposed B, CUDA-graph capture);
+elsewhere the caller uses the loop of :mod:`pdserve.kernels.moe_ref`. The function itself
+also runs on CPU (torch's own grouped matmul), which is how CPU tests check it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 def available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
-    if x.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16:
+    if x.dtype not in (torch.bfloat16, torch.float32) or gate_up.dtype != x.dtype:
         return False
     major, _ = torch.cuda.get_device_capability(x.device)
     return major >= 9
