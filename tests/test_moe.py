@@ -333,3 +333,49 @@ def test_benchmark_writer_moe_checkpoint_runs_as_transformers_does(
     )
     assert ModelConfig.from_dir(model).moe is not None
     assert engine_greedy(model, prompts[:2]) == hf_greedy(model, prompts[:2])
+
+
+# -- disaggregated: a real deployment -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
+    tmp_path: Path, qwen3_moe: Path, model_dir: Path
+) -> None:
+    """`pdserve up` with prefill TP 2 x PCP 2 (experts split over each TP pair) and two
+    decode instances of TP 1 and TP 2: HF's tokens from both, every pool full after."""
+    import asyncio
+
+    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.services.router.client import AsyncClient
+    from tests.e2e import deployment
+    from tests.test_serving import assert_pools_full, metrics
+
+    tok = Tokenizer.from_dir(model_dir)
+    texts = ["Monday, Tuesday,", "The quick brown fox jumps over the lazy dog. " * 12]
+    want = hf_greedy(qwen3_moe, [tok.encode(t) for t in texts])
+    with deployment(
+        tmp_path,
+        qwen3_moe,
+        prefill_tp=2,
+        pcp=2,
+        decode_instances=2,
+        decode_tp=[1, 2],
+        pull_from="striped",
+        engine={"kv_cache_memory_gb": 0.05},
+    ) as d:
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(d.cfg.front_address) as client:
+                jobs = [
+                    client.generate(prompt=t, max_tokens=len(want[0]), temperature=0.0)
+                    for t in texts * 2
+                ]
+                return [r.token_ids for r in await asyncio.gather(*jobs)]
+
+        assert asyncio.run(run()) == want * 2
+        snap = metrics(d.url)
+        for instance in (0, 1):
+            key = f"{{service=decode,instance={instance},rank=0}}"
+            assert snap.get(f"pdserve:kv_transfers_total{key}", 0) > 0, instance
+        assert_pools_full(d.url)
