@@ -167,6 +167,27 @@ def msgspec_replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
     return msgspec.structs.replace(cfg, **changes)
 
 
+@pytest.mark.slow
+def test_pdserve_generate_raw_on_qwen3_moe(qwen3_moe: Path, model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    text = "The quick brown fox jumps over the lazy dog."
+    tok = Tokenizer.from_dir(model_dir)
+    [want] = hf_greedy(qwen3_moe, [tok.encode(text)])
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli.main", "generate", "--raw", "--prompt", text]
+        + ["--max-tokens", str(len(want)), "--model", str(qwen3_moe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == tok.decode(want) + "\n"
+
+
 # -- DeepSeek-V3 routing, against transformers' own block -----------------------------------
 
 DEEPSEEK: dict[str, Any] = {

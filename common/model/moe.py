@@ -128,7 +128,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
         if self.touched is not None:  # a device op: CUDA graphs capture it too
-            self.touched[ids.flatten()] = True
+            self.touched.index_fill_(0, ids.flatten(), True)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
