@@ -22,7 +22,7 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
-from pdserve.common.model.moe import fuse_expert_weights
+from pdserve.common.model.moe import fuse_expert_weights, read_local_experts
 from pdserve.common.model.moe_config import check_ep
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
@@ -50,7 +50,10 @@ def load_model(
         model = LlamaForCausalLM(cfg, par)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f, device="cpu"))
+        if cfg.moe is None:
+            state.update(load_file(f, device="cpu"))
+        else:  # only this rank's experts are read (expert parallelism)
+            state.update(read_local_experts(f, cfg.moe, par.tp_size, par.tp_rank))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked

@@ -18,6 +18,9 @@ partial sums plus the all-gather that the next TP attention needs) returns the s
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -148,6 +151,34 @@ def record_expert_usage(model: nn.Module) -> list[SparseMoeBlock]:
     return blocks
 
 
+_EXPERT_KEY = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.|(gate_up_proj|down_proj)$)"
+)
+
+
+def read_local_experts(
+    path: Path, moe: MoEConfig, tp_size: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, of the routed experts only those TP rank ``tp_rank``
+    holds (per-expert keys skipped, fused 3-D ones read as a slice): a rank never holds
+    the whole expert set in memory."""
+    from safetensors import safe_open
+
+    first, count = local_experts(moe.num_experts, tp_size, tp_rank)
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), "pt", device="cpu") as f:
+        for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            m = _EXPERT_KEY.match(key)
+            if m is None or int(m[1]) not in moe.sparse_layers:
+                out[key] = f.get_tensor(key)
+            elif m[2] is not None:
+                if first <= int(m[2]) < first + count:
+                    out[key] = f.get_tensor(key)
+            else:  # fused [E, ...]: this rank's rows
+                out[key] = f.get_slice(key)[first : first + count]
+    return out
+
+
 def fuse_expert_weights(
     state: dict[str, torch.Tensor], moe: MoEConfig, tp_size: int = 1, tp_rank: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -162,18 +193,22 @@ def fuse_expert_weights(
         p = f"model.layers.{layer}.mlp.experts."
         if p + "gate_up_proj" in out:  # already fused: keep this rank's experts
             for name in ("gate_up_proj", "down_proj"):
-                out[p + name] = out[p + name].narrow(0, first, count)
+                if out[p + name].shape[0] == moe.num_experts:  # not cut at read
+                    out[p + name] = out[p + name].narrow(0, first, count)
             continue
         gate_up, down = [], []
         for e in range(moe.num_experts):
             keys = [f"{p}{e}.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+            if not first <= e < first + count:  # another rank's (maybe not even read)
+                for k in keys:
+                    out.pop(k, None)
+                continue
             missing = [k for k in keys if k not in out]
             if missing:
                 raise ModelLoadError(f"checkpoint lacks expert weights {missing[:2]}")
             gate, up, dn = (out.pop(k) for k in keys)
-            if first <= e < first + count:
-                gate_up.append(torch.cat([gate, up]))
-                down.append(dn)
+            gate_up.append(torch.cat([gate, up]))
+            down.append(dn)
         out[p + "gate_up_proj"] = torch.stack(gate_up)
         out[p + "down_proj"] = torch.stack(down)
     return out
