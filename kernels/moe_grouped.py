@@ -15,6 +15,8 @@ also runs on CPU (torch's own grouped matmul), which is how CPU tests check it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -23,8 +25,12 @@ def available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.bfloat16, torch.float32) or gate_up.dtype != x.dtype:
         return False
-    major, _ = torch.cuda.get_device_capability(x.device)
-    return major >= 9
+    return _sm_major(x.device.index or 0) >= 9
+
+
+@functools.cache
+def _sm_major(device_index: int) -> int:  # once per device, not once per layer and step
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def sort_by_expert(
