@@ -431,3 +431,58 @@ def test_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
             key = f"{{service=decode,instance={instance},rank=0}}"
             assert snap.get(f"pdserve:kv_transfers_total{key}", 0) > 0, instance
         assert_pools_full(d.url)
+
+
+# -- DeepSeek-V3, the whole model: runs once MLA attention is in the tree -------------------
+
+DEEPSEEK_MODEL: dict[str, Any] = {
+    **DEEPSEEK,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deepseek_v3_greedy_tokens_identical_to_transformers(
+    tmp_path: Path, prompts: list[list[int]], tp: int
+) -> None:
+    """Skipped while ModelConfig refuses deepseek_v3 (MLA attention is another branch's);
+    once it reads it, the MoE layers here must give HF's tokens at TP 1 and 2."""
+    from pdserve.common.model.random import save_random_model
+
+    hf_cfg = transformers.DeepseekV3Config(**DEEPSEEK_MODEL)
+    try:
+        cfg = ModelConfig.from_dict(hf_cfg.to_dict())
+    except ModelLoadError as exc:
+        pytest.skip(f"DeepSeek-V3 attention is not in this tree yet: {exc}")
+    assert cfg.moe is not None and cfg.moe.sparse_layers == (1,)
+    assert cfg.moe.scoring == "sigmoid" and cfg.moe.num_shared_experts == 1
+    model = save_random_model(
+        tmp_path / "dsv3", "deepseek_v3", max_position_embeddings=4096, seed=1, **DEEPSEEK_MODEL
+    )
+    want = hf_greedy(model, prompts[:2])
+    if tp == 1:
+        assert engine_greedy(model, prompts[:2]) == want
+        return
+    from pdserve.services.ranks.group import RankGroup
+
+    config = EngineConfig(model=str(model), kv_cache_memory_gb=0.02)
+    ranks = RankGroup.decode(config, tp, "test-dsv3-tp2")
+    try:
+        outs = LLMEngine(config, runner=ranks).generate(
+            prompts[:2], SamplingParams(max_tokens=len(want[0]))
+        )
+        assert [o.token_ids for o in outs] == want
+    finally:
+        ranks.close()
