@@ -14,6 +14,9 @@
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
 #   mla           MLA: its GPU tests (Triton latent kernels, the engine vs HF), bench engine and
 #                 bench transfer at the DeepSeek-V3 attention shape (--shape dsv3)
+#   moe           MoE: the grouped expert kernel's GPU tests, bench engine at the 30b-a3b shape
+#                 (decode step against the touched-expert floor, HF beside it), and the EP layer
+#                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -109,6 +112,17 @@ suite_pcp() {
         --lengths 1024,4096,8192 --pcp 1,2,4 --chunk 8192 --repeats 3 --json "$OUT/pcp_h200.json" \
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
+suite_moe() {
+    timeout 300 python3 -m pytest -q -m gpu tests/test_moe_kernels.py -p no:cacheprovider \
+        > "$OUT/moe_gpu_tests.txt" 2>&1
+    local rc=$?; tail -8 "$OUT/moe_gpu_tests.txt"
+    timeout 400 python3 -m pdserve bench engine --shape 30b-a3b --tokenizer /tmp/tokmodel --device cuda \
+        --dtype bfloat16 --prompt-len 1024 --gen-len 32 --batch-sizes 1,16,64 --repeats 2 \
+        --json "$OUT/engine_30b_a3b_h200.json" 2>"$OUT/engine_30b_a3b_err.txt" | tail -12 || rc=1
+    timeout 300 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/moe_ep.py --ranks 1,2,4,8 \
+        --tokens 1,16,64,256,1024 --json "$OUT/moe_ep_h200.json" 2>&1 | tail -24 || rc=1
+    return $rc
+}
 
 suite_mla() {
     timeout 300 python3 -m pytest -q -m gpu tests/test_mla_kernels.py tests/test_mla.py \
@@ -131,7 +145,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

@@ -62,10 +62,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=("1b", "8b", "dsv3"),
+        choices=("1b", "8b", "dsv3", "30b-a3b"),
         help="a random bf16 model of this shape (1B: Llama 3.2's, 8B: Llama 3.1's, dsv3: "
-        "DeepSeek-V3's MLA attention on 4 dense layers), written once into the model cache, "
-        "instead of --model",
+        "DeepSeek-V3's MLA attention on 4 dense layers, 30b-a3b: Qwen3-30B-A3B's MoE layer, "
+        "4 layers), written once into the model cache, instead of --model",
     )
     p.add_argument(
         "--layers",
@@ -180,6 +180,8 @@ class Timing:
     decode_tokens: int  # tokens produced during the timed decode steps
     decode_steps: int = 0  # engine steps of the timed decode (engine side only)
     model_s: float = 0.0  # of decode_s, inside ModelRunner.execute (synced): the forward
+    # MoE: distinct (layer, routed expert) pairs a timed decode step read, on average
+    experts_touched: float | None = None
 
 
 # -- the engine side --------------------------------------------------------------------
@@ -190,6 +192,12 @@ class EngineBench:
         self.engine = engine
         self.sync = sync
         self._ids = itertools.count()
+        from pdserve.common.model.moe import record_expert_usage
+
+        runner = engine.runner
+        self.moe_blocks = record_expert_usage(runner.model)
+        if self.moe_blocks:  # the graphs were captured without the marking
+            runner.recapture_graphs()
 
     def _add(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[str]:
         from pdserve.common.engine.sampling import SamplingParams
@@ -214,9 +222,10 @@ class EngineBench:
 
     def decode(
         self, prompts: Sequence[Sequence[int]], gen_len: int
-    ) -> tuple[float, int, int, float]:
+    ) -> tuple[float, int, int, float, float | None]:
         """Seconds of the steps after every sequence has its first token, their tokens,
-        the steps, and the seconds spent in the model's forward (synced after each)."""
+        the steps, the seconds spent in the model's forward (synced after each), and for a
+        MoE model the mean count of (layer, expert) pairs a step routed to."""
         waiting_first = set(self._add(prompts, max_tokens=gen_len))
         while waiting_first:
             for out in self.engine.step():
@@ -224,13 +233,22 @@ class EngineBench:
         runner = self.engine.runner
         execute = runner.execute
         model_s = 0.0
+        import torch
+
+        blocks = self.moe_blocks
+        touched = torch.zeros((), dtype=torch.int64, device=runner.device) if blocks else None
 
         def timed_execute(plan):  # noqa: ANN001, ANN202
             nonlocal model_s
+            for block in blocks:  # device ops, no sync: which experts this step reads
+                assert block.touched is not None
+                block.touched.zero_()
             start = time.perf_counter()
             logits = execute(plan)
             self.sync()  # sampling syncs right after anyway: this moves the wait, adds none
             model_s += time.perf_counter() - start
+            if touched is not None:
+                touched.add_(torch.stack([b.touched for b in blocks]).sum())  # type: ignore[misc]
             return logits
 
         runner.execute = timed_execute  # type: ignore[method-assign]
@@ -244,12 +262,14 @@ class EngineBench:
             self.sync()
         finally:
             del runner.execute  # the bound method again
-        return time.perf_counter() - start, tokens, steps, model_s
+        elapsed = time.perf_counter() - start
+        mean_touched = None if touched is None else touched.item() / max(1, steps)
+        return elapsed, tokens, steps, model_s, mean_touched
 
     def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[Timing, int]:
         prefill_s, steps = self.prefill(prompts)
-        decode_s, tokens, decode_steps, model_s = self.decode(prompts, gen_len)
-        return Timing(prefill_s, decode_s, tokens, decode_steps, model_s), steps
+        decode_s, tokens, decode_steps, model_s, touched = self.decode(prompts, gen_len)
+        return Timing(prefill_s, decode_s, tokens, decode_steps, model_s, touched), steps
 
 
 # -- the Hugging Face side --------------------------------------------------------------
@@ -348,6 +368,7 @@ class Row:
     engine_step_ms: float | None = None
     model_step_ms: float | None = None
     decode_floor_ms: float | None = None
+    experts_touched: float | None = None  # MoE: (layer, expert) pairs a decode step reads
     engine_step_over_floor: float | None = None
     model_step_over_floor: float | None = None
     prefill_floor_s: float | None = None  # matmul FLOPs / measured matmul rate
@@ -361,6 +382,9 @@ def median_timing(runs: list[Timing]) -> Timing:
         runs[0].decode_tokens,
         runs[0].decode_steps,
         statistics.median(t.model_s for t in runs),
+        None
+        if runs[0].experts_touched is None
+        else statistics.mean(t.experts_touched or 0.0 for t in runs),
     )
 
 
@@ -369,7 +393,10 @@ def add_floors(row: Row, engine: Timing, ceilings: Any, prompt_len: int, gen_len
 
     if engine.decode_steps:
         # timed steps decode tokens 2..gen_len: contexts prompt_len + 1 .. prompt_len + gen_len - 1
-        floor = decode_floor_s(ceilings, row.batch, prompt_len + gen_len / 2)
+        floor = decode_floor_s(
+            ceilings, row.batch, prompt_len + gen_len / 2, engine.experts_touched
+        )
+        row.experts_touched = engine.experts_touched
         row.engine_step_ms = engine.decode_s / engine.decode_steps * 1e3
         row.model_step_ms = engine.model_s / engine.decode_steps * 1e3
         row.decode_floor_ms = floor * 1e3
@@ -415,6 +442,7 @@ FLOOR_COLUMNS = (
     ("engine_step_ms", "decode step ms", "{:.2f}"),
     ("model_step_ms", "of it forward ms", "{:.2f}"),
     ("decode_floor_ms", "memory floor ms", "{:.2f}"),
+    ("experts_touched", "experts read", "{:.0f}"),
     ("engine_step_over_floor", "step/floor", "{:.2f}x"),
     ("model_step_over_floor", "forward/floor", "{:.2f}x"),
     ("engine_prefill_s", "prefill s", "{:.4f}"),

@@ -2,7 +2,9 @@
 
 * memory floor of a decode step: the bytes it must read (every weight once, plus the K/V
   of every cached token of every sequence) over the device's copy bandwidth, counted as
-  read + write traffic (a copy of N bytes moves 2N), i.e. what memory delivers;
+  read + write traffic (a copy of N bytes moves 2N), i.e. what memory delivers. For a
+  mixture-of-experts model only the routed experts the step's tokens chose count (the
+  distinct (layer, expert) pairs, counted on the run's own decode steps), not all of them;
 * compute floor of a prefill: its matmul FLOPs (2 x parameters x tokens for the linear
   layers, plus causal attention's QK^T and PV) over the measured dense matmul rate in the
   run's dtype.
@@ -29,9 +31,12 @@ class Ceilings:
     matmul_tflops: float  # dense matmul, the run's dtype
     weight_bytes: int  # every parameter once (tied embeddings once)
     kv_bytes_per_token: int  # all layers, K and V (MLA: the latent row)
-    linear_params: int  # parameters of the matmuls every token goes through (not the LM head)
+    linear_params: int  # parameters of the matmuls every token goes through (not the LM head;
+    # of a MoE layer, its top_k experts)
     head_params: int  # the LM head: prefill runs it for the last token of a prompt only
     attn_flops_per_pair: int  # QK^T + PV flops for one (query, key) pair, all layers
+    routed_expert_bytes: int = 0  # every routed expert of every sparse layer (in weight_bytes)
+    expert_bytes: int = 0  # one routed expert of one layer
 
 
 def _sync(device: torch.device) -> None:
@@ -94,6 +99,16 @@ def measure(engine: LLMEngine) -> Ceilings:
         qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         qk_dim = v_dim = cfg.head_dim
+    experts = [
+        (t.numel() * t.element_size(), t.shape[0])
+        for name, t in runner.model.named_parameters()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    ]
+    routed = sum(b for b, _ in experts)
+    per_expert = sum(b // n for b, n in experts) // max(1, len(experts) // 2)
+    if cfg.moe is not None:  # each token runs top_k experts of each sparse layer
+        active = cfg.moe.top_k * len(cfg.moe.sparse_layers) * per_expert
+        linear += active // runner.model.model.embed_tokens.weight.element_size()
     return Ceilings(
         copy_gbps=2 * size / copy_s / 1e9,
         matmul_tflops=2 * n**3 / mm_s / 1e12,
@@ -102,12 +117,20 @@ def measure(engine: LLMEngine) -> Ceilings:
         linear_params=linear,
         head_params=embed,
         attn_flops_per_pair=2 * cfg.num_attention_heads * (qk_dim + v_dim) * cfg.num_hidden_layers,
+        routed_expert_bytes=routed,
+        expert_bytes=per_expert,
     )
 
 
-def decode_floor_s(c: Ceilings, batch: int, mean_context: float) -> float:
-    """Seconds a decode step of ``batch`` sequences must take reading its bytes."""
-    return (c.weight_bytes + batch * mean_context * c.kv_bytes_per_token) / (c.copy_gbps * 1e9)
+def decode_floor_s(
+    c: Ceilings, batch: int, mean_context: float, experts_touched: float | None = None
+) -> float:
+    """Seconds a decode step of ``batch`` sequences must take reading its bytes;
+    ``experts_touched``: the (layer, expert) pairs a step reads, of a MoE model."""
+    weights = c.weight_bytes
+    if experts_touched is not None:
+        weights += experts_touched * c.expert_bytes - c.routed_expert_bytes
+    return (weights + batch * mean_context * c.kv_bytes_per_token) / (c.copy_gbps * 1e9)
 
 
 def prefill_floor_s(c: Ceilings, batch: int, prompt_len: int) -> float:

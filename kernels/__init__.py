@@ -43,7 +43,7 @@ if __name__ == "kernels":
 
 import torch  # noqa: E402
 
-from pdserve.kernels import mla_reference, pointwise_ref, reference  # noqa: E402
+from pdserve.kernels import mla_reference, moe_ref, pointwise_ref, reference  # noqa: E402
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
@@ -55,6 +55,7 @@ __all__ = [
     "decode_splits",
     "mla_decode_attention",
     "mla_decode_splits",
+    "moe_experts",
     "prefill_attention",
     "rms_norm",
     "rotary",
@@ -257,3 +258,22 @@ def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device | str)
         return 1
     splits: int = _triton_mla().mla_decode_splits(num_seqs, num_heads, device)
     return splits
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] int64, global expert ids
+    topk_weights: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H] this rank's experts
+    down: torch.Tensor,  # [E, H, I]
+    first_expert: int = 0,  # global id of this rank's expert 0
+) -> torch.Tensor:  # [T, H]: sum over this rank's experts of weight * expert(x)
+    """Routed experts: on CUDA (bf16, sm90+) tokens sorted by expert and one grouped GEMM
+    per projection (:mod:`pdserve.kernels.moe_grouped`); elsewhere, or with
+    ``PDSERVE_KERNELS=torch``, the loop over experts of :mod:`pdserve.kernels.moe_ref`."""
+    if backend_name(x.device) == "triton":
+        from pdserve.kernels import moe_grouped
+
+        if moe_grouped.available(x, gate_up):
+            return moe_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)
+    return moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)

@@ -113,3 +113,42 @@ def test_bench_engine_without_hf(
 def test_bench_engine_rejects_a_one_token_generation() -> None:
     with pytest.raises(SystemExit):
         main(["bench", "engine", "--gen-len", "1"])
+
+
+def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path) -> None:
+    """A Qwen3-MoE (8 experts, 2 a token, 2 layers): the decode floor counts the routed
+    experts each step read (batch 1: exactly 2 per layer), not all 8."""
+    from pdserve.common.model.random import write_random_llama
+
+    model = write_random_llama(
+        tmp_path / "moe",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        dtype="float32",
+    )
+    out = tmp_path / "engine.json"
+    args = ["bench", "engine", "--model", str(model), "--prompt-len", "16", "--gen-len", "4"]
+    assert main([*args, "--batch-sizes", "1,4", "--no-hf", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    c = payload["config"]["ceilings"]
+    assert c["expert_bytes"] == 3 * 64 * 32 * 4
+    assert c["routed_expert_bytes"] == 2 * 8 * c["expert_bytes"]
+    one, four = payload["rows"]
+    assert one["experts_touched"] == 2 * 2
+    assert 2 * 2 <= four["experts_touched"] <= 2 * 8
+    for row in (one, four):
+        read = (
+            c["weight_bytes"]
+            - c["routed_expert_bytes"]
+            + row["experts_touched"] * c["expert_bytes"]
+        )
+        kv = row["batch"] * (16 + 4 / 2) * c["kv_bytes_per_token"]
+        want_ms = (read + kv) / (c["copy_gbps"] * 1e9) * 1e3
+        assert row["decode_floor_ms"] == pytest.approx(want_ms)

@@ -24,12 +24,17 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.moe import fuse_expert_weights, read_local_experts
+from pdserve.common.model.moe_config import check_ep
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
 from pdserve.common.parallel.zigzag import rank_pieces
 
 log = structlog.get_logger("pdserve.model_runner")
+
+# kept in float32 whatever the model dtype (DeepSeek routes on them in float32, as HF does)
+FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
 def load_model(
@@ -47,9 +52,14 @@ def load_model(
         model = LlamaForCausalLM(cfg, par)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f, device="cpu"))
+        if cfg.moe is None:
+            state.update(load_file(f, device="cpu"))
+        else:  # only this rank's experts are read (expert parallelism)
+            state.update(read_local_experts(f, cfg.moe, par.tp_size, par.tp_rank))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
+        state = fuse_expert_weights(state, cfg.moe, par.tp_size, par.tp_rank)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -60,7 +70,11 @@ def load_model(
             f"unexpected {sorted(unexpected)[:4]}"
         )
     state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(
+        {k: v.float() if k.endswith(FLOAT32_KEYS) else v.to(dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer was built on meta; rebuild it for real.
@@ -107,7 +121,7 @@ class ModelRunner:
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.intermediate_size,
-        )
+        ) or check_ep(self.parallel.tp_size, cfg.moe)
         if reason:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
@@ -163,6 +177,11 @@ class ModelRunner:
             self.graphs = None  # they hold the old cache's address
             self.kv_cache = new_cache(self.layout, self.device)
             self._capture_graphs()
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, after a change to what the forward does."""
+        self.graphs = None
+        self._capture_graphs()
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps (common/engine/cuda_graphs.py), where they can run."""

@@ -9,13 +9,16 @@ switches read here, each the way transformers' own config and model classes read
 | mistral | no | no | no | every layer, when sliding_window is set |
 | qwen2 | always | no | no | layer_types, else layers >= max_window_layers if use_sliding_window |
 | qwen3 | attention_bias | attention_bias | yes | as qwen2 |
+| qwen3_moe | attention_bias | attention_bias | yes | every layer, when use_sliding_window |
 
 DeepSeek V2/V3 (``deepseek_v2``, ``deepseek_v3``) are MLA models (common/model/mla.py): their
 KV cache is one latent per token, so ``num_key_value_heads`` is 1 here (every query head
 attends the one latent, replicated on every TP rank) and ``head_dim`` is the rope part
 ``qk_rope_head_dim`` (as transformers sets it); ``kv_cache_head_dim`` is the latent's width.
-Only dense layers run: layers from ``first_k_dense_replace`` on are MoE in transformers and
-are refused until the MoE issue (#16) lands.
+Layers from ``first_k_dense_replace`` on are MoE (common/model/moe.py).
+
+Mixture-of-experts switches (which layers are sparse, the routing) are read by
+common/model/moe_config.py into ``ModelConfig.moe``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from typing import Any
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.moe_config import MoEConfig, moe_config
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
+QK_NORM = {"qwen3", "qwen3_moe"}
 MLA_FAMILY = {"deepseek_v2", "deepseek_v3"}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -60,6 +65,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # the experts of the sparse layers; None: every MLP dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
+
     # MLA (deepseek_v2/v3); kv_lora_rank 0: not an MLA model. q_lora_rank None: one q_proj.
     kv_lora_rank: int = 0
     q_lora_rank: int | None = None
@@ -147,11 +157,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             sliding_window=window,
             layer_types=layer_types,
             attention_bias={"qwen2": True, "mistral": False}.get(model_type, bias),
-            o_proj_bias=bias and model_type in ("llama", "qwen3"),
-            qk_norm=model_type == "qwen3",
+            o_proj_bias=bias and model_type in ("llama", *QK_NORM),
+            qk_norm=model_type in QK_NORM,
             mlp_bias=model_type == "llama" and raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config(model_type, raw, num_layers),
         )
 
     @classmethod
@@ -161,11 +172,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         num_layers = raw["num_hidden_layers"]
         # transformers' defaults when the key is absent (V2: 0, V3: 3)
         dense = raw.get("first_k_dense_replace", 3 if model_type == "deepseek_v3" else 0)
-        if dense is None or dense < num_layers:
+        if model_type == "deepseek_v2" and (dense is None or dense < num_layers):
             raise ModelLoadError(
                 f"{model_type}: layers {dense}..{num_layers - 1} are mixture-of-experts "
                 f"(first_k_dense_replace={dense} < num_hidden_layers={num_layers}); pdserve "
-                "runs dense MLA models only until MoE support lands (issue #16)"
+                "routes DeepSeek-V3's experts (common/model/moe_config.py), not V2's"
             )
         rope_dim = raw.get("qk_rope_head_dim", 64)
         rope = _rope_parameters(raw)
@@ -197,6 +208,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             qk_rope_head_dim=rope_dim,
             v_head_dim=raw.get("v_head_dim", 128),
             rope_interleave=model_type == "deepseek_v2" or raw.get("rope_interleave", True),
+            moe=moe_config(model_type, raw, num_layers),
         )
 
     @classmethod
@@ -233,6 +245,9 @@ def _attention_kinds(
         return None, full
     if model_type == "mistral":  # MistralAttention passes config.sliding_window on every layer
         return window, (SLIDING_ATTENTION,) * num_layers
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig keeps the window only with use_sliding_window
+        every = raw.get("use_sliding_window", False)
+        return (window, (SLIDING_ATTENTION,) * num_layers) if every else (None, full)
     # Qwen2/Qwen3 (Qwen2Config.__post_init__): no window unless use_sliding_window; the
     # layer kinds from layer_types when given, else sliding from max_window_layers on.
     if not raw.get("use_sliding_window", False):

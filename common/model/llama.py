@@ -26,6 +26,7 @@ from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.mla import MLAAttention, attention_shards
+from pdserve.common.model.moe import SparseMoeBlock
 from pdserve.common.model.norm import RMSNorm
 from pdserve.common.model.rope import RotaryEmbedding
 from pdserve.common.parallel.context import ParallelContext
@@ -136,7 +137,9 @@ def attention_for(cfg: ModelConfig, par: ParallelContext, layer: int) -> Attenti
 
 
 def mlp_for(cfg: ModelConfig, par: ParallelContext, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP (the seam where a mixture-of-experts layer plugs in)."""
+    """Layer ``layer``'s MLP: the experts of a sparse layer (common/model/moe.py), else dense."""
+    if cfg.moe is not None and cfg.is_moe_layer(layer):
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe, par)
     return MLP(cfg, par)
 
 
@@ -232,15 +235,12 @@ def shard_state_dict(
     d = cfg.head_dim
     q0, nq = q_heads_of(cfg.num_attention_heads, tp_size, tp_rank)
     k0, nk = kv_heads_of(cfg.num_key_value_heads, tp_size, tp_rank)
-    m = cfg.intermediate_size // tp_size
     rows = {
         "q_proj": (q0 * d, nq * d),
         "k_proj": (k0 * d, nk * d),
         "v_proj": (k0 * d, nk * d),
-        "gate_proj": (tp_rank * m, m),
-        "up_proj": (tp_rank * m, m),
     }
-    cols = {"o_proj": (q0 * d, nq * d), "down_proj": (tp_rank * m, m)}
+    cols = {"o_proj": (q0 * d, nq * d)}
     if cfg.is_mla:  # heads of q/q_b/kv_b and o_proj; the latent's projections replicated
         mla_rows, mla_cols = attention_shards(cfg, tp_size, tp_rank)
         rows.update(mla_rows)
@@ -249,7 +249,13 @@ def shard_state_dict(
     for name, tensor in state.items():
         parts = name.split(".")
         proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if proj in rows:
+        if proj in ("gate_proj", "up_proj"):  # dense or shared-expert MLP: its own size
+            m = tensor.shape[0] // tp_size
+            tensor = tensor.narrow(0, tp_rank * m, m)
+        elif proj == "down_proj" and kind == "weight":
+            m = tensor.shape[1] // tp_size
+            tensor = tensor.narrow(1, tp_rank * m, m)
+        elif proj in rows:
             start, size = rows[proj]
             tensor = tensor.narrow(0, start, size)
         elif proj in cols and kind == "weight":

@@ -119,8 +119,20 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
 # Model shapes for benchmarks (``pdserve bench engine --shape``): Llama 3.2 1B's and Llama 3.1
 # 8B's layers, heads and MLP, with the embedded tokenizer's vocabulary; ``dsv3``: DeepSeek-V3's
 # attention (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, its
-# yarn rope) on 4 dense layers with a small MLP (MoE is issue #16).
+# yarn rope) on 4 dense layers with a small MLP; ``30b-a3b``: Qwen3-30B-A3B's layer (128
+# experts of 768, 8 a token, hidden 2048, 32 heads, 4 KV heads of 128) in 4 layers.
 SHAPES: dict[str, dict[str, Any]] = {
+    "30b-a3b": dict(
+        num_layers=4,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
     "1b": dict(
         num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192
     ),
@@ -160,6 +172,10 @@ def write_random_llama(
     num_heads: int,
     num_kv_heads: int,
     intermediate_size: int,
+    head_dim: int | None = None,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 0,
+    moe_intermediate_size: int = 0,
     max_position_embeddings: int = 16384,
     dtype: str = "bfloat16",
     device: str = "cpu",
@@ -168,7 +184,9 @@ def write_random_llama(
 ) -> Path:
     """A random Llama checkpoint (HF names and config.json, no transformers model built)
     written tensor by tensor: weights are drawn on ``device``, so an 8B shape takes seconds
-    on a GPU. transformers loads it like any Llama (HF reference columns use it)."""
+    on a GPU. transformers loads it like any Llama (HF reference columns use it). With
+    ``num_experts`` a Qwen3-MoE instead: every layer sparse, q/k norms, per-expert tensors
+    named as ``save_pretrained`` writes them."""
     import torch
     from safetensors.torch import save_file
 
@@ -176,7 +194,7 @@ def write_random_llama(
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(tokenizer_from)
     vocab = _tokenizer_vocab_size(source)
-    head_dim = hidden_size // num_heads
+    head_dim = head_dim or hidden_size // num_heads
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -198,9 +216,21 @@ def write_random_llama(
         state[p + "self_attn.k_proj.weight"] = weight(num_kv_heads * head_dim, hidden_size)
         state[p + "self_attn.v_proj.weight"] = weight(num_kv_heads * head_dim, hidden_size)
         state[p + "self_attn.o_proj.weight"] = weight(hidden_size, num_heads * head_dim)
-        state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
-        state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
-        state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
+        if num_experts:
+            state.update(_random_moe_layer(p, weight, ones, hidden_size, head_dim, num_experts))
+            state.update(
+                (f"{p}mlp.experts.{e}.{name}", weight(*shape))
+                for e in range(num_experts)
+                for name, shape in (
+                    ("gate_proj.weight", (moe_intermediate_size, hidden_size)),
+                    ("up_proj.weight", (moe_intermediate_size, hidden_size)),
+                    ("down_proj.weight", (hidden_size, moe_intermediate_size)),
+                )
+            )
+        else:
+            state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
+            state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
+            state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
         state[p + "input_layernorm.weight"] = ones(hidden_size)
         state[p + "post_attention_layernorm.weight"] = ones(hidden_size)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -224,9 +254,31 @@ def write_random_llama(
         "mlp_bias": False,
         **_special_token_ids(source),
     }
+    if num_experts:
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     (out / "config.json").write_text(json.dumps(config, indent=1))
     _copy_tokenizer(source, out)
     return out
+
+
+def _random_moe_layer(
+    prefix: str, weight: Any, ones: Any, hidden_size: int, head_dim: int, num_experts: int
+) -> dict[str, Any]:
+    """A Qwen3-MoE layer's router and q/k norms (its experts are written by the caller)."""
+    return {
+        prefix + "mlp.gate.weight": weight(num_experts, hidden_size),
+        prefix + "self_attn.q_norm.weight": ones(head_dim),
+        prefix + "self_attn.k_norm.weight": ones(head_dim),
+    }
 
 
 def random_shape_model(
@@ -243,7 +295,9 @@ def random_shape_model(
     dims = dict(SHAPES[shape])
     if num_layers is not None:
         dims["num_layers"] = num_layers
-    family = "deepseek" if "kv_lora_rank" in dims else "llama"
+    family = (
+        "deepseek" if "kv_lora_rank" in dims else "qwen3moe" if dims.get("num_experts") else "llama"
+    )
     path = cache_root() / "random" / f"{family}-{shape}-{dims['num_layers']}l-{dtype}"
     if not (path / "model.safetensors").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
