@@ -237,8 +237,8 @@ class ModelRunner:
             for pos in range(seq.start_position, seq.context_len):
                 positions.append(pos)
                 slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            if seq.sample:
-                logits_indices.append(len(tokens) - 1)
+            if seq.sample:  # a verify step wants its drafts' positions too
+                logits_indices += range(len(tokens) - 1 - seq.num_drafts, len(tokens))
         decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
         prefills = plan.seqs[len(decodes) :]
         cu = [0]

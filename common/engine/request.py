@@ -45,6 +45,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_replayed_tokens = 0  # cached but recomputed: a window's blocks were lost
         self.finish_reason: str | None = None
+        # Speculative decoding: draft slots the scheduler reserved this step after the last
+        # token, and how many leading positions the draft model's own KV holds.
+        self.num_drafts = 0
+        self.num_draft_computed = 0
 
     @property
     def all_token_ids(self) -> list[int]:

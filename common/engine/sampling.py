@@ -14,6 +14,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprobs",
     "adjust_logits",
+    "row_probs",
     "sample_row",
     "token_generator",
     "token_logprobs",
@@ -148,6 +149,13 @@ def adjust_logits(
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    probs = row_probs(logits, p)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def row_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution [V] (fp32) a sampled row draws from: temperature, top-k, top-p,
+    min-p applied to ``logits`` (already adjusted). Speculative decoding verifies against it."""
     logits = logits.float() / p.temperature  # [V]
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -161,5 +169,4 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
     if p.min_p > 0.0:  # after temperature, as vLLM does
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return logits.softmax(-1)
