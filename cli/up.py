@@ -68,6 +68,13 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         help="no prefill service: decode computes prompts",
     )
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding on the decode instances (vLLM's JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 5}\'); [engine] speculative_config',
+    )
     p.add_argument("--curve-keys-dir", default=None,
                    help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
 
@@ -82,6 +89,17 @@ def add_parsers(sub: Any) -> None:
     _deployment_flags(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(run=run_demo)
+
+
+def _engine_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.speculative_config is None:
+        return None
+    import msgspec
+
+    from pdserve.common.engine.spec_decode.config import parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config)  # a bad flag fails here, once
+    return {"speculative_config": msgspec.to_builtins(spec)}
 
 
 def _start(args: argparse.Namespace) -> Any:
@@ -106,6 +124,7 @@ def _start(args: argparse.Namespace) -> Any:
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         security=None if args.curve_keys_dir is None else {"curve_keys_dir": args.curve_keys_dir},
+        engine=_engine_flags(args),
     )
     from pdserve.common.runtime.curve import WireSecurity
 

@@ -36,6 +36,10 @@ COUNTERS = {
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
     "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
+    "pdserve:spec_decode_num_drafts": "speculative verify steps of a sequence (each proposes k tokens)",
+    "pdserve:spec_decode_num_draft_tokens": "draft tokens proposed",
+    "pdserve:spec_decode_num_accepted_tokens": "draft tokens accepted",
+    "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
 }
 GAUGES = {
     "pdserve:kv_blocks_free": "free KV blocks",

@@ -27,6 +27,7 @@ from pdserve.common.runtime.engine_commands import (
     ProducerKey,
 )
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
+from pdserve.common.runtime.spec_metrics import SpecDecodeReporter
 
 if TYPE_CHECKING:
     from pdserve.common.transfer.kv_pulls import Puller, PullResult
@@ -118,6 +119,9 @@ class DecodeEngineThread(EngineThread):
             "pdserve:prefix_cache_replayed_tokens",
             "pdserve:bad_messages",
         )
+        self.spec_reporter: SpecDecodeReporter | None = None
+        if self.engine.speculator is not None:
+            self.spec_reporter = SpecDecodeReporter(self.metrics, self.engine.speculator.stats)
 
     def teardown(self) -> None:
         if hasattr(self, "puller"):
@@ -397,6 +401,8 @@ class DecodeEngineThread(EngineThread):
         )
 
     def _update_gauges(self) -> None:
+        if self.spec_reporter is not None:
+            self.spec_reporter.report()
         self._num_preemptions = report_engine(
             self.metrics, self.engine, len(self.pending), self._num_preemptions
         )

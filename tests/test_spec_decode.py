@@ -1,0 +1,393 @@
+"""Speculative decoding (common/engine/spec_decode/): config, proposers, the rejection
+sampler's exactness, and the engine's output with speculation equal to its output without.
+
+Greedy: token-identical (and the same text, finish reasons, logprobs, pool state) for
+n-gram and draft-model speculation on random checkpoints. Sampled: chi-square tests at
+significance 1e-3 -- on the rejection sampler itself with 200,000 draws (a 1% shift of one
+token's probability gives a statistic over 10x the critical value; the test shows it
+rejects such a shift), and through the engine on a 16-token model, where wiring errors
+(a wrong row, a wrong history) show as large biases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from pdserve.common.engine.block_pool import BlockPool
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.engine.sampling_params import StructuredOutput, TokenLogprobs
+from pdserve.common.engine.scheduler import Scheduler
+from pdserve.common.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from pdserve.common.engine.spec_decode.ngram import ngram_propose
+from pdserve.common.engine.spec_decode.rejection import rejection_sample
+from pdserve.common.errors import ModelLoadError, PdserveError, RequestError
+from pdserve.common.model.random import save_random_llama
+from pdserve.common.runtime.service_config import load_config
+
+ALPHA = 1e-3  # significance of every chi-square test here
+SHAPE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def ngram(k: int = 5) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        method="ngram", num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2
+    )
+
+
+def draft(model: Path, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=str(model), num_speculative_tokens=k)
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float) -> Path:
+    """The model at ``src`` with noise on its weights: a draft that agrees often, not always
+    (an independent random model would agree with the target on almost nothing)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(1)
+    for f in dst.glob("*.safetensors"):
+        state = load_file(f)
+        for name, w in state.items():
+            if name.endswith("proj.weight"):
+                state[name] = w + scale * w.std() * torch.randn(w.shape, generator=gen)
+        save_file(state, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    target = save_random_llama(root / "target", num_layers=2, vocab_size=512, **SHAPE)
+    return {
+        "target": target,
+        "draft": perturbed_copy(target, root / "draft", 0.5),
+        "small": save_random_llama(root / "small", num_layers=2, vocab_size=16, seed=3, **SHAPE),
+        "small_draft": save_random_llama(
+            root / "small_draft", num_layers=1, vocab_size=16, seed=4, **SHAPE
+        ),
+    }
+
+
+def engine_of(model: Path, spec: SpeculativeConfig | None = None, **kw: object) -> LLMEngine:
+    torch.set_num_threads(1)
+    base: dict[str, object] = dict(model=str(model), block_size=16, num_kv_blocks=512)
+    return LLMEngine(EngineConfig(**{**base, **kw}, speculative_config=spec))  # type: ignore[arg-type]
+
+
+PROMPTS = [
+    [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9],  # repeats: n-gram finds matches
+    list(range(100, 150)),
+    [5] * 20,
+]
+
+
+# -- config -------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_problem() -> None:
+    with pytest.raises(PdserveError, match="unknown method 'medusa'"):
+        parse_speculative_config('{"method": "medusa", "num_speculative_tokens": 2}')
+    with pytest.raises(PdserveError, match="at least 1, got 0"):
+        parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 0}')
+    with pytest.raises(PdserveError, match="waits for MLA"):
+        parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(PdserveError, match="needs 'model'"):
+        parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 2}')
+    with pytest.raises(PdserveError, match="prompt_lookup_min <= prompt_lookup_max"):
+        parse_speculative_config(
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1, '
+            '"prompt_lookup_min": 2}'
+        )
+    with pytest.raises(PdserveError, match="not valid JSON"):
+        parse_speculative_config("{method: ngram}")
+    with pytest.raises(PdserveError, match="Object contains unknown field `k`"):
+        parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}')
+
+
+def test_toml_and_env_reach_decode_not_prefill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[engine.speculative_config]\nmethod = "ngram"\nnum_speculative_tokens = 3\n')
+    cfg = load_config(toml)
+    want = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert cfg.engine_for("decode").speculative_config == want
+    assert cfg.engine_for("prefill").speculative_config is None
+    monkeypatch.setenv(
+        "PDSERVE_ENGINE__SPECULATIVE_CONFIG", '{"method": "ngram", "num_speculative_tokens": 4}'
+    )
+    spec = load_config(toml).engine_for("decode").speculative_config
+    assert spec is not None and spec.num_speculative_tokens == 4
+
+
+def test_draft_with_another_vocabulary_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(ModelLoadError, match="vocabulary of 16 tokens, the target 512"):
+        engine_of(models["target"], draft(models["small"]))
+
+
+# -- proposers and the scheduler's bookkeeping ----------------------------------------------
+
+
+def test_ngram_copies_the_latest_match_and_keeps_repeating() -> None:
+    text = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    assert ngram_propose(text, 5, 2, 4) == [3, 4, 1, 2, 3]
+    assert ngram_propose([9, 1, 2, 8, 1, 2, 5, 1, 2], 3, 2, 4) == [5, 1, 2]  # the latest match
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 4) == [4, 4, 4]  # no match: padded to k
+    assert ngram_propose([1, 2, 3, 1, 5, 2, 3], 2, 2, 2) == [1, 5]
+    assert ngram_propose([1, 2, 3, 1, 5, 2, 3], 2, 3, 4) == [3, 3]  # min 3: no match
+
+
+def test_rejected_drafts_roll_back_blocks_and_hashes() -> None:
+    pool = BlockPool(16)
+    sched = Scheduler(pool, 4, 8, 64, num_speculative_tokens=5, max_model_len=64)
+    req = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20))
+    sched.add(req)
+    plan, reqs = sched.schedule()
+    sched.on_step_done(reqs, plan)
+    req.output_token_ids.append(7)  # the first token: 7 tokens, 6 computed
+    plan, reqs = sched.schedule()
+    [seq] = plan.seqs
+    assert (seq.num_drafts, len(seq.token_ids), seq.start_position) == (5, 6, 6)
+    assert len(req.block_ids) == 3  # positions up to 11
+    # verify: 1 of 5 drafts accepted -> 8 computed, blocks past position 7 freed
+    sched.on_step_done(reqs, plan, [4])
+    assert req.num_computed_tokens == 8 and len(req.block_ids) == 2
+    assert pool.num_free_blocks == 14
+    assert req.num_registered_blocks == 1  # only the block the request's tokens fill
+    req.output_token_ids += [8, 9]  # the accepted draft and the bonus
+    plan, reqs = sched.schedule()
+    assert plan.seqs[0].num_drafts == 5  # k again; max_tokens leaves room
+    sched.finish(req, "abort")
+    assert pool.num_free_blocks == 16
+    # max_tokens 3 with one token out: the step may emit two, so one draft only
+    short = Request("s", [1, 2, 3], SamplingParams(max_tokens=3))
+    sched.add(short)
+    plan, reqs = sched.schedule()
+    sched.on_step_done(reqs, plan)
+    short.output_token_ids.append(4)
+    plan, _ = sched.schedule()
+    assert plan.seqs[0].num_drafts == 1
+
+
+# -- the rejection sampler is exact ----------------------------------------------------------
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of counts against probs (cells with probability > 0)."""
+    n = counts.sum()
+    keep = probs > 0
+    assert int(counts[~keep].sum()) == 0, "a token of probability 0 was drawn"
+    expected = n * probs[keep]
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2))
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(point_mass: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num, k, vocab = 200_000, 3, 8
+    p = torch.rand((k + 1, vocab), generator=gen) ** 3
+    p[:, 0] = 0.0  # a token the target never takes
+    p /= p.sum(-1, keepdim=True)
+    q = torch.rand((k, vocab), generator=gen) ** 3
+    q /= q.sum(-1, keepdim=True)
+    if point_mass:  # n-gram: the same deterministic draft every trial
+        # each position's second most likely token (accepted often, rejected often)
+        drafts = p[:k].argsort(-1)[:, -2].expand(num, k)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q, num, replacement=True, generator=gen).T  # [N, K]
+        draft_probs = q.expand(num, k, vocab)
+    accepted, nxt = rejection_sample(
+        p.expand(num, k + 1, vocab), drafts, draft_probs, torch.rand((num, k), generator=gen), gen
+    )
+    first = torch.where(accepted > 0, drafts[:, 0], nxt)
+    counts = torch.bincount(first, minlength=vocab).double()
+    assert chi_square_p(counts, p[0].double()) > ALPHA
+    # the second token, where the first was an accepted draft (tokens independent here)
+    mask = accepted > 0
+    second = torch.where(accepted[mask] > 1, drafts[mask, 1], nxt[mask])
+    assert chi_square_p(torch.bincount(second, minlength=vocab).double(), p[1].double()) > ALPHA
+    # the test has the power to see a 1% bias: shift 0.01 of probability between tokens
+    biased = p[0].double().clone()
+    big, second = biased.topk(2).indices.tolist()
+    biased[big] -= 0.01
+    biased[second] += 0.01
+    assert chi_square_p(counts, biased) < ALPHA
+
+
+# -- the engine: greedy identical, counters add up -----------------------------------------
+
+
+Result = tuple[list[int], str, str | None, list[TokenLogprobs]]
+
+
+def run(eng: LLMEngine, params: list[SamplingParams]) -> list[Result]:
+    """Every prompt to its end, step by step: tokens, text, finish reason, logprobs."""
+    got: dict[str, Result] = {}
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        eng.add_request(f"r{i}", prompt, p)
+        got[f"r{i}"] = ([], "", None, [])
+    while eng.has_unfinished:
+        for out in eng.step():
+            tokens, text, _, lps = got[out.request_id]
+            assert len(out.logprobs) in (0, len(out.new_token_ids))
+            got[out.request_id] = (
+                tokens + out.new_token_ids,
+                text + out.text,
+                out.finish_reason,
+                lps + out.logprobs,
+            )
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def assert_same(ref: list[Result], out: list[Result]) -> None:
+    for a, b in zip(ref, out, strict=True):
+        assert b[:3] == a[:3]
+        assert len(a[3]) == len(b[3])
+        for x, y in zip(a[3], b[3], strict=True):
+            assert x.token_id == y.token_id and x.top_ids == y.top_ids
+            assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def assert_counters_add_up(eng: LLMEngine) -> None:
+    assert eng.speculator is not None
+    s = eng.speculator.stats
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    assert s.num_draft_tokens <= s.num_drafts * eng.speculator.k
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+    assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:], strict=False))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_greedy_output_identical(models: dict[str, Path], method: str) -> None:
+    spec = {
+        "ngram": ngram(5),
+        "draft": draft(models["draft"], 3),
+        "self": draft(models["target"], 4),
+    }[method]
+    params = [SamplingParams(max_tokens=24, logprobs=2)] * len(PROMPTS)
+    ref = run(engine_of(models["target"]), params)
+    eng = engine_of(models["target"], spec)
+    out = run(eng, params)
+    assert_same(ref, out)
+    assert all(len(r[3]) == len(r[0]) for r in out)
+    assert_counters_add_up(eng)
+    if method == "self":  # the draft is the target: every draft accepted
+        s = eng.speculator.stats  # type: ignore[union-attr]
+        assert s.num_accepted_tokens == s.num_draft_tokens
+
+
+def test_greedy_with_penalties_min_tokens_and_stops(models: dict[str, Path]) -> None:
+    base = SamplingParams(max_tokens=20, ignore_eos=True)
+    full = engine_of(models["target"]).generate(PROMPTS[:1], base)[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    params = [
+        SamplingParams(max_tokens=20, repetition_penalty=1.3, presence_penalty=0.5,
+                       logit_bias={full.token_ids[3]: 5.0}, min_tokens=6),
+        SamplingParams(max_tokens=20, stop=(stop,), ignore_eos=True),
+        SamplingParams(max_tokens=3),  # fewer tokens left than k: fewer drafts
+    ]  # fmt: skip
+    for spec in (ngram(5), draft(models["draft"], 3)):
+        ref = run(engine_of(models["target"]), params)
+        out = run(engine_of(models["target"], spec), params)
+        assert_same(ref, out)
+
+
+def test_structured_output_is_refused(models: dict[str, Path]) -> None:
+    eng = engine_of(models["target"], ngram(2))
+    with pytest.raises(RequestError, match="structured output cannot be combined"):
+        eng.add_request(
+            "x", [1, 2, 3], SamplingParams(structured=StructuredOutput(kind="regex", spec="a+"))
+        )
+
+
+def test_prefix_cache_holds_only_accepted_tokens(models: dict[str, Path]) -> None:
+    eng = engine_of(models["target"], ngram(5))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    [first] = eng.generate(PROMPTS[:1], params)
+    # the whole first answer as a prompt: every full block of it must be a cache hit
+    again = PROMPTS[0] + first.token_ids
+    [second] = eng.generate([again], SamplingParams(max_tokens=2))
+    assert second.num_cached_tokens == (len(again) - 1) // 16 * 16
+
+
+# -- sampled: the distribution through the engine ------------------------------------------
+
+
+def exact_marginals(model: Path, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(output token 1) and P(output token 2) [2, V] of the model by enumeration (HF)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(prefixes).logits[:, -1].float()
+        return (logits / temperature).softmax(-1)
+
+    base = torch.tensor([prompt])
+    p0 = next_probs(base)[0]  # [V]
+    grid1 = torch.cat([base.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+    p1 = next_probs(grid1)  # [V, V]: row t0
+    grid2 = torch.cat(
+        [grid1.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(vocab)[:, None]], 1
+    )
+    p2 = next_probs(grid2).view(vocab, vocab, vocab)
+    m1 = (p0[:, None] * p1).sum(0)
+    m2 = (p0[:, None, None] * p1[:, :, None] * p2).sum((0, 1))
+    return torch.stack([m1, m2]).double()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) -> None:
+    """Output tokens 2 and 3 come out of the first verify step (positions 0 and 1)."""
+    spec = ngram(3) if method == "ngram" else draft(models["small_draft"], 3)
+    prompt = [3, 5, 7, 3, 5]
+    eng = engine_of(models["small"], spec, max_num_seqs=512, max_num_batched_tokens=4096,
+                    num_kv_blocks=2048, enable_prefix_caching=False)  # fmt: skip
+    num = 2000
+    # seeded per request: the test is deterministic (max_tokens 4: the first verify has 2
+    # drafts, so tokens 2 and 3 are a draft or a resample, or the bonus)
+    params = [SamplingParams(max_tokens=4, temperature=0.8, ignore_eos=True, seed=i)
+              for i in range(num)]  # fmt: skip
+    outs = eng.generate([prompt] * num, params)
+    tokens = torch.tensor([o.token_ids for o in outs])  # [N, 4]
+    exact = exact_marginals(models["small"], prompt, 0.8)
+    for pos in (1, 2):
+        counts = torch.bincount(tokens[:, pos], minlength=16).double()
+        assert chi_square_p(counts, exact[pos - 1]) > ALPHA, (pos, counts, exact[pos - 1])
+    assert eng.speculator is not None and eng.speculator.stats.num_drafts >= num
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_identical(model_dir: Path) -> None:
+    eng = LLMEngine(EngineConfig(model=str(model_dir), speculative_config=ngram(5)))
+    ids = eng.tokenizer.encode_chat(
+        [{"role": "user", "content": "Repeat twice: red green blue red green blue"}]
+    )
+    params = SamplingParams(max_tokens=24)
+    out = eng.generate([ids], params)[0]
+    ref = LLMEngine(EngineConfig(model=str(model_dir))).generate([ids], params)[0]
+    assert (out.token_ids, out.text) == (ref.token_ids, ref.text)
+    assert_counters_add_up(eng)
+
+
+def test_spec_config_survives_the_wire_to_children() -> None:
+    """`pdserve up` hands its children the config as JSON."""
+    cfg = load_config(None, engine={"speculative_config": msgspec.to_builtins(ngram(2))})
+    again = msgspec.json.decode(msgspec.json.encode(cfg), type=type(cfg))
+    assert again.engine_for("decode").speculative_config == ngram(2)
+    assert os.environ.get("PDSERVE_ENGINE__SPECULATIVE_CONFIG") is None
