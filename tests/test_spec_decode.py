@@ -30,7 +30,7 @@ from pdserve.common.engine.spec_decode.config import SpeculativeConfig, parse_sp
 from pdserve.common.engine.spec_decode.ngram import ngram_propose
 from pdserve.common.engine.spec_decode.rejection import rejection_sample
 from pdserve.common.errors import ModelLoadError, PdserveError, RequestError
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.random import save_random_llama, save_random_model
 from pdserve.common.runtime.service_config import load_config
 
 ALPHA = 1e-3  # significance of every chi-square test here
@@ -67,13 +67,19 @@ def perturbed_copy(src: Path, dst: Path, scale: float) -> Path:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spec")
     target = save_random_llama(root / "target", num_layers=2, vocab_size=512, **SHAPE)
+    # 16 tokens, weights 10x transformers' default scale: peaked next-token distributions
+    # that depend on the context (at the default scale they are all near uniform, and a
+    # verify reading the wrong row would go unseen)
+    small = save_random_model(
+        root / "small", "llama", seed=3, vocab_size=16, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
     return {
         "target": target,
         "draft": perturbed_copy(target, root / "draft", 0.5),
-        "small": save_random_llama(root / "small", num_layers=2, vocab_size=16, seed=3, **SHAPE),
-        "small_draft": save_random_llama(
-            root / "small_draft", num_layers=1, vocab_size=16, seed=4, **SHAPE
-        ),
+        "small": small,
+        "small_draft": perturbed_copy(small, root / "small_draft", 0.5),
     }
 
 
