@@ -601,7 +601,8 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_config is not None:
         from pdserve.cli.bench_spec import run_spec
 
-        return run_spec(args, engine)
+        bench = EngineBench(engine, make_sync(args.device))
+        return run_spec(args, engine, bench, random_prompts, format_table)
     sync = make_sync(args.device)
     engine_bench = EngineBench(engine, sync)
     hf_bench = None

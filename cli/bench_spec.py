@@ -17,11 +17,15 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.cli.bench_engine import EngineBench, format_table, make_sync, progress, random_prompts
+
+def progress(message: str) -> None:
+    print(f"bench engine: {message}", file=sys.stderr, flush=True)
+
 
 REPEAT_WORDS = (
     "river stone lantern quiet orbit maple signal copper harbor violet engine meadow "
@@ -82,14 +86,20 @@ def speculation_off(engine: Any) -> Iterator[None]:
 
 
 def bench_spec_batch(
-    batch: int, args: argparse.Namespace, engine: Any, bench: EngineBench
+    batch: int,
+    args: argparse.Namespace,
+    engine: Any,
+    bench: Any,
+    random_prompts: Callable[..., list[list[int]]],
 ) -> SpecRow:
+    """``bench``: bench engine's EngineBench; ``random_prompts`` its prompts (passed in:
+    bench_engine calls this module, so this module does not import it)."""
+
     def prompts(run: int) -> list[list[int]]:
         if args.workload == "repeat":
             return repeat_prompts(engine, batch, args.prompt_len, args.seed, run)
-        return random_prompts(
-            engine.model_config.vocab_size, batch, args.prompt_len, args.seed, run
-        )
+        vocab = engine.model_config.vocab_size
+        return random_prompts(vocab, batch, args.prompt_len, args.seed, run)
 
     stats = engine.speculator.stats
     progress(f"batch {batch}: warm-up")
@@ -140,9 +150,14 @@ def spec_config_of(args: argparse.Namespace) -> Any:
     return parse_speculative_config(json.dumps(raw))
 
 
-def run_spec(args: argparse.Namespace, engine: Any) -> int:
-    bench = EngineBench(engine, make_sync(args.device))
-    rows = [bench_spec_batch(b, args, engine, bench) for b in args.batch_sizes]
+def run_spec(
+    args: argparse.Namespace,
+    engine: Any,
+    bench: Any,
+    random_prompts: Callable[..., list[list[int]]],
+    format_table: Callable[..., str],
+) -> int:
+    rows = [bench_spec_batch(b, args, engine, bench, random_prompts) for b in args.batch_sizes]
     spec = engine.config.speculative_config
     graphs = getattr(engine.runner, "graphs", None) is not None
     print(
