@@ -397,3 +397,50 @@ def test_spec_config_survives_the_wire_to_children() -> None:
     again = msgspec.json.decode(msgspec.json.encode(cfg), type=type(cfg))
     assert again.engine_for("decode").speculative_config == ngram(2)
     assert os.environ.get("PDSERVE_ENGINE__SPECULATIVE_CONFIG") is None
+
+
+def test_counters_reach_the_metrics_text() -> None:
+    from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
+    from pdserve.common.runtime.metrics import Metrics, render
+    from pdserve.common.runtime.spec_metrics import SpecDecodeReporter
+
+    stats = SpecDecodeStats(3)
+    metrics = Metrics("decode", 0)
+    reporter = SpecDecodeReporter(metrics, stats)
+    stats.add(3, 2)
+    reporter.report()
+    stats.add(3, 3)
+    stats.add(2, 0)
+    reporter.report()
+    reporter.report()  # nothing new: nothing added
+    text = render(metrics.samples()).decode()
+    labels = 'instance="0",rank="0",service="decode"'
+
+    def per_pos(pos: int) -> str:
+        return f'instance="0",position="{pos}",rank="0",service="decode"'
+
+    for line in (
+        f"pdserve:spec_decode_num_drafts_total{{{labels}}} 3.0",
+        f"pdserve:spec_decode_num_draft_tokens_total{{{labels}}} 8.0",
+        f"pdserve:spec_decode_num_accepted_tokens_total{{{labels}}} 5.0",
+        f"pdserve:spec_decode_num_accepted_tokens_per_pos_total{{{per_pos(0)}}} 2.0",
+        f"pdserve:spec_decode_num_accepted_tokens_per_pos_total{{{per_pos(1)}}} 2.0",
+        f"pdserve:spec_decode_num_accepted_tokens_per_pos_total{{{per_pos(2)}}} 1.0",
+    ):
+        assert line in text, (line, text)
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ('{"method": "ngram"}', "invalid --speculative-config"),
+        ('{"method": "mtp", "num_speculative_tokens": 1}', "waits for MLA"),
+    ],
+)
+def test_cli_refuses_a_bad_speculative_config(
+    flag: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve.cli.main import main
+
+    assert main(["generate", "--prompt", "x", "--speculative-config", flag]) == 2
+    assert message in capsys.readouterr().err

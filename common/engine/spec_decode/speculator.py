@@ -59,6 +59,7 @@ class Speculator:
 
     def fill(self, plan: StepPlan, reqs: list[Request]) -> StepPlan:
         """``plan`` with each sequence's reserved draft slots holding proposed tokens."""
+        self._drafts = {}  # a step that failed between fill and verify leaves none behind
         picked = [i for i, s in enumerate(plan.seqs) if s.num_drafts]
         if not picked:
             return plan
