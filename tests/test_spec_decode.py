@@ -444,3 +444,16 @@ def test_cli_refuses_a_bad_speculative_config(
 
     assert main(["generate", "--prompt", "x", "--speculative-config", flag]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_up_flag_reaches_the_decode_engine_only() -> None:
+    from pdserve.cli.deployment import local_config
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.up import _engine_flags
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    args = build_parser().parse_args(["up", "--speculative-config", flag])
+    cfg = local_config(engine=_engine_flags(args))
+    spec = cfg.engine_for("decode").speculative_config
+    assert spec == SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3)
+    assert cfg.engine_for("prefill").speculative_config is None
