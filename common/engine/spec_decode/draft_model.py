@@ -36,6 +36,13 @@ class DraftModelProposer:
         target_tokenizer: Tokenizer,
         num_blocks: int,
     ) -> None:
+        if any(w is not None for w in target.layer_windows):
+            # The target's table drops blocks behind its window; the draft's own prompt
+            # KV would need them.
+            raise ModelLoadError(
+                "speculative_config: method 'draft_model' does not run with a sliding-window "
+                "target yet; use 'ngram'"
+            )
         model_dir = resolve_model(model)
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target.vocab_size:
