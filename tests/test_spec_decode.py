@@ -381,13 +381,15 @@ def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) ->
 @pytest.mark.slow
 def test_embedded_model_greedy_identical(model_dir: Path) -> None:
     eng = LLMEngine(EngineConfig(model=str(model_dir), speculative_config=ngram(5)))
-    ids = eng.tokenizer.encode_chat(
-        [{"role": "user", "content": "Repeat twice: red green blue red green blue"}]
-    )
-    params = SamplingParams(max_tokens=24)
-    out = eng.generate([ids], params)[0]
-    ref = LLMEngine(EngineConfig(model=str(model_dir))).generate([ids], params)[0]
-    assert (out.token_ids, out.text) == (ref.token_ids, ref.text)
+    story = " ".join(f"Line {i}: the {i}th lantern was lit at dusk." for i in range(12))
+    prompts = [
+        eng.tokenizer.encode_chat([{"role": "user", "content": "Repeat: red green blue"}]),
+        eng.tokenizer.encode(story),  # the model continues the pattern: drafts accepted
+    ]
+    params = SamplingParams(max_tokens=16)
+    out = eng.generate(prompts, params)
+    ref = LLMEngine(EngineConfig(model=str(model_dir))).generate(prompts, params)
+    assert [(o.token_ids, o.text) for o in out] == [(r.token_ids, r.text) for r in ref]
     assert_counters_add_up(eng)
 
 
