@@ -17,6 +17,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_layout import KVLayout
+from pdserve.common.engine.spec_decode.verify_rows import as_decode_rows
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
@@ -191,7 +192,10 @@ class ModelRunner:
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_order=config.kv_order,
-            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+            # a verify step is 1 + k rows a sequence (spec_decode/verify_rows.py)
+            cuda_graph_max_batch=min(
+                config.max_num_seqs * (1 + _num_speculative(config)), config.cuda_graph_max_batch
+            ),
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
             **kwargs,
@@ -215,7 +219,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``."""
+        """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``
+        (``1 + num_drafts`` rows for a verify sequence)."""
+        plan = as_decode_rows(plan) or plan
         if self.graphs is not None:
             logits = self.graphs.run(plan)
             if logits is not None:
@@ -325,6 +331,11 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.int64, device=dev),
         )
+
+
+def _num_speculative(config: EngineConfig) -> int:
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
