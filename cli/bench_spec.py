@@ -5,8 +5,8 @@ the baseline turns), batch by batch, the two taking turns.
 ``"model": "self"`` in a draft_model config means the target itself (self-speculation:
 every draft accepted, the mechanism's best case). ``--workload repeat`` makes prompts that
 ask to repeat a given text twice (n-gram's real case); ``random`` keeps bench engine's
-random-token prompts. The verify step (k + 1 positions a sequence) runs eagerly; decode
-steps without drafts replay CUDA graphs as before.
+random-token prompts. A verify step (k + 1 rows a sequence) replays the decode CUDA
+graphs where its rows fit the largest captured size (common/engine/spec_decode/verify_rows.py).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def run_spec(
     print(
         f"model {engine.model_dir}  device {args.device}  workload {args.workload}  "
         f"prompt_len {args.prompt_len}  gen_len {args.gen_len}  repeats {args.repeats}  "
-        f"cuda graphs {'on (plain decode steps; verify eager)' if graphs else 'off'}\n"
+        f"cuda graphs {'on' if graphs else 'off'}\n"
         f"speculative_config {json.dumps({k: v for k, v in asdict_spec(spec).items() if v is not None})}"
     )
     print(format_table(rows, SPEC_COLUMNS))  # type: ignore[arg-type]

@@ -1,10 +1,11 @@
-"""Speculative decoding on CUDA (GPU machine): the verify step (k + 1 positions a sequence)
-runs eagerly through the Triton prefill-attention path, plain decode steps (no room left
-for drafts) replay CUDA graphs; greedy output must equal the engine's without speculation.
-fp32, so that the verify's and the decode kernel's reductions cannot flip a near tie."""
+"""Speculative decoding on CUDA (GPU machine): verify steps (k + 1 one-token rows a
+sequence, spec_decode/verify_rows.py) replay the decode CUDA graphs, as do plain decode
+steps; greedy output must equal the engine's without speculation. fp32, so that a graph
+size's different split of the attention sum cannot flip a near tie."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,15 @@ def test_cuda_speculation_greedy_identical(random_model: Path, method: str) -> N
     prompts.append([11, 12, 13, 14] * 30)  # repeats: n-gram drafts get accepted
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 
-    def run(spec_config: SpeculativeConfig | None) -> tuple[list[list[int]], LLMEngine]:
+    def run(
+        spec_config: SpeculativeConfig | None, hook: Callable[[LLMEngine], None] | None = None
+    ) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(
             EngineConfig(model=str(random_model), device="cuda", dtype="float32",
                          gpu_memory_utilization=0.15, speculative_config=spec_config)
         )  # fmt: skip
+        if hook is not None:
+            hook(engine)
         out = [c.token_ids for c in engine.generate(prompts, params)]
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
         return out, engine
@@ -63,8 +68,24 @@ def test_cuda_speculation_greedy_identical(random_model: Path, method: str) -> N
     assert getattr(base.runner, "graphs", None) is not None  # graphs on for the plain steps
     del base
     torch.cuda.empty_cache()
-    got, engine = run(spec)
+    replays = []
+
+    def counting(engine: LLMEngine) -> None:
+        graphs = engine.runner.graphs  # type: ignore[attr-defined]
+        assert graphs is not None
+        run_graph = graphs.run
+
+        def run_and_count(plan):  # noqa: ANN001, ANN202
+            logits = run_graph(plan)
+            if logits is not None and len({s.request_id for s in plan.seqs}) < len(plan.seqs):
+                replays.append(len(plan.seqs))  # a verify step's rows
+            return logits
+
+        graphs.run = run_and_count
+
+    got, engine = run(spec, counting)
     assert got == want
+    assert replays, "no verify step replayed a CUDA graph"
     assert engine.speculator is not None
     stats = engine.speculator.stats
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
