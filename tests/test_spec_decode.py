@@ -348,3 +348,20 @@ def test_up_flag_reaches_the_decode_engine_only() -> None:
     spec = cfg.engine_for("decode").speculative_config
     assert spec == SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3)
     assert cfg.engine_for("prefill").speculative_config is None
+
+
+def test_a_verify_becomes_decode_rows() -> None:
+    from pdserve.common.engine.spec_decode.verify_rows import as_decode_rows
+    from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+
+    decode = ScheduledSeq("a", [5], 9, [0], True)
+    verify = ScheduledSeq("b", [7, 1, 2], 20, [1, 2], True, 2)
+    rows = as_decode_rows(StepPlan([decode, verify]))
+    assert rows is not None
+    assert [(s.request_id, s.token_ids, s.start_position) for s in rows.seqs] == [
+        ("a", [5], 9), ("b", [7], 20), ("b", [1], 21), ("b", [2], 22),
+    ]  # fmt: skip
+    assert rows.num_logits == StepPlan([decode, verify]).num_logits == 4
+    assert as_decode_rows(StepPlan([decode])) is None  # no verify: as it is
+    chunk = ScheduledSeq("c", [1, 2, 3], 0, [3], False)
+    assert as_decode_rows(StepPlan([verify, chunk])) is None  # a prefill chunk: as it is
