@@ -131,7 +131,7 @@ def test_config_reads_mla_as_transformers_does(mla_checkpoints: dict[str, Path])
     assert yarn.softmax_scale == pytest.approx(32**-0.5 * m * m)
 
 
-def test_moe_layers_are_refused_naming_the_moe_issue() -> None:
+def test_moe_layers_of_v3_are_read_and_v2_routing_is_refused() -> None:
     raw = {
         "model_type": "deepseek_v3",
         "vocab_size": 100,
@@ -141,10 +141,12 @@ def test_moe_layers_are_refused_naming_the_moe_issue() -> None:
         "num_attention_heads": 4,
         "first_k_dense_replace": 1,
     }
-    with pytest.raises(ModelLoadError, match=r"layers 1\.\.3 are mixture-of-experts.*#16"):
-        ModelConfig.from_dict(raw)
-    with pytest.raises(ModelLoadError, match=r"layers 3\.\.3"):  # V3's default is 3
-        ModelConfig.from_dict({k: v for k, v in raw.items() if k != "first_k_dense_replace"})
+    moe = ModelConfig.from_dict(raw).moe  # transformers' defaults: 256 experts, 8 a token
+    assert moe is not None and moe.sparse_layers == (1, 2, 3) and moe.num_experts == 256
+    default = ModelConfig.from_dict({k: v for k, v in raw.items() if k != "first_k_dense_replace"})
+    assert default.moe is not None and default.moe.sparse_layers == (3,)  # V3's default is 3
+    with pytest.raises(ModelLoadError, match=r"layers 1\.\.3 are mixture-of-experts.*not V2's"):
+        ModelConfig.from_dict({**raw, "model_type": "deepseek_v2"})
     assert ModelConfig.from_dict({**raw, "first_k_dense_replace": 4}).is_mla
 
 

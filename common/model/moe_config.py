@@ -53,10 +53,12 @@ def moe_config(model_type: str, raw: dict[str, Any], num_layers: int) -> MoEConf
     return None
 
 
-def _experts(raw: dict[str, Any], *names: str) -> int:
+def _experts(raw: dict[str, Any], *names: str, default: int | None = None) -> int:
     for name in names:  # hub configs and transformers' save_pretrained spell it differently
         if raw.get(name) is not None:
             return int(raw[name])
+    if default is not None:
+        return default
     raise KeyError(names[0])
 
 
@@ -85,7 +87,8 @@ def _deepseek_v3(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
     if not sparse:
         return None
     cfg = MoEConfig(
-        num_experts=_experts(raw, "n_routed_experts", "num_local_experts"),
+        # DeepseekV3Config's default when the key is absent: 256 routed experts
+        num_experts=_experts(raw, "n_routed_experts", "num_local_experts", default=256),
         top_k=raw.get("num_experts_per_tok", 8),
         intermediate_size=raw.get("moe_intermediate_size", 2048),
         norm_topk_prob=raw.get("norm_topk_prob", True),
