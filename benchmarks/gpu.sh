@@ -17,6 +17,7 @@
 #   moe           MoE: the grouped expert kernel's GPU tests, bench engine at the 30b-a3b shape
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
+#   gpu-tests     every gpu-marked test of tests/ in one pytest run
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -112,6 +113,11 @@ suite_pcp() {
         --lengths 1024,4096,8192 --pcp 1,2,4 --chunk 8192 --repeats 3 --json "$OUT/pcp_h200.json" \
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
+suite_gpu-tests() {  # every gpu-marked test of the tree in one pytest run (kernels, fp8, MLA, MoE, serving)
+    timeout 500 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 -x \
+        > "$OUT/gpu_tests_all.txt" 2>&1
+    local rc=$?; tail -30 "$OUT/gpu_tests_all.txt"; return $rc
+}
 suite_moe() {
     timeout 300 python3 -m pytest -q -m gpu tests/test_moe_kernels.py -p no:cacheprovider \
         > "$OUT/moe_gpu_tests.txt" 2>&1
@@ -145,7 +151,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, gpu-tests, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }
