@@ -114,7 +114,7 @@ suite_pcp() {
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
 suite_gpu-tests() {  # every gpu-marked test of the tree in one pytest run (kernels, fp8, MLA, MoE, serving)
-    timeout 500 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 -x \
+    timeout 500 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 \
         > "$OUT/gpu_tests_all.txt" 2>&1
     local rc=$?; tail -30 "$OUT/gpu_tests_all.txt"; return $rc
 }
