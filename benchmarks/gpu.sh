@@ -18,6 +18,8 @@
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
 #   gpu-tests     every gpu-marked test of tests/ in one pytest run
+#   spec          speculative decoding: its GPU test, then decode tok/s with and without it
+#                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -146,12 +148,29 @@ suite_mla() {
     return $rc
 }
 
+SELF_SPEC='{"method": "draft_model", "model": "self", "num_speculative_tokens": 5}'
+NGRAM_SPEC='{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+suite_spec() {
+    timeout 300 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py -p no:cacheprovider \
+        --durations=5 > "$OUT/spec_gpu_tests.txt" 2>&1; tail -5 "$OUT/spec_gpu_tests.txt"
+    for shape in 1b 8b; do
+        timeout 300 python3 -m pdserve bench engine --shape $shape --tokenizer /tmp/tokmodel \
+            --device cuda --dtype bfloat16 --no-hf --prompt-len 1024 --gen-len 128 --batch-sizes 1,16 \
+            --repeats 2 --speculative-config "$SELF_SPEC" --json "$OUT/spec_self_${shape}_h200.json" \
+            2>"$OUT/spec_self_${shape}_err.txt" | tail -6
+        timeout 300 python3 -m pdserve bench engine --shape $shape --tokenizer /tmp/tokmodel \
+            --device cuda --dtype bfloat16 --no-hf --prompt-len 512 --gen-len 128 --batch-sizes 1,16 \
+            --repeats 2 --workload repeat --speculative-config "$NGRAM_SPEC" \
+            --json "$OUT/spec_ngram_${shape}_h200.json" 2>"$OUT/spec_ngram_${shape}_err.txt" | tail -6
+    done
+}
+
 suites=("$@")
 [ "${suites[*]}" = all ] && suites=(tests engine serve transfer engine-eager)
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, gpu-tests, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, gpu-tests, spec, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

@@ -107,6 +107,19 @@ def add_parser(sub: Any) -> None:
         help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)",
     )
     p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="decode tok/s with and without speculative decoding in the same run "
+        '(cli/bench_spec.py); \'"model": "self"\' drafts with the target itself',
+    )
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=("random", "repeat"),
+        help="with --speculative-config: random-token prompts, or prompts asking to repeat a text",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -536,7 +549,15 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
     max_batch = max(args.batch_sizes)
     block_size = EngineConfig().block_size
-    blocks_per_seq = -(-(args.prompt_len + args.gen_len) // block_size)
+    spec = None
+    extra = 0
+    if args.speculative_config is not None:
+        from pdserve.cli.bench_spec import spec_config_of
+
+        spec = spec_config_of(args)
+        # the drafts' slots, and the repeat workload's prompts run a little past prompt_len
+        extra = spec.num_speculative_tokens + (args.prompt_len if args.workload == "repeat" else 0)
+    blocks_per_seq = -(-(args.prompt_len + args.gen_len + extra) // block_size)
     config = EngineConfig(
         model=args.model,
         device=args.device,
@@ -546,10 +567,11 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         num_kv_blocks=max_batch * blocks_per_seq,
         max_num_seqs=max_batch,
         # The whole batch's prompts fit in one step, so prefill is a single forward.
-        max_num_batched_tokens=max_batch * args.prompt_len,
+        max_num_batched_tokens=max_batch * (args.prompt_len + extra),
         enable_prefix_caching=False,
         cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=spec,
     )
     return LLMEngine(config)
 
@@ -610,6 +632,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve bench engine: --layers needs --shape")
     load_at_start = os.getloadavg()[0]
     engine = build_engine(args)
+    if args.speculative_config is not None:
+        from pdserve.cli.bench_spec import run_spec
+
+        bench = EngineBench(engine, make_sync(args.device))
+        return run_spec(args, engine, bench, random_prompts, format_table)
     sync = make_sync(args.device)
     engine_bench = EngineBench(engine, sync)
     hf_bench = None

@@ -21,6 +21,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_kv_cache_dtype(p, default="auto")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s spelling: \'{"method": "ngram", '
+        '"num_speculative_tokens": 5}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 5}\'',
+    )
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(run=run)
 
@@ -41,7 +49,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     sampling.validate()  # before loading the model: a bad flag fails fast
-    config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
+    from pdserve.common.engine.spec_decode.config import parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=spec,
+    )
     engine = LLMEngine(config)
     tok = engine.tokenizer
     if args.raw:

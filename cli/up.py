@@ -77,6 +77,13 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     add_kv_cache_dtype(p)
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding on the decode instances (vLLM's JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 5}\'); [engine] speculative_config',
+    )
     p.add_argument("--curve-keys-dir", default=None,
                    help="CURVE on every ZMQ socket with these keys (`pdserve keys --dir`)")  # fmt: skip
     p.add_argument("--insecure", action="store_true", default=None,
@@ -93,6 +100,20 @@ def add_parsers(sub: Any) -> None:
     _deployment_flags(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(run=run_demo)
+
+
+def _engine_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    flags: dict[str, Any] = {}
+    if args.kv_cache_dtype is not None:
+        flags["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.speculative_config is not None:
+        import msgspec
+
+        from pdserve.common.engine.spec_decode.config import parse_speculative_config
+
+        spec = parse_speculative_config(args.speculative_config)  # a bad flag fails here, once
+        flags["speculative_config"] = msgspec.to_builtins(spec)
+    return flags or None
 
 
 def _start(args: argparse.Namespace) -> Any:
@@ -117,7 +138,7 @@ def _start(args: argparse.Namespace) -> Any:
         pcp=args.pcp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
-        engine=None if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype},
+        engine=_engine_flags(args),
         security={
             k: v
             for k, v in (("curve_keys_dir", args.curve_keys_dir), ("insecure", args.insecure))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.errors import PdserveError
 
 DEVICES = ("cpu", "cuda")
@@ -34,6 +35,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (common/engine/cuda_graphs.py); larger ones, and every step on CPU, run eagerly.
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 64
+    # Speculative decoding of decode steps (common/engine/spec_decode/); prefill ignores it.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -20,8 +20,9 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
 from pdserve.common.engine.prompt_logprobs import PromptScores, in_order
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling import Sampler, SamplingParams, token_logprobs
+from pdserve.common.engine.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from pdserve.common.engine.scheduler import Scheduler
+from pdserve.common.engine.spec_decode.speculator import Speculator
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.engine.structured import GrammarTable
 from pdserve.common.errors import RequestError
@@ -69,12 +70,22 @@ class EngineCore(Generic[OutputT]):
         # One table serves every layer (common/engine/kv_groups.py): blocks behind the
         # window go back to the pool only when every layer slides with one window.
         group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
+        spec = config.speculative_config if self.holds_output else None
+        self.speculator = (
+            None
+            if spec is None
+            else Speculator(
+                spec, config, self.model_config, self.tokenizer, self.runner.layout.num_blocks
+            )
+        )
         self.scheduler = Scheduler(
             self.pool,
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             group,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            max_model_len=self.max_model_len,
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
@@ -90,6 +101,12 @@ class EngineCore(Generic[OutputT]):
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         sampling.validate(self.model_config.vocab_size)
+        if self.speculator is not None and sampling.structured is not None:
+            raise RequestError(
+                "structured output cannot be combined with speculative decoding here (the "
+                "grammar would have to follow the drafts and roll back); use an instance "
+                "without speculative_config"
+            )
         if sampling.structured is not None and self.sampler.grammars is not None:
             self.sampler.grammars.compile(sampling.structured)  # a bad schema fails here
         num = len(prompt_token_ids)
@@ -150,6 +167,8 @@ class EngineCore(Generic[OutputT]):
         self.last_step_tokens = plan.num_tokens
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             return []
+        if self.speculator is not None:
+            return self._speculative_step(plan, reqs)
         logits = self.runner.execute(plan)
         for request_id, entries in self.runner.last_prompt_logprobs.items():
             if request_id in self._requests:
@@ -196,6 +215,22 @@ class EngineCore(Generic[OutputT]):
         out, self.failures = self.failures, []
         return out
 
+    def _speculative_step(self, plan: StepPlan, reqs: list[Request]) -> list[OutputT]:
+        """Propose, verify in one forward, roll back what was rejected, emit the rest."""
+        assert self.speculator is not None
+        plan = self.speculator.fill(plan, reqs)
+        logits = self.runner.execute(plan)  # [plan.num_logits, V]
+        verified = self.speculator.verify(logits, plan, reqs, self.sampler)
+        rejected = {id(req): void for req, _, _, void in verified}
+        self.scheduler.on_step_done(reqs, plan, [rejected.get(id(r), 0) for r in reqs])
+        return [self._advance_many(req, tokens, lps) for req, tokens, lps, _ in verified]
+
+    def _advance_many(
+        self, req: Request, token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> OutputT:
+        """The hook of a verify step: ``req`` gained ``token_ids`` (accepted drafts + one)."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode speculatively")
+
     def _output(
         self, req: Request, tokens: list[int], text: str, reason: str | None
     ) -> RequestOutput:
@@ -221,6 +256,29 @@ class LLMEngine(EngineCore[RequestOutput]):
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
         return self._emit(req, token_id)
+
+    def _advance_many(
+        self, req: Request, token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """One output for the step's tokens, as if each had come from its own step: the
+        first stop rule that fires ends the request there and drops the tokens after it."""
+        merged: RequestOutput | None = None
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            out = self._advance(req, token_id)
+            if lp is not None:
+                out.logprobs = [lp]
+            if merged is None:
+                merged = out
+            else:
+                merged.new_token_ids += out.new_token_ids
+                merged.text += out.text
+                merged.logprobs += out.logprobs
+                merged.finished, merged.finish_reason = out.finished, out.finish_reason
+                merged.num_output_tokens = out.num_output_tokens
+            if out.finished:
+                break
+        assert merged is not None
+        return merged
 
     def _emit(self, req: Request, token_id: int) -> RequestOutput:
         """The output for ``req``'s newest token; ends the request on a stop rule."""

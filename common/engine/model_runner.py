@@ -19,6 +19,7 @@ from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_of_piece, score_rows
+from pdserve.common.engine.spec_decode.verify_rows import as_decode_rows
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
@@ -231,7 +232,10 @@ class ModelRunner:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_order=config.kv_order,
             kv_cache_dtype=config.kv_cache_torch_dtype_name,
-            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+            # a verify step is 1 + k rows a sequence (spec_decode/verify_rows.py)
+            cuda_graph_max_batch=min(
+                config.max_num_seqs * (1 + _num_speculative(config)), config.cuda_graph_max_batch
+            ),
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
             **kwargs,
@@ -256,8 +260,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``
-        (and leaves the prompt logprobs of scored sequences in ``last_prompt_logprobs``)."""
+        (``1 + num_drafts`` rows for a verify sequence; leaves the prompt logprobs of scored
+        sequences in ``last_prompt_logprobs``)."""
         self.last_prompt_logprobs = {}
+        plan = as_decode_rows(plan) or plan
         scored = any(s.score_next_ids for s in plan.seqs)
         if self.graphs is not None and not scored:
             logits = self.graphs.run(plan)
@@ -294,8 +300,8 @@ class ModelRunner:
             for pos in range(seq.start_position, seq.context_len):
                 positions.append(pos)
                 slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            if seq.sample:
-                logits_indices.append(len(tokens) - 1)
+            if seq.sample:  # a verify step wants its drafts' positions too
+                logits_indices += range(len(tokens) - 1 - seq.num_drafts, len(tokens))
         decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
         prefills = plan.seqs[len(decodes) :]
         cu = [0]
@@ -391,6 +397,11 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.int64, device=dev),
         )
+
+
+def _num_speculative(config: EngineConfig) -> int:
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:

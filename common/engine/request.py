@@ -48,6 +48,10 @@ class Request:
         # prompt logprobs by position, gathered over the prefill's chunks (prompt_logprobs.py)
         self.prompt_scores: dict[int, TokenLogprobs] = {}
         self.finish_reason: str | None = None
+        # Speculative decoding: draft slots the scheduler reserved this step after the last
+        # token, and how many leading positions the draft model's own KV holds.
+        self.num_drafts = 0
+        self.num_draft_computed = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprobs",
     "adjust_logits",
+    "row_probs",
     "sample_row",
     "token_generator",
     "token_logprobs",
@@ -175,6 +176,13 @@ def adjust_logits(
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    probs = row_probs(logits, p)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def row_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution [V] (fp32) a sampled row draws from: temperature, top-k, top-p,
+    min-p applied to ``logits`` (already adjusted). Speculative decoding verifies against it."""
     logits = logits.float() / p.temperature  # [V]
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -194,4 +202,4 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
             f"the sampling distribution is not finite (temperature {p.temperature:g}, "
             f"top_p {p.top_p:g}, top_k {p.top_k}, min_p {p.min_p:g})"
         )
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return probs

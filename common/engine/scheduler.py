@@ -8,11 +8,20 @@ recomputed later (its full blocks usually come back from the prefix cache).
 With ``group`` a sliding-window group covering every layer (common/engine/kv_groups.py),
 blocks that fall wholly behind the window go back to the pool as the sequence advances;
 their table entries become ``NULL_BLOCK``.
+
+With ``num_speculative_tokens = k`` a running request in decode (one pending token) is
+scheduled with ``k`` draft slots after that token (fewer only where max_tokens or
+max_model_len leave less room, none when the token budget cannot take them), blocks
+included; the engine writes the proposals into them (common/engine/spec_decode/). After the
+verify, ``on_step_done`` counts only accepted positions as computed and frees blocks that
+hold nothing but rejected drafts; full blocks are registered (hashed) only over accepted
+tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from pdserve.common.engine.block_pool import BlockHash, BlockPool, hash_blocks
 from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup
@@ -28,8 +37,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         group: KVCacheGroup | None = None,
+        num_speculative_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.pool = pool
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         # The one group the block tables serve; full attention unless it is sliding.
         self.group = group or KVCacheGroup(layers=())
         self.block_size = block_size
@@ -62,13 +75,16 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num = min(req.num_pending_tokens, budget)
+            req.num_drafts = self._num_drafts(req, budget)
+            num = min(req.num_pending_tokens + req.num_drafts, budget)
             if not self._grow(req, num, chosen):
+                req.num_drafts = 0
                 continue
             chosen.append((req, num))
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            req.num_drafts = 0
             if not req.block_ids:
                 self._take_cached_prefix(req)
             num = min(req.num_pending_tokens, budget)
@@ -89,20 +105,36 @@ class Scheduler:
         plan = StepPlan([self._scheduled(req, num) for req, num in chosen])
         return plan, [req for req, _ in chosen]
 
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Draft slots for ``req`` this step: k for a decoding request, fewer near its end."""
+        k = self.num_speculative_tokens
+        if not k or req.num_pending_tokens != 1 or not req.output_token_ids:
+            return 0
+        # The step emits at most drafts + 1 tokens and writes KV up to the last draft.
+        room = req.sampling.max_tokens - len(req.output_token_ids) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - req.num_tokens)
+        num = max(0, min(k, room))
+        return num if 1 + num <= budget else 0
+
     def _scheduled(self, req: Request, num: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        tokens = req.token_ids_between(start, start + num)
+        real = num - req.num_drafts
+        # the draft slots hold the last token until the engine fills them
+        tokens = req.token_ids_between(start, start + real)
+        tokens += tokens[-1:] * req.num_drafts
         top = req.sampling.prompt_logprobs
         # prompt logprobs: each computed position before the prompt's last scores the next
-        next_ids = [] if top is None else req.prompt_token_ids[start + 1 : start + num + 1]
+        next_ids = [] if top is None else req.prompt_token_ids[start + 1 : start + real + 1]
         return ScheduledSeq(
             req.request_id,
             tokens,
             start,
             list(req.block_ids),
-            start + num == req.num_tokens,
+            start + real == req.num_tokens,
             score_next_ids=next_ids,
             score_top=top or 0,
+            num_drafts=req.num_drafts,
         )
 
     def _blocks_needed(self, req: Request, num: int) -> int:
@@ -186,6 +218,7 @@ class Scheduler:
         req.num_dropped_blocks = 0
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+        req.num_draft_computed = 0
 
     def _preempt(self, req: Request) -> None:
         self._release_blocks(req)
@@ -194,12 +227,23 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def on_step_done(self, reqs: list[Request], plan: StepPlan) -> None:
-        """Advance progress and make newly full blocks findable by later prompts."""
-        for req, seq in zip(reqs, plan.seqs, strict=True):
-            req.num_computed_tokens += len(seq.token_ids)
+    def on_step_done(
+        self, reqs: list[Request], plan: StepPlan, num_rejected: Sequence[int] = ()
+    ) -> None:
+        """Advance progress and make newly full blocks findable by later prompts.
+        ``num_rejected``: per sequence, drafts the verify rejected (their KV is void: the
+        positions are computed again, and blocks holding only them go back to the pool).
+        A verify step is done before its accepted tokens are appended: blocks are
+        registered only as far as the request's tokens reach."""
+        rejected = list(num_rejected) or [0] * len(reqs)
+        for req, seq, void in zip(reqs, plan.seqs, rejected, strict=True):
+            req.num_computed_tokens += len(seq.token_ids) - void
             self.num_computed_tokens += len(seq.token_ids)
-            num_full = req.num_computed_tokens // self.block_size
+            if void:
+                self._free_tail(req)
+            req.num_drafts = 0
+            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+            num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
             if num_full > req.num_registered_blocks:
                 self._extend_hashes(req)
                 first = max(req.num_registered_blocks, req.num_dropped_blocks)
@@ -207,6 +251,13 @@ class Scheduler:
                     self.pool.register(req.block_ids[i], req.block_hashes[i])
                 req.num_registered_blocks = num_full
             self._drop_outside_window(req)
+
+    def _free_tail(self, req: Request) -> None:
+        """Free the blocks past the last computed position (they held rejected drafts)."""
+        keep = max(-(-req.num_computed_tokens // self.block_size), req.num_dropped_blocks)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     def detach(self, req: Request) -> list[int]:
         """End ``req`` here but hand the blocks it holds (and their references) to the

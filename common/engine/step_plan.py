@@ -18,6 +18,9 @@ class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
     # k < len(score_next_ids), with score_top alternatives (common/engine/prompt_logprobs.py)
     score_next_ids: list[int] = []
     score_top: int = 0
+    # Speculative decoding: the last ``num_drafts`` tokens are drafts; the step returns
+    # logits at the last ``1 + num_drafts`` positions (verify), not only the last.
+    num_drafts: int = 0
 
     @property
     def context_len(self) -> int:
@@ -25,9 +28,14 @@ class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
 
 
 class StepPlan(msgspec.Struct, array_like=True, frozen=True):
-    # Decode sequences (one token each) come first, prefill chunks after them.
+    # Decode sequences (one token each) come first, then prefill chunks and verify steps.
     seqs: list[ScheduledSeq]
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits a runner returns: ``1 + num_drafts`` per sampled sequence."""
+        return sum(1 + s.num_drafts for s in self.seqs if s.sample)

@@ -54,6 +54,11 @@ class Tokenizer:
         self.pad_token_id = self._token_id(special_tokens.get("pad_token"))
         self.eos_token_ids = eos_token_ids
 
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included (a draft model must share it)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)

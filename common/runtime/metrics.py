@@ -39,6 +39,10 @@ COUNTERS = {
     "pdserve:request_timeouts": "requests the router failed because a phase passed its deadline, by phase",
     "pdserve:loop_stalls": "times this process's event loop woke later than its ping interval (its own stall)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
+    "pdserve:spec_decode_num_drafts": "speculative verify steps of a sequence (each proposes k tokens)",
+    "pdserve:spec_decode_num_draft_tokens": "draft tokens proposed",
+    "pdserve:spec_decode_num_accepted_tokens": "draft tokens accepted",
+    "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
 }
 GAUGES = {
     "pdserve:kv_blocks_free": "free KV blocks",

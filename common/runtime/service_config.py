@@ -218,6 +218,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         base.update(overrides)
         if base.get("kv_order", "auto") == "auto":
             base["kv_order"] = self.kv_order
+        if role == "prefill":
+            base["speculative_config"] = None  # prefill ends at the first token: nothing to verify
         if role == "prefill" and "cuda_graphs" not in overrides:
             base["cuda_graphs"] = False  # prefill steps are prompt chunks: graphs would idle
         return _convert(base, EngineConfig, f"[{role}_engine]")
@@ -266,11 +268,17 @@ def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
 
 def _env_value(value: str) -> Any:
     """Environment strings parsed as TOML values where they are ones (numbers, booleans,
-    arrays), else kept as strings."""
+    arrays), or as JSON objects, else kept as strings."""
     try:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
-        return value
+        pass
+    if value.lstrip().startswith("{"):  # a JSON object: PDSERVE_ENGINE__SPECULATIVE_CONFIG
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    return value
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:

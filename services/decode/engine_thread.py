@@ -28,6 +28,7 @@ from pdserve.common.runtime.engine_commands import (
     ProducerKey,
 )
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
+from pdserve.common.runtime.spec_metrics import SpecDecodeReporter
 
 if TYPE_CHECKING:
     from pdserve.common.transfer.kv_pulls import Puller, PullResult
@@ -79,6 +80,7 @@ class DecodeEngineThread(EngineThread):
         self.pending_by_producer: PendingByProducer = {}
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
         self.pending: dict[str, PendingPull] = {}
+        self.spec_reporter: SpecDecodeReporter | None = None  # set up with a speculator
         self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
         self.connected_at: dict[ProducerKey, float] = {}  # wall time of each producer's handshake
         self._num_preemptions = 0
@@ -124,6 +126,8 @@ class DecodeEngineThread(EngineThread):
             "pdserve:prefix_cache_replayed_tokens",
             "pdserve:bad_messages",
         )
+        if self.engine.speculator is not None:
+            self.spec_reporter = SpecDecodeReporter(self.metrics, self.engine.speculator.stats)
 
     def teardown(self) -> None:
         if hasattr(self, "puller"):
@@ -423,6 +427,8 @@ class DecodeEngineThread(EngineThread):
         )
 
     def _update_gauges(self) -> None:
+        if self.spec_reporter is not None:
+            self.spec_reporter.report()
         self._num_preemptions = report_engine(
             self.metrics, self.engine, len(self.pending), self._num_preemptions
         )

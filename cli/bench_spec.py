@@ -1,0 +1,196 @@
+"""``pdserve bench engine --speculative-config JSON``: decode tokens/s with and without
+speculative decoding, in the same run, on the same engine (speculation switched off for
+the baseline turns), batch by batch, the two taking turns.
+
+``"model": "self"`` in a draft_model config means the target itself (self-speculation:
+every draft accepted, the mechanism's best case). ``--workload repeat`` makes prompts that
+ask to repeat a given text twice (n-gram's real case); ``random`` keeps bench engine's
+random-token prompts. A verify step (k + 1 rows a sequence) replays the decode CUDA
+graphs where its rows fit the largest captured size (common/engine/spec_decode/verify_rows.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+def progress(message: str) -> None:
+    print(f"bench engine: {message}", file=sys.stderr, flush=True)
+
+
+REPEAT_WORDS = (
+    "river stone lantern quiet orbit maple signal copper harbor violet engine meadow "
+    "falcon marble winter canyon ribbon pepper glacier anchor"
+).split()
+
+
+@dataclass
+class SpecRow:
+    batch: int
+    base_decode_tok_s: float
+    spec_decode_tok_s: float
+    speedup: float
+    base_step_ms: float
+    spec_step_ms: float
+    acceptance_rate: float  # accepted / drafted over the timed spec runs
+    mean_accepted_length: float  # tokens per verify step, the bonus included
+
+
+SPEC_COLUMNS = (
+    ("batch", "batch", "{:d}"),
+    ("base_decode_tok_s", "decode tok/s", "{:.1f}"),
+    ("spec_decode_tok_s", "spec decode tok/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("base_step_ms", "step ms", "{:.2f}"),
+    ("spec_step_ms", "spec step ms", "{:.2f}"),
+    ("acceptance_rate", "accepted", "{:.1%}"),
+    ("mean_accepted_length", "tokens/verify", "{:.2f}"),
+)
+
+
+def repeat_prompts(
+    engine: Any, batch: int, prompt_len: int, seed: int, run: int
+) -> list[list[int]]:
+    """Chat prompts asking to repeat a random text of about ``prompt_len`` tokens."""
+    rng = random.Random(f"repeat/{seed}/{batch}/{run}")
+    tok = engine.tokenizer
+    out = []
+    for _ in range(batch):
+        words: list[str] = []
+        while len(tok.encode(" ".join(words), add_special_tokens=False)) < prompt_len // 2:
+            words.append(rng.choice(REPEAT_WORDS))
+        text = " ".join(words)
+        ask = f"Repeat the following text twice, exactly:\n\n{text}\n\n{text}\n\n"
+        out.append(tok.encode_chat([{"role": "user", "content": ask}]))
+    return out
+
+
+@contextlib.contextmanager
+def speculation_off(engine: Any) -> Iterator[None]:
+    """The baseline turns: the same engine (weights, cache, graphs) without drafts."""
+    speculator, k = engine.speculator, engine.scheduler.num_speculative_tokens
+    engine.speculator, engine.scheduler.num_speculative_tokens = None, 0
+    try:
+        yield
+    finally:
+        engine.speculator, engine.scheduler.num_speculative_tokens = speculator, k
+
+
+def bench_spec_batch(
+    batch: int,
+    args: argparse.Namespace,
+    engine: Any,
+    bench: Any,
+    random_prompts: Callable[..., list[list[int]]],
+) -> SpecRow:
+    """``bench``: bench engine's EngineBench; ``random_prompts`` its prompts (passed in:
+    bench_engine calls this module, so this module does not import it)."""
+
+    def prompts(run: int) -> list[list[int]]:
+        if args.workload == "repeat":
+            return repeat_prompts(engine, batch, args.prompt_len, args.seed, run)
+        vocab = engine.model_config.vocab_size
+        return random_prompts(vocab, batch, args.prompt_len, args.seed, run)
+
+    stats = engine.speculator.stats
+    progress(f"batch {batch}: warm-up")
+    with speculation_off(engine):
+        bench.run(prompts(0), args.gen_len)
+    bench.run(prompts(0), args.gen_len)
+    base, spec = [], []
+    drafted0, accepted0, drafts0 = (
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+        stats.num_drafts,
+    )
+    for i in range(1, args.repeats + 1):
+        progress(f"batch {batch}: run {i}/{args.repeats}")
+        with speculation_off(engine):
+            base.append(bench.run(prompts(i), args.gen_len)[0])
+        spec.append(bench.run(prompts(i), args.gen_len)[0])
+    drafted = stats.num_draft_tokens - drafted0
+    accepted = stats.num_accepted_tokens - accepted0
+    verifies = stats.num_drafts - drafts0
+
+    def tok_s(t: Any) -> float:
+        return float(t.decode_tokens / t.decode_s)
+
+    def step_ms(t: Any) -> float:
+        return float(t.decode_s / max(t.decode_steps, 1) * 1e3)
+
+    base_tok_s = statistics.median(tok_s(t) for t in base)
+    spec_tok_s = statistics.median(tok_s(t) for t in spec)
+    return SpecRow(
+        batch=batch,
+        base_decode_tok_s=base_tok_s,
+        spec_decode_tok_s=spec_tok_s,
+        speedup=spec_tok_s / base_tok_s,
+        base_step_ms=statistics.median(step_ms(t) for t in base),
+        spec_step_ms=statistics.median(step_ms(t) for t in spec),
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted_length=1 + accepted / verifies if verifies else 0.0,
+    )
+
+
+def spec_config_of(args: argparse.Namespace) -> Any:
+    from pdserve.common.engine.spec_decode.config import parse_speculative_config
+
+    raw = json.loads(args.speculative_config)
+    if isinstance(raw, dict) and raw.get("model") == "self":
+        raw["model"] = args.model  # the target (after --shape made it)
+    return parse_speculative_config(json.dumps(raw))
+
+
+def run_spec(
+    args: argparse.Namespace,
+    engine: Any,
+    bench: Any,
+    random_prompts: Callable[..., list[list[int]]],
+    format_table: Callable[..., str],
+) -> int:
+    rows = [bench_spec_batch(b, args, engine, bench, random_prompts) for b in args.batch_sizes]
+    spec = engine.config.speculative_config
+    graphs = getattr(engine.runner, "graphs", None) is not None
+    print(
+        f"model {engine.model_dir}  device {args.device}  workload {args.workload}  "
+        f"prompt_len {args.prompt_len}  gen_len {args.gen_len}  repeats {args.repeats}  "
+        f"cuda graphs {'on' if graphs else 'off'}\n"
+        f"speculative_config {json.dumps({k: v for k, v in asdict_spec(spec).items() if v is not None})}"
+    )
+    print(format_table(rows, SPEC_COLUMNS))  # type: ignore[arg-type]
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "benchmark": "engine_spec",
+            "config": {
+                "model_dir": str(engine.model_dir),
+                "shape": args.shape,
+                "device": args.device,
+                "workload": args.workload,
+                "prompt_len": args.prompt_len,
+                "gen_len": args.gen_len,
+                "repeats": args.repeats,
+                "speculative_config": asdict_spec(spec),
+                "cuda_graphs": graphs,
+                "loadavg_1m_end": os.getloadavg()[0],
+            },
+            "rows": [asdict(r) for r in rows],
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    return 0
+
+
+def asdict_spec(spec: Any) -> dict[str, Any]:
+    import msgspec
+
+    return dict(msgspec.to_builtins(spec))

@@ -1,0 +1,78 @@
+"""``speculative_config``: vLLM's spelling, validated once (no torch here: the router and
+the config loader import it)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.common.errors import PdserveError
+
+METHODS = ("ngram", "draft_model", "mtp")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}`` or ``{"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": 5}``. Every decode step proposes exactly
+    ``num_speculative_tokens`` tokens a sequence (fewer only where max_tokens or
+    max_model_len leave less room) and the target verifies them in one forward."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default 4)
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default 1)
+    model: str | None = None  # draft_model: HF directory or GGUF file
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise PdserveError(
+                f"speculative_config: unknown method {self.method!r}; choose one of "
+                f"{', '.join(METHODS)}"
+            )
+        if self.method == "mtp":
+            raise PdserveError(
+                "speculative_config: method 'mtp' needs multi-token-prediction layers of a "
+                "DeepSeek (MLA) checkpoint, which pdserve cannot load yet; it waits for MLA "
+                "support. Use 'ngram' or 'draft_model'."
+            )
+        if self.num_speculative_tokens < 1:
+            raise PdserveError(
+                "speculative_config: num_speculative_tokens must be at least 1, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise PdserveError("speculative_config: method 'ngram' takes no 'model'")
+            if self.lookup_min < 1 or self.lookup_max < self.lookup_min:
+                raise PdserveError(
+                    "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                    f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+                )
+        else:
+            if not self.model:
+                raise PdserveError(
+                    "speculative_config: method 'draft_model' needs 'model' (an HF directory "
+                    "or GGUF file of a smaller model with the target's tokenizer)"
+                )
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise PdserveError(
+                    "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
+                )
+
+    @property
+    def lookup_max(self) -> int:
+        return 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+
+    @property
+    def lookup_min(self) -> int:
+        return 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The ``--speculative-config`` flag's JSON."""
+    try:
+        return msgspec.json.decode(text.encode(), type=SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise PdserveError(f"invalid --speculative-config: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise PdserveError(f"--speculative-config is not valid JSON: {exc}") from exc
