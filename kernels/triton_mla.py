@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton_ops import _LOG2E, MAX_DECODE_SPLITS, _device_guard, _is_pow2, _num_sms
+from pdserve.kernels.triton_common import _LOG2E, _device_guard, _is_pow2
+from pdserve.kernels.triton_decode import MAX_DECODE_SPLITS, _num_sms
 
 BLOCK_H = 16  # query heads per program: the rows of tl.dot (>= 16)
 

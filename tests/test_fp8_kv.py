@@ -164,9 +164,10 @@ def test_fp8_logits_track_the_auto_cache_every_decode_step(
     agree = ref.argmax(-1) == got.argmax(-1)
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN
+    margins = (top2[:, 0] - top2[:, 1])[~agree]  # empty when every position agrees (the H200)
     print(f"{dtype}: cosine min {cosine.min():.5f} mean {cosine.mean():.5f}, "
           f"top-1 {agree.float().mean():.3f} over {len(agree)} positions, largest margin "
-          f"of a disagreement {(top2[:, 0] - top2[:, 1])[~agree].max():.4f}, "
+          f"of a disagreement {margins.max() if len(margins) else 0.0:.4f}, "
           f"logit std {ref.std(-1).mean():.3f}, clear {clear.float().mean():.3f}")  # fmt: skip
     assert cosine.min().item() >= COSINE_MIN
     assert agree.float().mean().item() >= TOP1_MIN
