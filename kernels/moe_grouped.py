@@ -69,7 +69,10 @@ def moe_experts(
     h = kernels.silu_and_mul(h)  # [T*k, I]
     y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T*k, H]
     # rows past offs[-1] (other ranks' experts) were not computed: zero them, not scale them
-    w = topk_weights.flatten()[order].to(y.dtype)
-    y = torch.where(valid[:, None], y * w[:, None], 0)
-    out = torch.zeros((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    return out.index_add_(0, token, y)
+    # (masked_fill, not torch.where with a Python 0: no host tensor inside a CUDA graph)
+    w = topk_weights.flatten()[order].float()
+    y = y.float().masked_fill(~valid[:, None], 0.0) * w[:, None]
+    # the k experts of a token summed in fp32: index_add_ adds in any order (atomics), and
+    # bf16 sums would then round differently from one run (or graph replay) to the next
+    out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, y).to(x.dtype)
