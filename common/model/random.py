@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,38 @@ DSV3_ROPE = {
 }
 
 
+def _draws(dtype: Any, device: str, seed: int) -> tuple[Callable[..., Any], Callable[[int], Any]]:
+    """(weight(*shape), ones(n)) of a random checkpoint: N(0, 0.02) drawn on ``device`` from
+    ``seed`` in fp32, stored in ``dtype`` on the CPU; norms at one."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02
+        return w.to(dtype).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    return weight, ones
+
+
+def _dense_mlp(p: str, weight: Callable[..., Any], hidden: int, inter: int) -> dict[str, Any]:
+    return {
+        p + "mlp.gate_proj.weight": weight(inter, hidden),
+        p + "mlp.up_proj.weight": weight(inter, hidden),
+        p + "mlp.down_proj.weight": weight(hidden, inter),
+    }
+
+
+def _layer_norms(p: str, ones: Callable[[int], Any], hidden: int) -> dict[str, Any]:
+    return {
+        p + "input_layernorm.weight": ones(hidden),
+        p + "post_attention_layernorm.weight": ones(hidden),
+    }
+
+
 def write_random_llama(
     path: str | os.PathLike[str],
     *,
@@ -196,14 +229,7 @@ def write_random_llama(
     vocab = _tokenizer_vocab_size(source)
     head_dim = head_dim or hidden_size // num_heads
     torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def weight(*shape: int) -> torch.Tensor:
-        w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02
-        return w.to(torch_dtype).cpu()
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch_dtype)
+    weight, ones = _draws(torch_dtype, device, seed)
 
     state = {
         "model.embed_tokens.weight": weight(vocab, hidden_size),
@@ -228,11 +254,8 @@ def write_random_llama(
                 )
             )
         else:
-            state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
-            state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
-            state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
-        state[p + "input_layernorm.weight"] = ones(hidden_size)
-        state[p + "post_attention_layernorm.weight"] = ones(hidden_size)
+            state.update(_dense_mlp(p, weight, hidden_size, intermediate_size))
+        state.update(_layer_norms(p, ones, hidden_size))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -335,14 +358,7 @@ def write_random_deepseek(
     source = resolve_model(tokenizer_from)
     vocab = _tokenizer_vocab_size(source)
     torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def weight(*shape: int) -> torch.Tensor:
-        w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02
-        return w.to(torch_dtype).cpu()
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch_dtype)
+    weight, ones = _draws(torch_dtype, device, seed)
 
     qk = qk_nope_head_dim + qk_rope_head_dim
     state = {
@@ -363,11 +379,8 @@ def write_random_deepseek(
             num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank
         )
         state[p + "self_attn.o_proj.weight"] = weight(hidden_size, num_heads * v_head_dim)
-        state[p + "mlp.gate_proj.weight"] = weight(intermediate_size, hidden_size)
-        state[p + "mlp.up_proj.weight"] = weight(intermediate_size, hidden_size)
-        state[p + "mlp.down_proj.weight"] = weight(hidden_size, intermediate_size)
-        state[p + "input_layernorm.weight"] = ones(hidden_size)
-        state[p + "post_attention_layernorm.weight"] = ones(hidden_size)
+        state.update(_dense_mlp(p, weight, hidden_size, intermediate_size))
+        state.update(_layer_norms(p, ones, hidden_size))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
