@@ -25,6 +25,23 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gpu_llama(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """A random 4-layer Llama (hidden 512, GQA 8:4) with the test model's tokenizer: the
+    GPU tests' model, written once a session."""
+    from pdserve.common.model.random import save_random_llama
+
+    return save_random_llama(
+        tmp_path_factory.mktemp("m") / "llama",
+        num_layers=4,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1024,
+        tokenizer_from=model_dir,
+    )
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(model_dir: Path) -> Any:
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(model_dir)

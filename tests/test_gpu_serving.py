@@ -15,22 +15,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def random_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
-    from pdserve.common.model.random import save_random_llama
-
-    return save_random_llama(
-        tmp_path_factory.mktemp("m") / "llama",
-        num_layers=4,
-        hidden_size=512,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1024,
-        tokenizer_from=model_dir,
-    )
-
-
-def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Path) -> None:
+def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, gpu_llama: Path) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
@@ -41,15 +26,13 @@ def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Pa
         [(i * 31 + j * 7) % 40000 + 5 for j in range(n)]
         for i, n in enumerate([1, 63, 64, 65, 300, 1000])
     ]
-    mono = LLMEngine(
-        EngineConfig(model=str(random_model), device="cuda", gpu_memory_utilization=0.2)
-    )
+    mono = LLMEngine(EngineConfig(model=str(gpu_llama), device="cuda", gpu_memory_utilization=0.2))
     want = [
         c.token_ids for c in mono.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     ]
     del mono
     torch.cuda.empty_cache()
-    dep = deployment(tmp_path, random_model, device="cuda", engine={"gpu_memory_utilization": 0.25})
+    dep = deployment(tmp_path, gpu_llama, device="cuda", engine={"gpu_memory_utilization": 0.25})
     with dep, Client(dep.cfg.front_address) as client:
         got = [
             client.generate(
@@ -60,7 +43,7 @@ def test_vram_pulls_match_the_monolithic_engine(tmp_path: Path, random_model: Pa
     assert got == want
 
 
-def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
+def test_cuda_graph_decode_matches_eager(gpu_llama: Path) -> None:
     """A decode step replayed from a captured graph (5 sequences padded to 8) gives the
     logits of the same step run kernel by kernel, and writes the same KV."""
     from pdserve.common.engine.config import EngineConfig
@@ -69,14 +52,14 @@ def test_cuda_graph_decode_matches_eager(random_model: Path) -> None:
     from pdserve.common.model.config import ModelConfig
 
     config = EngineConfig(
-        model=str(random_model),
+        model=str(gpu_llama),
         device="cuda",
         num_kv_blocks=64,
         block_size=16,
         max_num_seqs=8,
         cuda_graph_max_batch=8,
     )
-    runner = ModelRunner.from_config(ModelConfig.from_dir(random_model), random_model, config)
+    runner = ModelRunner.from_config(ModelConfig.from_dir(gpu_llama), gpu_llama, config)
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
     lens = [1, 15, 16, 17, 40]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(lens))]

@@ -18,23 +18,8 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def random_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
-    from pdserve.common.model.random import save_random_llama
-
-    return save_random_llama(
-        tmp_path_factory.mktemp("m") / "llama",
-        num_layers=4,
-        hidden_size=512,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1024,
-        tokenizer_from=model_dir,
-    )
-
-
 @pytest.mark.parametrize("method", ["ngram", "self"])
-def test_cuda_speculation_greedy_identical(random_model: Path, method: str) -> None:
+def test_cuda_speculation_greedy_identical(gpu_llama: Path, method: str) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
@@ -43,9 +28,7 @@ def test_cuda_speculation_greedy_identical(random_model: Path, method: str) -> N
     spec = (
         SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=2)
         if method == "ngram"
-        else SpeculativeConfig(
-            method="draft_model", model=str(random_model), num_speculative_tokens=5
-        )
+        else SpeculativeConfig(method="draft_model", model=str(gpu_llama), num_speculative_tokens=5)
     )
     prompts = [[(i * 31 + j * 7) % 40000 + 5 for j in range(n)] for i, n in enumerate([1, 63, 300])]
     prompts.append([11, 12, 13, 14] * 30)  # repeats: n-gram drafts get accepted
@@ -55,7 +38,7 @@ def test_cuda_speculation_greedy_identical(random_model: Path, method: str) -> N
         spec_config: SpeculativeConfig | None, hook: Callable[[LLMEngine], None] | None = None
     ) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(
-            EngineConfig(model=str(random_model), device="cuda", dtype="float32",
+            EngineConfig(model=str(gpu_llama), device="cuda", dtype="float32",
                          gpu_memory_utilization=0.15, speculative_config=spec_config)
         )  # fmt: skip
         if hook is not None:
