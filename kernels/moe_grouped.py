@@ -8,7 +8,9 @@ back to its token. Everything stays on the device with static shapes (no host sy
 Python loop over experts), so a decode step can be captured in a CUDA graph.
 
 :func:`available` says whether this call takes this path on CUDA (sm90+, bfloat16 or
-float32; seen on an H200 with torch 2.11: both dtypes, a transposed B, CUDA-graph capture);
+float32; seen on an H200 with torch 2.11: both dtypes, a transposed B, and bfloat16 under
+CUDA-graph capture; float32's grouped GEMM is a fallback that reads ``offs`` on the host, so
+under capture float32 rows multiply by their expert's gathered weights instead);
 elsewhere the caller uses the loop of :mod:`pdserve.kernels.moe_ref`. The function itself
 also runs on CPU (torch's own grouped matmul), which is how CPU tests check it.
 """
@@ -65,9 +67,16 @@ def moe_experts(
     token = order // top_k  # [T*k] the token of each sorted row
     xs = x[token]  # [T*k, H]
     # [E, 2I, H] viewed [E, H, 2I] (column-major B, what the grouped GEMM wants)
-    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    h = kernels.silu_and_mul(h)  # [T*k, I]
-    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T*k, H]
+    if x.dtype == torch.bfloat16 or not _capturing(x):
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        h = kernels.silu_and_mul(h)  # [T*k, I]
+        y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T*k, H]
+    else:
+        # float32's grouped GEMM is torch's fallback, which reads offs on the host: inside
+        # a CUDA graph (decode) each row multiplies by its own expert's gathered weights
+        expert = (topk_ids.flatten()[order] - first_expert).clamp(0, gate_up.shape[0] - 1)
+        h = kernels.silu_and_mul(_rows_mm(xs, gate_up, expert))
+        y = _rows_mm(h, down, expert)
     # rows past offs[-1] (other ranks' experts) were not computed: zero them, not scale them
     # (masked_fill, not torch.where with a Python 0: no host tensor inside a CUDA graph)
     w = topk_weights.flatten()[order].float()
@@ -76,3 +85,13 @@ def moe_experts(
     # bf16 sums would then round differently from one run (or graph replay) to the next
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, y).to(x.dtype)
+
+
+def _rows_mm(a: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """Row r of ``a`` [N, K] times ``w[expert[r]]`` [M, K] transposed: [N, M], one batched
+    GEMM over gathered weights (decode-sized N; no host read)."""
+    return torch.bmm(w[expert], a.unsqueeze(-1)).squeeze(-1)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -84,7 +84,9 @@ MLA_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_mla(root: Path, name: str, num_layers: int = 2) -> Path:
+def build_mla(
+    root: Path, name: str, num_layers: int = 2, tokenizer_from: Path | None = None
+) -> Path:
     from pdserve.common.model.random import save_random_model
 
     model_type, config = MLA_MODELS[name]
@@ -93,6 +95,7 @@ def build_mla(root: Path, name: str, num_layers: int = 2) -> Path:
         model_type,
         max_position_embeddings=4096,
         seed=2,
+        tokenizer_from=tokenizer_from,
         num_hidden_layers=num_layers,
         first_k_dense_replace=num_layers,  # dense: MoE is issue #16
         **config,
@@ -100,9 +103,10 @@ def build_mla(root: Path, name: str, num_layers: int = 2) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mla_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def mla_checkpoints(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[str, Path]:
+    # the test model's tokenizer (PDSERVE_TEST_MODEL on the GPU machine, else the embedded one)
     root = tmp_path_factory.mktemp("mla")
-    return {name: build_mla(root, name) for name in MLA_MODELS}
+    return {name: build_mla(root, name, tokenizer_from=model_dir) for name in MLA_MODELS}
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,22 @@ def test_grouped_path_equals_the_expert_loop_on_cpu(tokens: int, first: int, loc
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("first", "local"), [(0, 16), (12, 4)])
+def test_float32_rows_under_graph_capture_equal_the_expert_loop(
+    first: int, local: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float32 path taken while a CUDA graph is captured (each row times its expert's
+    gathered weights, no host read of offs), run here on CPU: the loop's result."""
+    monkeypatch.setattr(moe_grouped, "_capturing", lambda x: True)
+    gate_up, down = weights(16, 32, 24, torch.float32, "cpu")
+    ids, w = routing(7, 3, 16, "cpu")
+    x = torch.randn(7, 32)
+    part = (gate_up[first : first + local], down[first : first + local], first)
+    want = moe_ref.moe_experts(x, ids, w, *part)
+    got = moe_grouped.moe_experts(x, ids, w, *part)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_sort_by_expert_groups_rows_and_drops_other_ranks() -> None:
     ids = torch.tensor([[5, 1], [2, 5], [7, 4]])  # rank of experts 4..7
     order, valid, offs = moe_grouped.sort_by_expert(ids, 4, 4)
