@@ -132,14 +132,17 @@ def _mla_decode_kernel(
             if UPCAST:
                 c = c.to(tl.float32)
                 r = r.to(tl.float32)
-            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(r))  # [H_t, N] fp32
+            # ieee: float32 tiles would otherwise multiply in TF32 (10-bit mantissa), enough to flip
+            # a random model's near-tied argmax against transformers' float32
+            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            s += tl.dot(q_rope, tl.trans(r), input_precision="ieee")  # [H_t, N] fp32
             visible = k_ok[None, :] & h_ok[:, None]
             s = tl.where(visible, s * qk_scale, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
             m_i = m_new
 
     if SPLITS > 1:  # an empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing
