@@ -334,6 +334,10 @@ def test_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
 ) -> None:
     """`pdserve up` with prefill TP 2 x PCP 2 (experts split over each TP pair) and two
     decode instances of TP 1 and TP 2: HF's tokens from both, every pool full after."""
+    check_disaggregated_tp2_pcp2(tmp_path, qwen3_moe, model_dir)
+
+
+def check_disaggregated_tp2_pcp2(tmp_path: Path, model: Path, model_dir: Path) -> None:
     import asyncio
 
     from pdserve.common.model.tokenizer import Tokenizer
@@ -343,10 +347,10 @@ def test_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
 
     tok = Tokenizer.from_dir(model_dir)
     texts = ["Monday, Tuesday,", "The quick brown fox jumps over the lazy dog. " * 12]
-    want = hf_greedy(qwen3_moe, [tok.encode(t) for t in texts])
+    want = hf_greedy(model, [tok.encode(t) for t in texts])
     with deployment(
         tmp_path,
-        qwen3_moe,
+        model,
         prefill_tp=2,
         pcp=2,
         decode_instances=2,

@@ -121,7 +121,7 @@ DEEPSEEK_MODEL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_deepseek_v3_greedy_tokens_identical_to_transformers(
     tmp_path: Path, prompts: list[list[int]], tp: int
 ) -> None:
@@ -146,7 +146,7 @@ def test_deepseek_v3_greedy_tokens_identical_to_transformers(
     from pdserve.services.ranks.group import RankGroup
 
     config = EngineConfig(model=str(model), kv_cache_memory_gb=0.02)
-    ranks = RankGroup.decode(config, tp, "test-dsv3-tp2")
+    ranks = RankGroup.decode(config, tp, f"test-dsv3-tp{tp}")
     try:
         outs = LLMEngine(config, runner=ranks).generate(
             prompts[:2], SamplingParams(max_tokens=len(want[0]))
@@ -154,3 +154,19 @@ def test_deepseek_v3_greedy_tokens_identical_to_transformers(
         assert [o.token_ids for o in outs] == want
     finally:
         ranks.close()
+
+
+@pytest.mark.slow
+def test_deepseek_v3_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """DeepSeek-V3 with MoE layers (MLA latent replicas, experts split over each TP pair)
+    through `pdserve up`: prefill TP 2 x PCP 2, decode instances of TP 1 and TP 2, HF's
+    tokens from both and every pool full after."""
+    from pdserve.common.model.random import save_random_model
+    from tests.test_moe import check_disaggregated_tp2_pcp2
+
+    model = save_random_model(
+        tmp_path / "dsv3", "deepseek_v3", max_position_embeddings=4096, seed=1, **DEEPSEEK_MODEL
+    )
+    check_disaggregated_tp2_pcp2(tmp_path, model, model_dir)
