@@ -232,10 +232,10 @@ class ModelRunner:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_order=config.kv_order,
             kv_cache_dtype=config.kv_cache_torch_dtype_name,
-            # a verify step is 1 + k rows a sequence (spec_decode/verify_rows.py)
-            cuda_graph_max_batch=min(
-                config.max_num_seqs * (1 + _num_speculative(config)), config.cuda_graph_max_batch
-            ),
+            # a verify step is 1 + k rows a sequence (spec_decode/verify_rows.py): graphs
+            # cover cuda_graph_max_batch sequences' verify rows, not that many rows
+            cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch)
+            * (1 + _num_speculative(config)),
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
             **kwargs,
