@@ -90,6 +90,29 @@ def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[i
     return slots
 
 
+def num_pulled_blocks(num_tokens: int, block_size: int, first_blocks: Sequence[int]) -> int:
+    """Blocks a KV handle lists: each group's table entries from its first kept one."""
+    num_entries = -(-num_tokens // block_size)
+    return sum(num_entries - first for first in first_blocks)
+
+
+def tables_of_pulled(
+    block_ids: Sequence[int], num_tokens: int, block_size: int, first_blocks: Sequence[int]
+) -> list[list[int]]:
+    """The block table of each group from a handle's flat ``block_ids`` (group after group,
+    each from its table entry ``first_blocks[g]``; the entries before are NULL_BLOCK)."""
+    num_entries = -(-num_tokens // block_size)
+    tables: list[list[int]] = []
+    at = 0
+    for first in first_blocks:
+        num = num_entries - first
+        tables.append([NULL_BLOCK] * first + list(block_ids[at : at + num]))
+        at += num
+    if at != len(block_ids):
+        raise ValueError(f"{len(block_ids)} blocks for tables that hold {at}")
+    return tables
+
+
 def group_hash(block_hash: bytes, group: int) -> bytes:
     """The prefix-cache key of a block of ``group``: group 0 keeps the plain chained hash
     (what routers compare), the others are told apart by a suffix."""
