@@ -17,7 +17,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.group_meta import with_groups, with_groups_pcp
 from pdserve.common.engine.kv_cache import new_cache
-from pdserve.common.engine.kv_groups import page_groups, page_layers
+from pdserve.common.engine.kv_groups import layer_slots, page_groups, page_layers
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_of_piece, score_rows
@@ -53,6 +53,7 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, par)
+    model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         if cfg.moe is None:

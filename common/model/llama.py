@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.engine.kv_groups import layer_slots, page_groups
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.mla import MLAAttention, attention_shards
@@ -186,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBackbone(cfg, parallel or ParallelContext())
-        # per layer: (KV cache group, slot in its blocks), common/engine/kv_groups.py
-        self.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
+        # per layer: (KV cache group, slot in its blocks); the engine sets them for a cache
+        # of several groups (common/engine/kv_groups.py: layer_slots)
+        self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
