@@ -221,3 +221,86 @@ def test_bounded_replay_on_a_mixed_model_gives_the_same_tokens(
     assert engine.scheduler.num_replayed_tokens == 32  # two blocks: <= W
     assert engine.scheduler.num_computed_tokens - before == (200 - 160) + 7
     assert again.num_cached_tokens == 160
+
+
+LAYER_MIXES = {
+    # three full groups of one layer and one sliding group: pages of one layer
+    "F-S-F-F": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+    # pages of two layers; the second full group leaves a slot unused
+    "F-F-F-S-S": ["full_attention"] * 3 + ["sliding_attention"] * 2,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", sorted(LAYER_MIXES))
+def test_uneven_mixes_give_transformers_tokens(tmp_path: Path, model_dir: Path, mix: str) -> None:
+    """Qwen2 ``layer_types`` of uneven kinds, W = 8 over 4-token blocks and 16-token prefill
+    chunks: the engine's greedy tokens equal transformers' (fp32, CPU)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.model.random import save_random_model
+
+    types = LAYER_MIXES[mix]
+    path = save_random_model(
+        tmp_path / mix,
+        "qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=len(types),
+        layer_types=types,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_position_embeddings=1024,
+        vocab_size=2048,
+    )
+    prompts = [[(5 * i + 3 * n) % 2000 + 1 for i in range(n)] for n in (3, 21, 70)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = hf.generate(
+                torch.tensor([ids]), max_new_tokens=12, do_sample=False, top_p=None, top_k=None
+            )
+            want.append(gen[0, len(ids) :].tolist())
+    config = EngineConfig(
+        model=str(path), block_size=4, num_kv_blocks=400, max_num_batched_tokens=16
+    )
+    engine = LLMEngine(config)
+    groups = engine.kv_groups
+    assert len(groups) == (4 if mix == "F-S-F-F" else 3)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.slow
+def test_ngram_speculation_on_a_mixed_model_keeps_its_tokens(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Verify steps carry every group's table: ngram drafts on the Qwen2 mix give the
+    tokens of plain decoding."""
+    pytest.importorskip("transformers")
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.spec_decode.config import SpeculativeConfig
+
+    path = _mixed_model(tmp_path, window=8, layers=4)
+    prompts = [[1, 2, 3, 4, 5, 6] * 6, [9, 8, 7] * 9 + [1, 2]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    tokens = []
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2)
+    for spec in (None, ngram):
+        engine = LLMEngine(
+            EngineConfig(model=str(path), block_size=4, num_kv_blocks=200, speculative_config=spec)
+        )
+        tokens.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        if spec is not None:  # drafts were verified, and some accepted
+            assert engine.speculator is not None
+            assert engine.speculator.stats.num_accepted_tokens > 0
+    assert tokens[0] == tokens[1]
