@@ -304,3 +304,43 @@ def test_ngram_speculation_on_a_mixed_model_keeps_its_tokens(
             assert engine.speculator is not None
             assert engine.speculator.stats.num_accepted_tokens > 0
     assert tokens[0] == tokens[1]
+
+
+def test_a_pulled_handle_splits_into_each_groups_table() -> None:
+    from pdserve.common.engine.kv_groups import num_pulled_blocks, tables_of_pulled
+
+    # 10 tokens in blocks of 4: 3 entries; the full group keeps all, the sliding one from 2
+    assert num_pulled_blocks(10, B, [0, 2]) == 3 + 1
+    assert tables_of_pulled([5, 6, 7, 9], 10, B, [0, 2]) == [[5, 6, 7], [NULL_BLOCK] * 2 + [9]]
+    with pytest.raises(ValueError, match="5 blocks for tables that hold 4"):
+        tables_of_pulled([5, 6, 7, 9, 11], 10, B, [0, 2])
+
+
+def test_the_boundary_counts_every_groups_blocks() -> None:
+    import msgspec
+
+    from pdserve.common.runtime import boundary as b
+    from tests.test_boundary import LIMITS, decode, handle
+
+    two_groups = handle(block_ids=[3, 4, 5], group_first_blocks=[1])  # 2 entries + 1
+    assert b.check(decode(handle=two_groups), LIMITS) is None
+    short = msgspec.structs.replace(two_groups, block_ids=[3, 4])
+    problem = b.check(decode(handle=short), LIMITS)
+    assert problem is not None and "from table entries [0, 1]" in problem
+    past = handle(block_ids=[3, 4], group_first_blocks=[3])
+    problem = b.check(decode(handle=past), LIMITS)
+    assert problem is not None and "first_block 3 is past its 2 entries" in problem
+
+
+def test_a_decode_refuses_a_handle_of_another_group_count(tmp_path: Path, model_dir: Path) -> None:
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.errors import RequestError
+    from pdserve.common.model.random import save_random_llama
+    from pdserve.services.decode.decode_engine import DecodeEngine
+
+    path = save_random_llama(tmp_path / "llama", hidden_size=64, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128, vocab_size=2048)  # fmt: skip
+    engine = DecodeEngine(EngineConfig(model=str(path), block_size=B, num_kv_blocks=32))
+    assert engine.blocks_to_pull(10, [0]) == 3
+    with pytest.raises(RequestError, match="blocks of 2 KV cache groups but this decode's cache"):
+        engine.blocks_to_pull(10, [0, 2])
