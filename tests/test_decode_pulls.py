@@ -57,12 +57,13 @@ class FakeEngine:
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         pass
 
-    def blocks_for_prompt(self, num_tokens: int) -> int:
-        return -(-num_tokens // BLOCK)
+    def blocks_to_pull(self, num_tokens: int, first_blocks: list[int]) -> int:
+        return sum(-(-num_tokens // BLOCK) - first for first in first_blocks)
 
     def add_prefilled(self, rid: str, prompt: list[int], first_token: int,
                       sampling: SamplingParams, block_ids: list[int] | None,
-                      num_cached_tokens: int = 0, first_block: int = 0) -> RequestOutput:  # fmt: skip
+                      num_cached_tokens: int = 0, first_block: int = 0,
+                      group_first_blocks: list[int] | None = None) -> RequestOutput:  # fmt: skip
         self.admitted.append((rid, block_ids))
         self.pool.free(block_ids or [])  # a request done at its first token frees its blocks
         return RequestOutput(request_id=rid, new_token_ids=[first_token], text="x", finished=True,

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.kv_groups import page_groups, page_layers
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.model.config import SLIDING_ATTENTION, ModelConfig
@@ -222,17 +223,24 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
             assert answer["choices"][0]["text"] == expected
         assert_pools_full(dep.url)
         cfg = ModelConfig.from_dir(checkpoints[family])
-        if cfg.model_type == "mistral":  # only the blocks the window still reaches move
-            block, window = dep.cfg.engine.block_size, cfg.sliding_window or 0
+        if any(cfg.layer_windows):  # of a sliding group only the blocks its window reaches
+            block = dep.cfg.engine.block_size
+            groups = page_groups(cfg.layer_windows)
             lengths = [len(tok.encode(x)) for x in texts]
-            published = sum(-(-n // block) - max(0, (n - window + 1) // block) for n in lengths)
-            assert published < sum(-(-n // block) for n in lengths)
-            block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * block
-            block_bytes *= cfg.head_dim * 4
-            snap = metrics(dep.url)
-            assert (
-                total(snap, "pdserve:kv_transfer_bytes_total", "decode") == published * block_bytes
+            published = sum(
+                -(-n // block) - g.num_blocks_outside(n, block) for n in lengths for g in groups
             )
+            # bytes of one block of one layer; a block of the pool holds page_layers layers
+            layer_block = 2 * cfg.num_key_value_heads * block * cfg.head_dim * 4
+            pulled = total(metrics(dep.url), "pdserve:kv_transfer_bytes_total", "decode")
+            assert pulled == published * page_layers(groups) * layer_block
+            # less than a cache keeping every layer's every block would move, by the
+            # blocks behind each sliding layer's window (no group here has unused slots)
+            everything = sum(-(-n // block) for n in lengths) * cfg.num_hidden_layers
+            dropped = sum(
+                g.num_blocks_outside(n, block) * len(g.layers) for n in lengths for g in groups
+            )
+            assert dropped > 0 and pulled == (everything - dropped) * layer_block
 
 
 @pytest.mark.slow

@@ -135,9 +135,6 @@ def test_sliding_window_graphs_match_eager(
     behind the window return to the pool and their table entries are NULL_BLOCK) decodes
     the same greedy tokens with CUDA graphs as kernel by kernel, and as the torch reference
     kernels do in float32."""
-    from pdserve.common.engine.config import EngineConfig
-    from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.engine.sampling import SamplingParams
     from pdserve.common.model.random import save_random_llama
 
     path = save_random_llama(
@@ -150,6 +147,46 @@ def test_sliding_window_graphs_match_eager(
         sliding_window=48,
         tokenizer_from=model_dir,
     )
+    tokens = _graphs_eager_torch(path, monkeypatch)
+    assert tokens["graphs"] == tokens["eager"]
+    assert tokens["eager"] == tokens["torch"]
+
+
+def test_mixed_full_and_sliding_groups_graphs_match_eager(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen2 with 2 full and 2 sliding layers (W = 48, 16-token blocks): two KV cache
+    groups, each with its own block table (the sliding one holding NULL_BLOCK entries) and
+    static graph buffers; graphs, eager Triton and the torch kernels give the same tokens."""
+    from pdserve.common.model.random import save_random_model
+
+    path = save_random_model(
+        tmp_path / "qwen2-mix",
+        "qwen2",
+        tokenizer_from=model_dir,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=48,
+        max_window_layers=2,
+        max_position_embeddings=4096,
+    )
+    tokens = _graphs_eager_torch(path, monkeypatch, num_groups=2)
+    assert tokens["graphs"] == tokens["eager"]
+    assert tokens["eager"] == tokens["torch"]
+
+
+def _graphs_eager_torch(
+    path: Path, monkeypatch: pytest.MonkeyPatch, num_groups: int = 1
+) -> dict[str, list[list[int]]]:
+    """Greedy tokens of ``path`` with graphs, eager Triton and the torch kernels (fp32)."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+
     lens = [1, 20, 47, 48, 49, 200, 333]
     prompts = [[(i * 131 + j * 17) % 40000 + 5 for j in range(n)] for i, n in enumerate(lens)]
     params = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -173,8 +210,10 @@ def test_sliding_window_graphs_match_eager(
             )
         )
         assert (engine.runner.graphs is not None) == graphs
+        assert len(engine.kv_groups) == num_groups
+        if engine.runner.graphs is not None:
+            assert engine.runner.graphs.num_groups == num_groups
         tokens[name] = [c.token_ids for c in engine.generate(prompts, params)]
         del engine
         torch.cuda.empty_cache()
-    assert tokens["graphs"] == tokens["eager"]
-    assert tokens["eager"] == tokens["torch"]
+    return tokens

@@ -12,10 +12,14 @@ slot -1, so they write no KV and read none, and their logits are dropped. Only s
 which every sequence decodes one token (and samples) are replayed; anything else (prefill
 chunks, recomputation, a larger batch) runs eagerly. The graphs need kernels without host
 syncs: the Triton path (kernels.backend_name() == "triton") and one rank (TP 1, PCP 1).
+
+A cache of several KV cache groups (common/engine/kv_groups.py) has static slots and
+block tables per group; each layer's captured kernels read its group's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import structlog
@@ -65,6 +69,13 @@ class DecodeGraphs:
         self._inputs = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
         self._inputs[2].fill_(-1)
         self._tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
+        # groups 1..: their slots and block tables (group 0's are the rows above)
+        self.num_groups = 1 + max((g for g, _ in model.kv_slots), default=0)
+        extra = self.num_groups - 1
+        self._group_slots = torch.full((extra, max_batch), -1, dtype=torch.int64, device=device)
+        self._group_tables = torch.zeros(
+            (extra, max_batch, max_blocks), dtype=torch.int32, device=device
+        )
         # A graph holds raw addresses, not references: every tensor it reads must outlive
         # it (a freed one is reused by the allocator, and the graph reads garbage).
         self._rows = torch.arange(max_batch, dtype=torch.int64, device=device)
@@ -81,6 +92,11 @@ class DecodeGraphs:
                 decode_splits=model.decode_splits(size, kv_cache.shape[3], device),
                 k_scale=kv_scales[0], v_scale=kv_scales[1],
             )  # fmt: skip
+            meta = dataclasses.replace(meta, groups=tuple(
+                dataclasses.replace(meta, slot_mapping=self._group_slots[g, :size],
+                                    decode_block_tables=self._group_tables[g, :size])
+                for g in range(extra)
+            ))  # fmt: skip
             self._keep.append(meta)
             args = (
                 self._inputs[0, :size],
@@ -111,6 +127,8 @@ class DecodeGraphs:
         width = max(len(s.block_ids) for s in plan.seqs)
         if width > self._tables.shape[1]:
             return None
+        if any(len(s.group_block_ids) != self.num_groups - 1 for s in plan.seqs):
+            return None
         bs, pad = self.block_size, size - n
         positions = [s.start_position for s in plan.seqs]
         slots = [
@@ -127,6 +145,16 @@ class DecodeGraphs:
         )
         self._inputs[:, :size].copy_(host, non_blocking=True)
         self._tables[:n, :width].copy_(tables, non_blocking=True)
+        for g in range(1, self.num_groups):
+            rows = [s.table(g) for s in plan.seqs]
+            group_slots = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions, strict=True)]
+            self._group_slots[g - 1, :size].copy_(
+                torch.tensor(group_slots + [-1] * pad, dtype=torch.int64), non_blocking=True
+            )
+            self._group_tables[g - 1, :n, :width].copy_(
+                torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32),
+                non_blocking=True,
+            )
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:n]

@@ -7,13 +7,15 @@ back to the pool while the sequence runs. Its table entry becomes ``NULL_BLOCK``
 entry ``i`` still covers positions ``i * block_size ..`` (the kernels start at the window's
 first block and never read it).
 
-Today one block holds every layer of a sequence's tokens (common/engine/kv_layout.py), so
-blocks can be returned only when every layer is sliding with one window (Mistral): the
-cache is then one sliding group, bounded to ``ceil(W / block_size) + 1`` blocks per
-decoding sequence, and a prefill hands decode only the blocks still inside the window
-(``KVHandle.first_block``). A model mixing full and sliding layers (Qwen2
-``max_window_layers``) has two groups here but keeps one table until the cache is split
-per group (docs/models.md lists what remains).
+A cache is split into groups of equal page size, as vLLM's hybrid KV cache manager does:
+the layers of each attention kind are cut into groups of ``page_layers`` layers (the
+smallest kind's count; a larger kind becomes several groups, its last one padded), and a
+block of the one shared pool holds the K/V of one group's layers for ``block_size``
+tokens. Layer ``l`` keeps its K/V in slot ``j`` of the blocks of its group ``g``
+(``layer_slots``); the cache tensor is ``[N, page_layers, 2, H, B, D]``. Each request has
+one block table per group (``Request.tables``): a full group keeps every block, a sliding
+group returns those behind its window. A model with one kind (Llama: full; Mistral: one
+window) is one group of every layer, the cache and tables as before groups existed.
 """
 
 from __future__ import annotations
@@ -57,3 +59,61 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
     for i, window in enumerate(layer_windows):
         layers.setdefault(window, []).append(i)
     return [KVCacheGroup(layers=tuple(ls), sliding_window=w) for w, ls in layers.items()]
+
+
+def page_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
+    """The cache's groups: each kind's layers (``kv_cache_groups``) cut into groups of
+    ``page_layers`` layers, so one block of the pool serves any group. One kind: one group."""
+    kinds = kv_cache_groups(layer_windows)
+    if not kinds:
+        return [KVCacheGroup(layers=())]
+    size = min(len(k.layers) for k in kinds)
+    groups: list[KVCacheGroup] = []
+    for kind in kinds:
+        for start in range(0, len(kind.layers), size):
+            part = kind.layers[start : start + size]
+            groups.append(KVCacheGroup(layers=part, sliding_window=kind.sliding_window))
+    return groups
+
+
+def page_layers(groups: Sequence[KVCacheGroup]) -> int:
+    """Layers one block holds: the largest group's (the others leave slots unused)."""
+    return max((len(g.layers) for g in groups), default=0)
+
+
+def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[int, int]]:
+    """Per layer: (its group, its slot in that group's blocks)."""
+    slots: list[tuple[int, int]] = [(0, i) for i in range(num_layers)]
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            slots[layer] = (g, j)
+    return slots
+
+
+def num_pulled_blocks(num_tokens: int, block_size: int, first_blocks: Sequence[int]) -> int:
+    """Blocks a KV handle lists: each group's table entries from its first kept one."""
+    num_entries = -(-num_tokens // block_size)
+    return sum(num_entries - first for first in first_blocks)
+
+
+def tables_of_pulled(
+    block_ids: Sequence[int], num_tokens: int, block_size: int, first_blocks: Sequence[int]
+) -> list[list[int]]:
+    """The block table of each group from a handle's flat ``block_ids`` (group after group,
+    each from its table entry ``first_blocks[g]``; the entries before are NULL_BLOCK)."""
+    num_entries = -(-num_tokens // block_size)
+    tables: list[list[int]] = []
+    at = 0
+    for first in first_blocks:
+        num = num_entries - first
+        tables.append([NULL_BLOCK] * first + list(block_ids[at : at + num]))
+        at += num
+    if at != len(block_ids):
+        raise ValueError(f"{len(block_ids)} blocks for tables that hold {at}")
+    return tables
+
+
+def group_hash(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of ``group``: group 0 keeps the plain chained hash
+    (what routers compare), the others are told apart by a suffix."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

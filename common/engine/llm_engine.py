@@ -14,7 +14,7 @@ import torch
 
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.engine.kv_groups import kv_cache_groups
+from pdserve.common.engine.kv_groups import page_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import Completion, RequestOutput, TextTracker, finish_reason
@@ -66,10 +66,9 @@ class EngineCore(Generic[OutputT]):
             self.model_config, self.model_dir, config
         )
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
-        self.kv_groups = kv_cache_groups(self.model_config.layer_windows)
-        # One table serves every layer (common/engine/kv_groups.py): blocks behind the
-        # window go back to the pool only when every layer slides with one window.
-        group = self.kv_groups[0] if len(self.kv_groups) == 1 else None
+        # One block table per KV cache group (common/engine/kv_groups.py): sliding groups
+        # return the blocks behind their window, full groups keep every block.
+        self.kv_groups = page_groups(self.model_config.layer_windows)
         spec = config.speculative_config if self.holds_output else None
         self.speculator = (
             None
@@ -83,9 +82,9 @@ class EngineCore(Generic[OutputT]):
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            group,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             max_model_len=self.max_model_len,
+            groups=self.kv_groups,
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids

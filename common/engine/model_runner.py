@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from pdserve import kernels
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
+from pdserve.common.engine.group_meta import with_groups, with_groups_pcp
 from pdserve.common.engine.kv_cache import new_cache
+from pdserve.common.engine.kv_groups import layer_slots, page_groups, page_layers
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_of_piece, score_rows
@@ -51,6 +53,7 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, par)
+    model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         if cfg.moe is None:
@@ -134,9 +137,11 @@ class ModelRunner:
                 "layout (common/engine/kv_quant.py) is not wired into the latent cache yet; "
                 "use --kv-cache-dtype auto"
             )
+        # A block holds the layers of one KV cache group (common/engine/kv_groups.py).
+        groups = page_groups(cfg.layer_windows)
         probe = KVLayout(
             num_blocks=1,
-            num_layers=cfg.num_hidden_layers,
+            num_layers=page_layers(groups) if len(groups) > 1 else cfg.num_hidden_layers,
             num_kv_heads=kv_heads_of(
                 cfg.num_key_value_heads, self.parallel.tp_size, self.parallel.tp_rank
             )[1],
@@ -324,6 +329,7 @@ class ModelRunner:
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )
+        meta = with_groups(meta, plan, block_size)
         return (
             as_tensor(tokens, torch.int64),
             as_tensor(positions, torch.int64),
@@ -391,6 +397,7 @@ class ModelRunner:
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )
+        meta = with_groups_pcp(meta, plan, block_size, par.pcp_size, par.pcp_rank)
         return (
             torch.tensor(tokens, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

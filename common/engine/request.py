@@ -36,10 +36,11 @@ class Request:
         self.sampling = sampling
         self.arrival_order = arrival_order
         self.status = Status.WAITING
-        # The block table: entry i holds positions i * block_size ..; the leading
-        # ``num_dropped_blocks`` are NULL_BLOCK (returned: behind a sliding window).
-        self.block_ids: list[int] = []
-        self.num_dropped_blocks = 0
+        # One block table per KV cache group (common/engine/kv_groups.py): entry i holds
+        # positions i * block_size ..; the leading ``dropped[g]`` entries of group g are
+        # NULL_BLOCK (returned: behind its sliding window). Group 0's table is ``block_ids``.
+        self.tables: list[list[int]] = [[]]
+        self.dropped: list[int] = [0]
         self.block_hashes: list[BlockHash] = []
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
@@ -68,9 +69,29 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
 
     @property
+    def block_ids(self) -> list[int]:
+        return self.tables[0]
+
+    @block_ids.setter
+    def block_ids(self, value: list[int]) -> None:
+        self.tables[0] = value
+
+    @property
+    def num_dropped_blocks(self) -> int:
+        return self.dropped[0]
+
+    @num_dropped_blocks.setter
+    def num_dropped_blocks(self, value: int) -> None:
+        self.dropped[0] = value
+
+    @property
     def held_block_ids(self) -> list[int]:
-        """The blocks this request references (its table without the dropped entries)."""
-        return self.block_ids[self.num_dropped_blocks :]
+        """The blocks this request references: each group's table without its dropped
+        entries, group after group (the order a KVHandle lists them in)."""
+        return [b for t, d in zip(self.tables, self.dropped, strict=True) for b in t[d:]]
+
+    def held_of_group(self, group: int) -> list[int]:
+        return self.tables[group][self.dropped[group] :]
 
     @property
     def num_tokens(self) -> int:

@@ -5,9 +5,10 @@ admits waiting requests while token budget, sequence slots and blocks allow. Whe
 runs dry mid-decode, the latest arrival is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back from the prefix cache).
 
-With ``group`` a sliding-window group covering every layer (common/engine/kv_groups.py),
-blocks that fall wholly behind the window go back to the pool as the sequence advances;
-their table entries become ``NULL_BLOCK``.
+Each request has a block table per KV cache group (``groups``, common/engine/kv_groups.py;
+common/engine/group_tables.py keeps them): in a sliding group, blocks that fall wholly
+behind the window go back to the pool as the sequence advances; their table entries
+become ``NULL_BLOCK``. Admission and preemption count the blocks of every group.
 
 With ``num_speculative_tokens = k`` a running request in decode (one pending token) is
 scheduled with ``k`` draft slots after that token (fewer only where max_tokens or
@@ -23,8 +24,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from pdserve.common.engine.block_pool import BlockHash, BlockPool, hash_blocks
-from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup
+from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.group_tables import GroupTables
+from pdserve.common.engine.kv_groups import KVCacheGroup
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
@@ -39,12 +41,15 @@ class Scheduler:
         group: KVCacheGroup | None = None,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
+        groups: Sequence[KVCacheGroup] = (),
     ) -> None:
         self.pool = pool
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
-        # The one group the block tables serve; full attention unless it is sliding.
-        self.group = group or KVCacheGroup(layers=())
+        # ``group``: the one group of every layer (full attention when None); ``groups``:
+        # the cache's groups, one block table each.
+        self.groups = list(groups) or [group or KVCacheGroup(layers=())]
+        self.tables = GroupTables(pool, self.groups, block_size)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +70,7 @@ class Scheduler:
     def max_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` (prompt included) holds at once."""
         chunk = min(num_prompt_tokens, self.max_num_batched_tokens)
-        return self.group.max_blocks(num_tokens, self.block_size, chunk)
+        return self.tables.max_blocks(num_tokens, chunk)
 
     def schedule(self) -> tuple[StepPlan, list[Request]]:
         budget = self.max_num_batched_tokens
@@ -93,7 +98,7 @@ class Scheduler:
                 # A waiting request holds no blocks, so running ones can always grow.
                 self._release_blocks(req)
                 break
-            req.block_ids += self.pool.allocate(needed)
+            self.tables.allocate(req, num)
             self.num_replayed_tokens += req.num_replayed_tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -135,11 +140,11 @@ class Scheduler:
             score_next_ids=next_ids,
             score_top=top or 0,
             num_drafts=req.num_drafts,
+            group_block_ids=[list(t) for t in req.tables[1:]],
         )
 
     def _blocks_needed(self, req: Request, num: int) -> int:
-        total = -(-(req.num_computed_tokens + num) // self.block_size)
-        return max(0, total - len(req.block_ids))
+        return self.tables.blocks_needed(req, num)
 
     def _grow(self, req: Request, num: int, chosen: list[tuple[Request, int]]) -> bool:
         """Give ``req`` the blocks for ``num`` more tokens, preempting later arrivals."""
@@ -155,54 +160,25 @@ class Scheduler:
             self._preempt(victim)
             if victim is req:
                 return False
-        req.block_ids += self.pool.allocate(needed)
+        self.tables.allocate(req, num)
         return True
 
     def _take_cached_prefix(self, req: Request) -> None:
         self._extend_hashes(req)
+        self.tables.ensure(req)
         if req.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to be scored
         # The last token is always computed so that there are logits to sample from.
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = req.block_hashes[:max_blocks]
-        if self.group.is_sliding:
-            req.block_ids = self._match_window(req, hashes)
-        else:
-            req.block_ids = self.pool.match_prefix(hashes)
-        req.num_computed_tokens = len(req.block_ids) * self.block_size
+        num = self.tables.match(req, req.block_hashes[:max_blocks])
+        req.num_computed_tokens = num * self.block_size
         if req.num_cached_tokens == 0:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         self._drop_outside_window(req)
 
-    def _match_window(self, req: Request, hashes: list[BlockHash]) -> list[int]:
-        """The longest cached prefix whose window is cached: resuming at block ``n`` needs
-        only the blocks the window of position ``n * B`` reaches, not the whole prefix.
-        When a block inside that window was lost, the prefix is cut back to where the
-        window is whole: at most the window's tokens are replayed (and counted)."""
-        blocks = [self.pool.cached_block(h) for h in hashes]
-        # The longest prefix whose last block is still cached: what a full-attention
-        # cache would have resumed from had it kept every block.
-        longest = next((n for n in range(len(blocks), 0, -1) if blocks[n - 1] is not None), 0)
-        for n in range(longest, 0, -1):
-            first = self.group.num_blocks_outside(n * self.block_size, self.block_size)
-            window = blocks[first:n]
-            if None not in window:
-                taken = [b for b in window if b is not None]
-                self.pool.take(taken)
-                req.num_replayed_tokens = (longest - n) * self.block_size
-                req.num_dropped_blocks = first
-                return [NULL_BLOCK] * first + taken
-        req.num_replayed_tokens = longest * self.block_size
-        return []
-
     def _drop_outside_window(self, req: Request) -> None:
-        """Return the blocks no later query of ``req`` can see (a sliding group only)."""
-        num = self.group.num_blocks_outside(req.num_computed_tokens, self.block_size)
-        if num > req.num_dropped_blocks:
-            table = req.block_ids
-            self.pool.free(table[req.num_dropped_blocks : num])
-            table[req.num_dropped_blocks : num] = [NULL_BLOCK] * (num - req.num_dropped_blocks)
-            req.num_dropped_blocks = num
+        """Return the blocks no later query of ``req`` can see (sliding groups only)."""
+        self.tables.drop_outside_window(req)
 
     def _extend_hashes(self, req: Request) -> None:
         done = len(req.block_hashes)
@@ -213,9 +189,7 @@ class Scheduler:
             req.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
     def _release_blocks(self, req: Request) -> None:
-        self.pool.free(req.held_block_ids)
-        req.block_ids = []
-        req.num_dropped_blocks = 0
+        self.tables.release(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.num_draft_computed = 0
@@ -246,27 +220,22 @@ class Scheduler:
             num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
             if num_full > req.num_registered_blocks:
                 self._extend_hashes(req)
-                first = max(req.num_registered_blocks, req.num_dropped_blocks)
-                for i in range(first, num_full):
-                    self.pool.register(req.block_ids[i], req.block_hashes[i])
+                self.tables.register(req, num_full)
                 req.num_registered_blocks = num_full
             self._drop_outside_window(req)
 
     def _free_tail(self, req: Request) -> None:
         """Free the blocks past the last computed position (they held rejected drafts)."""
-        keep = max(-(-req.num_computed_tokens // self.block_size), req.num_dropped_blocks)
-        if len(req.block_ids) > keep:
-            self.pool.free(req.block_ids[keep:])
-            del req.block_ids[keep:]
+        self.tables.free_tail(req)
 
     def detach(self, req: Request) -> list[int]:
         """End ``req`` here but hand the blocks it holds (and their references) to the
-        caller: prefill pins them under a lease until decode has pulled them. Entries
-        before ``req.num_dropped_blocks`` left a sliding window and are not among them."""
+        caller: prefill pins them under a lease until decode has pulled them, group after
+        group. Entries before ``req.dropped[g]`` left a sliding window and are not among
+        them."""
         self.running.remove(req)
         req.status = Status.FINISHED
-        blocks, req.block_ids = req.held_block_ids, []
-        return blocks
+        return self.tables.detach(req)
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -275,6 +244,5 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         req.status = Status.FINISHED
-        if req.block_ids:
-            self.pool.free(req.held_block_ids)
-            req.block_ids = []
+        if any(req.tables):
+            self.tables.release(req)

@@ -21,6 +21,12 @@ class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
     # Speculative decoding: the last ``num_drafts`` tokens are drafts; the step returns
     # logits at the last ``1 + num_drafts`` positions (verify), not only the last.
     num_drafts: int = 0
+    # The block tables of KV cache groups 1.. (common/engine/kv_groups.py); group 0's is
+    # block_ids. Empty when the cache is one group.
+    group_block_ids: list[list[int]] = []
+
+    def table(self, group: int) -> list[int]:
+        return self.block_ids if group == 0 else self.group_block_ids[group - 1]
 
     @property
     def context_len(self) -> int:

@@ -32,6 +32,12 @@ class AttentionMetadata:
     # fp8 KV caches: the per-tensor scales of K and V (KVLayout.k_scale / v_scale).
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # KV cache groups 1.. (common/engine/kv_groups.py): the same step with each group's
+    # slot_mapping and block tables; this object is group 0's. Empty: one group.
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.groups[group - 1]
 
     @property
     def num_prefills(self) -> int:

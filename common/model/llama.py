@@ -185,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBackbone(cfg, parallel or ParallelContext())
+        # per layer: (KV cache group, slot in its blocks); the engine sets them for a cache
+        # of several groups (common/engine/kv_groups.py: layer_slots)
+        self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -193,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [N, L, 2, H_kv, B, D]
+        kv_cache: torch.Tensor,  # [N, L_page, 2, H_kv, B, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab] float32
@@ -201,8 +204,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary.cos_sin(positions)
         rope = (cos.to(x.dtype), sin.to(x.dtype))  # once per step, not per layer
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
+        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache[:, slot], meta.of_group(group))
         if residual is None:  # no layers
             x = self.model.norm(x[logits_indices])
         else:

@@ -80,13 +80,17 @@ def check_handle(handle: p.KVHandle, num_prompt_tokens: int) -> str | None:
         return (
             f"the KV handle holds {handle.num_tokens} tokens but the prompt has {num_prompt_tokens}"
         )
-    if handle.first_block < 0:
-        return f"the KV handle's first_block is negative ({handle.first_block})"
-    expected = -(-handle.num_tokens // layout.block_size) - handle.first_block
+    firsts = [handle.first_block, *handle.group_first_blocks]
+    if min(firsts) < 0:
+        return f"the KV handle's first_block is negative ({min(firsts)})"
+    num_entries = -(-handle.num_tokens // layout.block_size)
+    if max(firsts) > num_entries:
+        return f"the KV handle's first_block {max(firsts)} is past its {num_entries} entries"
+    expected = sum(num_entries - first for first in firsts)
     if len(handle.block_ids) != expected:
         return (
             f"the KV handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens "
-            f"from table entry {handle.first_block} need {expected}"
+            f"from table entries {firsts} (one per KV cache group) need {expected}"
         )
     # Ids past the pool are the pull's to refuse, against the pool the producer's handshake
     # declared (not the handle's own claim): that failure follows kv_load_failure_policy

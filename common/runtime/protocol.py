@@ -112,6 +112,9 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     # Table entries before block_ids[0]: behind a sliding window, never published (a model
     # whose every layer slides, common/engine/kv_groups.py); block_ids hold the rest.
     first_block: int = 0
+    # A cache of several groups (common/engine/kv_groups.py): block_ids list group 0's kept
+    # blocks, then group 1's, ...; these are the first kept table entries of groups 1...
+    group_first_blocks: list[int] = []
     # A secret of this request's lease, known only to whoever received the handle (the
     # router, then the one decode it picked): a Release or Heartbeat must name it.
     token: str = ""

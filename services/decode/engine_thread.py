@@ -224,7 +224,12 @@ class DecodeEngineThread(EngineThread):
             return
         if self.ctx.faults.pulls_held():
             return
-        need = self.engine.blocks_for_prompt(pp.handle.num_tokens) - pp.handle.first_block
+        firsts = [pp.handle.first_block, *pp.handle.group_first_blocks]
+        try:
+            need = self.engine.blocks_to_pull(pp.handle.num_tokens, firsts)
+        except PdserveError as exc:
+            self._pull_failed(rid, pp, str(exc), release=True)
+            return
         if need > self.engine.pool.num_free_blocks:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
         pp.blocks = self.engine.pool.allocate(need)
@@ -283,6 +288,7 @@ class DecodeEngineThread(EngineThread):
             blocks,
             msg.num_cached_tokens,
             first_block=pp.handle.first_block,
+            group_first_blocks=pp.handle.group_first_blocks,
         )
         if msg.first_logprobs is not None:
             out.logprobs = [msg.first_logprobs]

@@ -248,6 +248,7 @@ class PrefillEngineThread(EngineThread):
             layout=self.engine.runner.layout,
             block_ids=done.block_ids,
             first_block=done.first_block,
+            group_first_blocks=done.group_first_blocks,
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,

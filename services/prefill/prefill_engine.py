@@ -16,6 +16,9 @@ class Prefilled(msgspec.Struct, kw_only=True):
     block_ids: list[int]  # pinned: the caller frees them (on release or lease expiry)
     first_block: int  # the table entry of block_ids[0]: those before left a sliding window
     num_tokens: int  # prompt tokens whose K/V the blocks hold
+    # several KV cache groups: block_ids hold each group's kept blocks, group after group;
+    # these are the first kept entries of groups 1.. (common/engine/kv_groups.py)
+    group_first_blocks: list[int] = []
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] = []  # the first token's, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # entry i: prompt token i + 1's
@@ -27,11 +30,12 @@ class PrefillEngine(EngineCore[Prefilled]):
     def _advance(self, req: Request, token_id: int) -> Prefilled:
         req.output_token_ids.append(token_id)
         del self._requests[req.request_id]
-        first_block = req.num_dropped_blocks
+        first_block, *group_first_blocks = req.dropped
         return Prefilled(
             request_id=req.request_id,
             first_token=token_id,
             first_block=first_block,
+            group_first_blocks=group_first_blocks,
             block_ids=self.scheduler.detach(req),
             num_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,

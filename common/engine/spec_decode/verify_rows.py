@@ -21,7 +21,14 @@ def as_decode_rows(plan: StepPlan) -> StepPlan | None:
     if not all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in plan.seqs):
         return None
     rows = [
-        ScheduledSeq(s.request_id, [token], s.start_position + i, s.block_ids, True)
+        ScheduledSeq(
+            s.request_id,
+            [token],
+            s.start_position + i,
+            s.block_ids,
+            True,
+            group_block_ids=s.group_block_ids,
+        )  # fmt: skip
         for s in plan.seqs
         for i, token in enumerate(s.token_ids)
     ]

@@ -1,0 +1,96 @@
+"""The attention metadata of KV cache groups 1.. of a step (common/engine/kv_groups.py).
+
+A step's tokens, positions and context lengths are the same for every group; what differs
+is where each token's K/V goes (``slot_mapping``) and the block tables. The runners build
+group 0's metadata as they always did; these functions add the other groups' from each
+sequence's ``ScheduledSeq.table(g)``, in the same token order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.parallel.zigzag import rank_pieces
+
+
+def num_groups_of(plan: StepPlan) -> int:
+    return 1 + max((len(s.group_block_ids) for s in plan.seqs), default=0)
+
+
+def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def _tables(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), width)
+
+
+def with_groups(meta: AttentionMetadata, plan: StepPlan, block_size: int) -> AttentionMetadata:
+    """``meta`` (group 0's, of ``ModelRunner.prepare``: decodes first, then prefill
+    chunks) with the metadata of every other group of the plan's sequences."""
+    num = num_groups_of(plan)
+    if num == 1:
+        return meta
+    dev = meta.slot_mapping.device
+    nd = meta.num_decode_tokens
+    decodes, prefills = plan.seqs[:nd], plan.seqs[nd:]
+    groups = []
+    for g in range(1, num):
+        slots = [
+            slot
+            for s in plan.seqs
+            for slot in _slots(s.table(g), s.start_position, s.context_len, block_size)
+        ]
+        groups.append(
+            dataclasses.replace(
+                meta,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                decode_block_tables=_tables([s.table(g) for s in decodes], dev),
+                prefill_block_tables=_tables([s.table(g) for s in prefills], dev),
+            )
+        )
+    return dataclasses.replace(meta, groups=tuple(groups))
+
+
+def with_groups_pcp(
+    meta: AttentionMetadata, plan: StepPlan, block_size: int, pcp_size: int, pcp_rank: int
+) -> AttentionMetadata:
+    """``with_groups`` for ``ModelRunner.prepare_pcp``'s metadata: slots of every rank's
+    zigzag pieces, each rank's list padded with -1 to the longest; one table per own piece."""
+    num = num_groups_of(plan)
+    if num == 1:
+        return meta
+    dev = meta.slot_mapping.device
+    groups = []
+    for g in range(1, num):
+        of_rank: list[list[int]] = [[] for _ in range(pcp_size)]
+        pieces: list[list[int]] = []
+        for seq in plan.seqs:
+            table: list[int] = seq.table(g)
+            for rank in range(pcp_size):
+                for a, b in rank_pieces(len(seq.token_ids), pcp_size, rank):
+                    start = seq.start_position
+                    of_rank[rank] += _slots(table, start + a, start + b, block_size)
+                    if rank == pcp_rank:
+                        pieces.append(table)
+        pad_to = max(len(s) for s in of_rank)
+        slots = [slot for s in of_rank for slot in s + [-1] * (pad_to - len(s))]
+        groups.append(
+            dataclasses.replace(
+                meta,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                prefill_block_tables=_tables(pieces, dev),
+            )
+        )
+    return dataclasses.replace(meta, groups=tuple(groups))
+
+
+def seq_slots(seq: ScheduledSeq, group: int, block_size: int) -> list[int]:
+    """The slots of ``seq``'s tokens in ``group``'s blocks."""
+    return _slots(seq.table(group), seq.start_position, seq.context_len, block_size)
