@@ -127,13 +127,11 @@ class ModelRunner:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
         self.load_seconds = time.perf_counter() - started
-        head_dim, num_kv_parts, cache_dtype = cache_head(cfg, dtype)
-        if cfg.is_mla and kv_cache_dtype not in (None, dtype):
-            raise ModelLoadError(
-                f"{model_dir}: --kv-cache-dtype fp8 with an MLA model: the fp8_ds_mla latent "
-                "layout (common/engine/kv_quant.py) is not wired into the latent cache yet; "
-                "use --kv-cache-dtype auto"
-            )
+        # MLA with fp8: the latent as fp8_ds_mla records (uint8, 656 bytes a token in V3)
+        try:
+            head_dim, num_kv_parts, cache_dtype = cache_head(cfg, dtype, kv_cache_dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"{model_dir}: --kv-cache-dtype: {exc}") from exc
         probe = KVLayout(
             num_blocks=1,
             num_layers=cfg.num_hidden_layers,
@@ -142,7 +140,7 @@ class ModelRunner:
             )[1],
             block_size=block_size,
             head_dim=head_dim,
-            dtype=kv_cache_dtype or cache_dtype,
+            dtype=cache_dtype,
             order="block" if kv_order == "block" else "head",
             num_kv_parts=num_kv_parts,
         )
