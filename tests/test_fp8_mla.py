@@ -136,3 +136,15 @@ def test_fp8_mla_logits_track_the_auto_cache_every_decode_step(
     assert cosine.min().item() >= COSINE_MIN
     assert agree.float().mean().item() >= TOP1_MIN
     assert agree[clear].all()
+
+
+def test_decode_refuses_a_producer_of_another_latent_format() -> None:
+    from pdserve.common.transfer.kv_transfer import kv_dtype_mismatch
+
+    shape = dict(num_blocks=4, num_layers=2, num_kv_heads=1, block_size=16, num_kv_parts=1)
+    fp8 = KVLayout(**shape, head_dim=656, dtype="uint8")  # type: ignore[arg-type]
+    bf16 = KVLayout(**shape, head_dim=576, dtype="bfloat16")  # type: ignore[arg-type]
+    assert kv_dtype_mismatch(fp8, fp8) is None
+    message = kv_dtype_mismatch(fp8, bf16) or ""
+    assert "this decode stores uint8 fp8_ds_mla records (--kv-cache-dtype fp8)" in message
+    assert "the producer bfloat16 (--kv-cache-dtype auto)" in message
