@@ -148,3 +148,27 @@ def test_decode_refuses_a_producer_of_another_latent_format() -> None:
     message = kv_dtype_mismatch(fp8, bf16) or ""
     assert "this decode stores uint8 fp8_ds_mla records (--kv-cache-dtype fp8)" in message
     assert "the producer bfloat16 (--kv-cache-dtype auto)" in message
+
+
+@pytest.mark.slow
+def test_pdserve_generate_with_fp8_kv_on_an_mla_model(mla_dir: Path) -> None:
+    """``pdserve generate --kv-cache-dtype fp8`` runs an MLA model on the fp8_ds_mla cache
+    and prints what the engine on that cache generates."""
+    import subprocess
+    import sys
+
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling_params import SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog."
+    engine = LLMEngine(EngineConfig(model=str(mla_dir), kv_cache_dtype="fp8"))
+    assert engine.runner.layout.dtype == "uint8"
+    [out] = engine.generate([engine.tokenizer.encode(text)], SamplingParams(max_tokens=12))
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli.main", "generate", "--raw", "--prompt", text,
+         "--max-tokens", "12", "--model", str(mla_dir), "--kv-cache-dtype", "fp8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == engine.tokenizer.decode(out.token_ids) + "\n"

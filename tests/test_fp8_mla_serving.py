@@ -3,7 +3,8 @@ processes, NIXL pulls): the decode pulls the fp8_ds_mla records as stored, 656 b
 token per layer at kv_lora_rank 512 + rope 64 (``pdserve:kv_transfer_bytes``), and gives
 the monolithic fp8 engine's tokens; with a prefill of TP 2 x PCP 2 (4 byte-identical
 replicas, each rank quantizes the same gathered latent) to a decode of TP 2, each decode rank
-reads the whole latent and every producer rank is released once.
+reads the whole latent and every producer rank is released once; colocated, the decode
+instance prefills into its own fp8_ds_mla cache.
 
 The model: a random DeepseekV3ForCausalLM of transformers' classes, 2 dense layers, hidden
 64, 4 heads, kv_lora_rank 512, rope 64 (DeepSeek-V3's latent), float32.
@@ -119,3 +120,17 @@ def test_fp8_mla_tp2_x_pcp2_prefill_to_decode_tp2(
     # each of the 2 decode ranks reads every block's records
     pulled = total(snap, "pdserve:kv_transfer_bytes_total", "decode")
     assert pulled == 2 * _pulled_blocks(prompts) * BLOCK * LAYERS * RECORD
+
+
+def test_fp8_mla_colocated_gives_the_monolithic_tokens(
+    tmp_path: Path, v3_latent_dir: Path, mono_tokens: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """Colocated: the decode instance prefills into its own fp8_ds_mla cache, nothing pulled."""
+    prompts, want = mono_tokens
+    with deployment(tmp_path, v3_latent_dir, engine=ENGINE, colocated=True) as dep:
+        got = _serve(dep.cfg.front_address, prompts)
+        snap = metrics(dep.url)
+    assert got == want
+    assert total(snap, "pdserve:kv_transfer_bytes_total", "decode") == 0
+    free = total(snap, "pdserve:kv_blocks_free", "decode")
+    assert free == total(snap, "pdserve:kv_blocks_total", "decode") > 0
