@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-from safetensors.torch import load_file
 
 from pdserve import kernels
 from pdserve.common.engine.config import EngineConfig
@@ -25,8 +24,9 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
-from pdserve.common.model.moe import fuse_expert_weights, read_local_experts
+from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.moe_config import check_ep
+from pdserve.common.model.mtp import read_weights
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
@@ -51,12 +51,8 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, par)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if cfg.moe is None:
-            state.update(load_file(f, device="cpu"))
-        else:  # only this rank's experts are read (expert parallelism)
-            state.update(read_local_experts(f, cfg.moe, par.tp_size, par.tp_rank))
+    # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
+    state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
