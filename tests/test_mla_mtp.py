@@ -31,12 +31,13 @@ pytest.importorskip("transformers")
 PROMPTS = [[(i * 31 + 7) % 30000 + 100 for i in range(n)] for n in (5, 40)]
 
 
-def _build(root: Path, kind: str) -> Path:
+def _build(root: Path, kind: str, tokenizer_from: Path) -> Path:
     if kind == "dense":
-        return build_mla(root, "v3-yarn")
+        return build_mla(root, "v3-yarn", tokenizer_from=tokenizer_from)
     return save_random_model(
-        root / "moe", "deepseek_v3", max_position_embeddings=4096, seed=1, **DEEPSEEK_MODEL
-    )
+        root / "moe", "deepseek_v3", max_position_embeddings=4096, seed=1,
+        tokenizer_from=tokenizer_from, **DEEPSEEK_MODEL,
+    )  # fmt: skip
 
 
 def add_extra_layer(model: Path, index: int) -> int:
@@ -62,8 +63,10 @@ def add_extra_layer(model: Path, index: int) -> int:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_mtp_layer_weights_are_skipped_with_a_note(tmp_path: Path, kind: str) -> None:
-    model = _build(tmp_path, kind)
+def test_mtp_layer_weights_are_skipped_with_a_note(
+    tmp_path: Path, model_dir: Path, kind: str
+) -> None:
+    model = _build(tmp_path, kind, model_dir)
     cfg = json.loads((model / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1  # transformers' V3 default
     want = engine_greedy(model, PROMPTS)
@@ -77,12 +80,12 @@ def test_mtp_layer_weights_are_skipped_with_a_note(tmp_path: Path, kind: str) ->
     assert notes[0]["num_tensors"] == num_tensors
 
 
-def test_other_extra_layers_are_still_refused(tmp_path: Path) -> None:
-    model = _build(tmp_path, "dense")
+def test_other_extra_layers_are_still_refused(tmp_path: Path, model_dir: Path) -> None:
+    model = _build(tmp_path, "dense", model_dir)
     add_extra_layer(model, 3)  # 2 layers + 1 MTP layer: index 3 is nobody's
     with pytest.raises(ModelLoadError, match=r"unexpected \['model\.layers\.3\."):
         engine_greedy(model, PROMPTS)
-    no_mtp = build_mla(tmp_path / "no-mtp", "v3-yarn")
+    no_mtp = build_mla(tmp_path / "no-mtp", "v3-yarn", tokenizer_from=model_dir)
     raw = json.loads((no_mtp / "config.json").read_text())
     (no_mtp / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
     add_extra_layer(no_mtp, 2)  # the config declares no MTP layer: layer 2 is unexpected
