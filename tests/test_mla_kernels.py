@@ -181,3 +181,36 @@ def test_fp8_ds_mla_write_and_decode_match_reference(ops, device, gen, name, dty
     assert out.shape == (len(lens), heads, latent) and out.dtype == dtype
     err = (out.cpu().double() - want).norm() / want.norm()
     assert err < TOL[dtype], float(err)
+
+
+def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() -> None:
+    """Without a GPU: the fp8_ds_mla write and the DS_MLA decode kernel compile for sm90
+    (Triton's ahead-of-time compiler), and the write's PTX rounds as the torch reference:
+    IEEE divisions, fp32 -> e4m3 and -> bf16 to nearest even (so the GPU write test can ask
+    for equal bytes)."""
+    triton = pytest.importorskip("triton")
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_mla, triton_mla_fp8
+
+    target = GPUTarget("cuda", 90, 32)
+    write = triton_mla_fp8._write_ds_mla_kernel
+    consts = {"LATENT": 512, "ROPE": 64, "TILE": 128, "BLOCK_SIZE": 64, "FP8_LIMIT": 448.0,
+              "MIN_SCALE": fp8_ds_mla.MIN_SCALE}  # fmt: skip
+    ptrs = {"cache_ptr": "*u8", "row_ptr": "*fp32", "slot_ptr": "*i64"}
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in write.arg_names}
+    ptx = triton.compile(ASTSource(write, sig, consts), target=target).asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16.f32" in ptx
+    decode = triton_mla._mla_decode_kernel
+    consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=32, SPLITS=2,
+                  UPCAST=False, DS_MLA=True, TILE=128)  # fmt: skip
+    ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": "*u8", "context_lens_ptr": "*i32",
+            "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+            "qk_scale": "fp32"}  # fmt: skip
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in decode.arg_names}
+    ptx = triton.compile(ASTSource(decode, sig, consts), target=target).asm["ptx"]
+    assert "e4m3" in ptx  # the records' fp8 values converted in the kernel
