@@ -15,5 +15,6 @@ def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str | None = None) -
         choices=KV_CACHE_DTYPES,
         default=default,
         help="KV cache storage: auto (the model dtype) or fp8 (float8 e4m3, per-tensor scale; "
-        "half the bytes of bf16). Default: [engine] kv_cache_dtype, else auto",
+        "half the bytes of bf16; MLA models: the fp8_ds_mla latent, 656 bytes a token and "
+        "layer). Default: [engine] kv_cache_dtype, else auto",
     )

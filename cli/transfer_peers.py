@@ -41,10 +41,13 @@ PATTERN_MOD = 251  # pattern values stay integers < 256: exact in bfloat16
 
 def make_layout(shape: str, num_blocks: int, order: str = "head", dtype: str = DTYPE) -> KVLayout:
     from pdserve.common.engine.kv_layout import KVLayout
+    from pdserve.common.engine.latent_format import FP8_DTYPE, LatentFormat
 
-    return KVLayout(
-        num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, order=order, **SHAPES[shape]
-    )
+    dims = dict(SHAPES[shape])
+    if dims.get("num_kv_parts") == 1 and dtype == FP8_DTYPE:  # MLA fp8: fp8_ds_mla records
+        fmt = LatentFormat(kv_lora_rank=512, rope_dim=64, dtype=DTYPE, kind="fp8_ds_mla")
+        dims["head_dim"], dtype = fmt.elements, fmt.storage_dtype  # 656 uint8
+    return KVLayout(num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, order=order, **dims)
 
 
 def compat_of(dtype: str) -> dict[str, str]:

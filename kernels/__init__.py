@@ -229,10 +229,13 @@ def _mla(device: torch.device) -> ModuleType:
 
 def write_latent(
     layer_cache: torch.Tensor,  # [N, 1, 1, B, D]: one layer of an MLA latent cache
-    latent: torch.Tensor,  # [T, D]
+    latent: torch.Tensor,  # [T, latent_dim + rope]
     slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: padding
+    latent_dim: int | None = None,  # kv_lora_rank; needed by fp8_ds_mla (uint8) caches
 ) -> None:
-    _mla(layer_cache.device).write_latent(layer_cache, latent, slot_mapping)
+    """A latent row per token into its slot; a uint8 cache holds each row as its
+    fp8_ds_mla record (kernels/fp8_ds_mla.py), quantized here."""
+    _mla(layer_cache.device).write_latent(layer_cache, latent, slot_mapping, latent_dim)
 
 
 def mla_decode_attention(
@@ -245,7 +248,8 @@ def mla_decode_attention(
     num_splits: int | None = None,  # mla_decode_splits() of the (padded) batch
 ) -> torch.Tensor:  # [S, H, latent_dim]
     """Absorbed MLA decode: every head attends the latent rows (key: the whole row, value:
-    its first ``latent_dim`` values); kernels/mla_reference.py is the reference."""
+    its first ``latent_dim`` values); kernels/mla_reference.py is the reference. A uint8
+    cache holds fp8_ds_mla records, dequantized as they are read."""
     return _mla(q.device).mla_decode_attention(
         q, layer_cache, context_lens, block_tables, scale, latent_dim, num_splits
     )

@@ -15,6 +15,11 @@ decoding), each run's partial softmax merged by ``_mla_reduce_kernel`` in split 
 cut depends on the context length and SPLITS only, so an eager step and a CUDA-graph replay
 that pass the same ``num_splits`` agree bit for bit.
 
+fp8 caches (``--kv-cache-dtype fp8``): uint8, each token one fp8_ds_mla record (fp8 latent,
+one fp32 scale per 128 values, bf16 rope; kernels/triton_mla_fp8.py). The write quantizes
+each row into its record; the decode kernel (DS_MLA) loads the records, dequantizes them in
+fp32 and computes in q's dtype, which then is not cast to the cache's.
+
 Constraints: LATENT and ROPE powers of two >= 16 (DeepSeek: 512 and 64), block_size a
 power of two >= 16. Under Triton's interpreter (``TRITON_INTERPRET=1``) operands are
 upcast to fp32 (the interpreter has no bfloat16 arithmetic).
@@ -26,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import fp8_ds_mla
 from pdserve.kernels.triton_common import _LOG2E, _device_guard, _is_pow2
 from pdserve.kernels.triton_decode import MAX_DECODE_SPLITS, _num_sms
+from pdserve.kernels.triton_mla_fp8 import load_ds_mla, record_rope, write_ds_mla
 
 BLOCK_H = 16  # query heads per program: the rows of tl.dot (>= 16)
 
@@ -92,6 +99,8 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile, dividing BLOCK_SIZE
     SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
+    DS_MLA: tl.constexpr,  # uint8 cache of fp8_ds_mla records (stride_cd is 1: bytes)
+    TILE: tl.constexpr,  # DS_MLA: latent values per scale
 ):
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H_t]
@@ -127,8 +136,15 @@ def _mla_decode_kernel(
             offs = sub * BLOCK_N + offs_n  # [N] offsets in the block
             k_ok = j * BLOCK_SIZE + offs < ctx
             rows = block_base + offs[:, None] * stride_cb
-            c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)  # [N, L]
-            r = tl.load(rows + (LATENT + dr)[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
+            if DS_MLA:  # dequantized in fp32, then q's dtype for the dots
+                c, r = load_ds_mla(rows, k_ok, LATENT, ROPE, TILE)
+                c = c.to(q_lat.dtype)
+                r = r.to(q_lat.dtype)
+            else:
+                c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
+                r = tl.load(
+                    rows + (LATENT + dr)[None, :] * stride_cd, mask=k_ok[:, None], other=0.0
+                )  # c: [N, L], r: [N, R]
             if UPCAST:
                 c = c.to(tl.float32)
                 r = r.to(tl.float32)
@@ -219,8 +235,13 @@ def write_latent(
     layer_cache: torch.Tensor,  # [N, 1, 1, B, D]
     latent: torch.Tensor,  # [T, D]
     slot_mapping: torch.Tensor,  # [T] int64; negative: padding, skipped
+    latent_dim: int | None = None,  # kv_lora_rank: needed by fp8_ds_mla (uint8) caches
 ) -> None:
     block_size, width = _check_cache(layer_cache)
+    if fp8_ds_mla.is_ds_mla(layer_cache.dtype):
+        assert latent_dim is not None, "an fp8_ds_mla cache (uint8) needs latent_dim"
+        write_ds_mla(layer_cache, latent, slot_mapping, latent_dim, block_size)
+        return
     assert latent.dim() == 2 and latent.shape[1] == width, (
         f"latent rows must be [T, {width}], got {tuple(latent.shape)}"
     )
@@ -264,7 +285,9 @@ def mla_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:  # [S, H, latent_dim]
     block_size, width = _check_cache(layer_cache)
-    rope = width - latent_dim
+    ds_mla = fp8_ds_mla.is_ds_mla(layer_cache.dtype)
+    rope = record_rope(layer_cache, latent_dim) if ds_mla else width - latent_dim
+    width = latent_dim + rope  # of q
     assert _is_pow2(latent_dim) and latent_dim >= 16 and _is_pow2(rope) and rope >= 16, (
         f"the triton MLA kernel needs kv_lora_rank and the rope part to be powers of two "
         f">= 16, got {latent_dim} and {rope}"
@@ -275,7 +298,8 @@ def mla_decode_attention(
     if num_seqs == 0:
         return out
     splits = num_splits or mla_decode_splits(num_seqs, num_heads, q.device)
-    q = q.to(layer_cache.dtype)
+    if not ds_mla:  # fp8_ds_mla: the dots run in q's dtype
+        q = q.to(layer_cache.dtype)
     context_lens = context_lens.contiguous()
     part_acc = torch.empty(
         (num_seqs, num_heads, splits, latent_dim), dtype=torch.float32, device=q.device
@@ -309,6 +333,8 @@ def mla_decode_attention(
             BLOCK_N=min(block_size, 32),
             SPLITS=splits,
             UPCAST=_INTERPRETED,
+            DS_MLA=ds_mla,
+            TILE=fp8_ds_mla.TILE,
         )
         if splits > 1:
             _mla_reduce_kernel[(num_seqs, tiles)](

@@ -91,3 +91,17 @@ def test_bench_transfer_fp8_pulls_half_the_bytes(tmp_path: Path) -> None:
     ]
     for row in rows:
         assert row["bytes"] == row["bytes_pulled"] == fp8
+
+
+def test_bench_transfer_dsv3_fp8_pulls_656_bytes_a_token_and_layer(tmp_path: Path) -> None:
+    """--shape dsv3 --kv-cache-dtype fp8: the MLA latent as fp8_ds_mla records (uint8),
+    256 tokens x 61 layers x 656 bytes pulled and checked against the producer's pattern."""
+    out = tmp_path / "transfer.json"
+    rc = main(["bench", "transfer", "--tokens", "256", "--shape", "dsv3", "--repeats", "1",
+               "--fragment", "1", "--order", "block", "--kv-cache-dtype", "fp8",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["bytes"] == row["bytes_pulled"] == 256 * 61 * 656

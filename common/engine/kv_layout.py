@@ -23,7 +23,9 @@ Descriptors for transfers and the kernels' indexing both derive from this class.
 An MLA model's cache (common/model/mla.py) is this layout with one "KV head" holding the
 latent, ``num_kv_parts = 1`` (the latent is both key and value) and ``head_dim`` the
 latent's width in elements of ``dtype``: ``[N, L, 1, 1, B, kv_lora_rank + rope]``. How the
-bytes of one token's latent are laid out is ``LatentFormat`` (common/engine/latent_format.py).
+bytes of one token's latent are laid out is ``LatentFormat`` (common/engine/latent_format.py);
+with ``--kv-cache-dtype fp8`` the dtype is uint8 and ``head_dim`` the 656 bytes of a token's
+fp8_ds_mla record.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ BLOCK_LOGICAL_FROM_STORAGE = (0, 2, 3, 1, 4, 5)
 BLOCK_STORAGE_FROM_LOGICAL = (0, 3, 1, 2, 4, 5)
 ORDERS = ("head", "block")
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+# uint8: an MLA latent cache of fp8_ds_mla records (common/engine/latent_format.py)
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,11 +7,11 @@ An MLA layer caches, per token, the compressed KV latent (``kv_lora_rank`` value
 ``num_kv_parts = 1``), so block bytes, descriptors and pulls follow from ``KVLayout`` as for
 any other model.
 
-``auto`` keeps both parts in the model's dtype: ``kv_lora_rank + rope`` elements. A
-quantized format plugs in as another ``kind`` with its own ``sections`` and
-``storage_dtype`` (vLLM's ``fp8_ds_mla``: 512 fp8 latent values, four fp32 scales, 64 bf16
-rope values, 656 bytes a token, stored as uint8); the model then writes and reads the
-latent through that format's quantize/dequantize helpers.
+``auto`` keeps both parts in the model's dtype: ``kv_lora_rank + rope`` elements.
+``fp8_ds_mla`` (``--kv-cache-dtype fp8``) is vLLM's record: the latent in fp8, one fp32
+scale per 128 latent values, the rope part in bf16 (DeepSeek-V3: 512 + 16 + 128 = 656
+bytes a token), stored as uint8 so that one "element" is one byte; the kernels quantize
+on write and dequantize on read (kernels/fp8_ds_mla.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ import msgspec
 
 from pdserve.common.engine.kv_layout import DTYPE_SIZES
 from pdserve.common.model.config import ModelConfig
+
+KINDS = ("auto", "fp8_ds_mla")
+FP8_DTYPE = "float8_e4m3fn"  # EngineConfig's name for --kv-cache-dtype fp8
+DS_MLA_TILE = 128  # latent values per fp32 scale (kernels/fp8_ds_mla.py's TILE)
 
 
 class Section(NamedTuple):
@@ -40,14 +44,30 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
     kind: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kind != "auto":
-            raise ValueError(f"latent cache format {self.kind!r} is not supported (auto)")
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"latent cache format {self.kind!r} is not supported ({', '.join(KINDS)})"
+            )
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"latent cache dtype {self.dtype!r}: one of {sorted(DTYPE_SIZES)}")
+        if self.kind == "fp8_ds_mla" and (
+            self.kv_lora_rank < DS_MLA_TILE or self.kv_lora_rank % DS_MLA_TILE
+        ):
+            raise ValueError(
+                f"the fp8_ds_mla latent cache needs kv_lora_rank to be a multiple of "
+                f"{DS_MLA_TILE}, the model's is {self.kv_lora_rank}"
+            )
 
     @property
     def sections(self) -> tuple[Section, ...]:
         """The parts of one token's latent, in byte order."""
+        if self.kind == "fp8_ds_mla":
+            num_scales = self.kv_lora_rank // DS_MLA_TILE
+            return (
+                Section("latent", 0, self.kv_lora_rank, FP8_DTYPE),
+                Section("scales", self.kv_lora_rank, num_scales, "float32"),
+                Section("rope", self.kv_lora_rank + 4 * num_scales, self.rope_dim, "bfloat16"),
+            )
         size = DTYPE_SIZES[self.dtype]
         return (
             Section("latent", 0, self.kv_lora_rank, self.dtype),
@@ -62,8 +82,8 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def storage_dtype(self) -> str:
-        """The cache tensor's dtype (``KVLayout.dtype``)."""
-        return self.dtype
+        """The cache tensor's dtype (``KVLayout.dtype``): uint8 for fp8_ds_mla records."""
+        return "uint8" if self.kind == "fp8_ds_mla" else self.dtype
 
     @property
     def elements(self) -> int:
@@ -71,10 +91,24 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
         return self.token_bytes // DTYPE_SIZES[self.storage_dtype]
 
 
-def cache_head(cfg: ModelConfig, dtype: str) -> tuple[int, int, str]:
-    """(head_dim, num_kv_parts, dtype) of ``KVLayout`` for a model: its K/V heads, or for
-    MLA one latent row per token in ``LatentFormat``."""
+def latent_format(cfg: ModelConfig, dtype: str, kv_cache_dtype: str | None = None) -> LatentFormat:
+    """The latent format of an MLA model in ``dtype`` whose KV cache stores
+    ``kv_cache_dtype`` (``EngineConfig.kv_cache_torch_dtype_name``; fp8: fp8_ds_mla)."""
+    if kv_cache_dtype not in (None, dtype, FP8_DTYPE):
+        raise ValueError(f"an MLA latent cache stores {dtype} or fp8, not {kv_cache_dtype}")
+    kind = "fp8_ds_mla" if kv_cache_dtype == FP8_DTYPE else "auto"
+    return LatentFormat(
+        kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=dtype, kind=kind
+    )
+
+
+def cache_head(
+    cfg: ModelConfig, dtype: str, kv_cache_dtype: str | None = None
+) -> tuple[int, int, str]:
+    """(head_dim, num_kv_parts, dtype) of ``KVLayout`` for a model whose KV cache stores
+    ``kv_cache_dtype`` (None: the model's ``dtype``): its K/V heads, or for MLA one latent
+    row per token in ``LatentFormat``."""
     if not cfg.is_mla:
-        return cfg.head_dim, 2, dtype
-    fmt = LatentFormat(kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=dtype)
+        return cfg.head_dim, 2, kv_cache_dtype or dtype
+    fmt = latent_format(cfg, dtype, kv_cache_dtype)
     return fmt.elements, 1, fmt.storage_dtype

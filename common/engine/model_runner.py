@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-from safetensors.torch import load_file
 
 from pdserve import kernels
 from pdserve.common.engine.config import EngineConfig
@@ -27,8 +26,9 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
-from pdserve.common.model.moe import fuse_expert_weights, read_local_experts
+from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.moe_config import check_ep
+from pdserve.common.model.mtp import read_weights
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
@@ -54,12 +54,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, par)
     model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if cfg.moe is None:
-            state.update(load_file(f, device="cpu"))
-        else:  # only this rank's experts are read (expert parallelism)
-            state.update(read_local_experts(f, cfg.moe, par.tp_size, par.tp_rank))
+    # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
+    state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
@@ -130,13 +126,11 @@ class ModelRunner:
             raise ModelLoadError(f"{model_dir}: {reason}")
         self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
         self.load_seconds = time.perf_counter() - started
-        head_dim, num_kv_parts, cache_dtype = cache_head(cfg, dtype)
-        if cfg.is_mla and kv_cache_dtype not in (None, dtype):
-            raise ModelLoadError(
-                f"{model_dir}: --kv-cache-dtype fp8 with an MLA model: the fp8_ds_mla latent "
-                "layout (common/engine/kv_quant.py) is not wired into the latent cache yet; "
-                "use --kv-cache-dtype auto"
-            )
+        # MLA with fp8: the latent as fp8_ds_mla records (uint8, 656 bytes a token in V3)
+        try:
+            head_dim, num_kv_parts, cache_dtype = cache_head(cfg, dtype, kv_cache_dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"{model_dir}: --kv-cache-dtype: {exc}") from exc
         # A block holds the layers of one KV cache group (common/engine/kv_groups.py).
         groups = page_groups(cfg.layer_windows)
         probe = KVLayout(
@@ -147,7 +141,7 @@ class ModelRunner:
             )[1],
             block_size=block_size,
             head_dim=head_dim,
-            dtype=kv_cache_dtype or cache_dtype,
+            dtype=cache_dtype,
             order="block" if kv_order == "block" else "head",
             num_kv_parts=num_kv_parts,
         )

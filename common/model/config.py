@@ -78,6 +78,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     v_head_dim: int = 0
     # rope over interleaved pairs (x0, x1), (x2, x3)... (V3's rope_interleave; V2 always)
     rope_interleave: bool = False
+    # DeepSeek's MTP layers after the model's own: their weights are skipped (model/mtp.py)
+    num_nextn_predict_layers: int = 0
 
     @property
     def is_mla(self) -> bool:
@@ -209,6 +211,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             v_head_dim=raw.get("v_head_dim", 128),
             rope_interleave=model_type == "deepseek_v2" or raw.get("rope_interleave", True),
             moe=moe_config(model_type, raw, num_layers),
+            # transformers' V3 default is 1 (its alias num_mtp_layers); V2 has none
+            num_nextn_predict_layers=raw.get(
+                "num_nextn_predict_layers",
+                raw.get("num_mtp_layers", 1 if model_type == "deepseek_v3" else 0),
+            )
+            or 0,
         )
 
     @classmethod

@@ -7,7 +7,10 @@ the latent (``kv_lora_rank``, normed by ``kv_a_layernorm``) and the shared rope 
 (``qk_nope_head_dim``) and value (``v_head_dim``); ``o_proj``.
 
 The cache holds, per token and layer, ``latent ++ rotated k_rope`` (one row of
-``kv_lora_rank + qk_rope_head_dim``), the same on every TP rank. Attention:
+``kv_lora_rank + qk_rope_head_dim``), the same on every TP rank; with ``--kv-cache-dtype
+fp8`` that row as its 656-byte fp8_ds_mla record (kernels/fp8_ds_mla.py: fp8 latent, one
+fp32 scale per 128 values, bf16 rope), quantized by the write and dequantized by the
+reads. Attention:
 
 * prefill expands the cached latent of each sequence into per-head K and V with
   ``kv_b_proj`` (as transformers does) and runs causal SDPA: cheap at long prompts;
@@ -110,9 +113,8 @@ class MLAAttention(nn.Module):
         q_rope, k_rope = self._rotate(q_rope, k_rope[:, None, :], rope)
         row = torch.cat((latent, k_rope[:, 0]), dim=-1)  # [T, latent + rope]
         if meta.kv_gather is not None:  # PCP: every rank writes every new token's latent
-            kernels.write_latent(layer_cache, meta.kv_gather(row[None])[0], meta.slot_mapping)
-        else:
-            kernels.write_latent(layer_cache, row, meta.slot_mapping)
+            row = meta.kv_gather(row[None])[0]
+        kernels.write_latent(layer_cache, row, meta.slot_mapping, self.latent)
         out = torch.empty(
             (num_tokens, self.num_heads, self.v_dim), dtype=x.dtype, device=x.device
         )  # [T, H, v]
@@ -164,8 +166,9 @@ class MLAAttention(nn.Module):
             lo, hi = starts[s], starts[s + 1]
             if hi == lo:
                 continue
-            rows = mla_reference.gather_latent(layer_cache, meta.prefill_block_tables[s], ctx)
-            rows = rows.to(q_nope.dtype)  # [ctx, latent + rope]
+            rows = mla_reference.gather_latent(
+                layer_cache, meta.prefill_block_tables[s], ctx, self.latent, q_nope.dtype
+            ).to(q_nope.dtype)  # [ctx, latent + rope]
             kv = self.kv_b_proj(rows[:, : self.latent]).view(ctx, heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, rows[:, None, self.latent :].expand(-1, heads, -1)), dim=-1)

@@ -19,6 +19,7 @@ partial sums plus the all-gather that the next TP attention needs) returns the s
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,11 +158,15 @@ _EXPERT_KEY = re.compile(
 
 
 def read_local_experts(
-    path: Path, moe: MoEConfig, tp_size: int, tp_rank: int
+    path: Path,
+    moe: MoEConfig,
+    tp_size: int,
+    tp_rank: int,
+    skip: Callable[[str], bool] = lambda key: False,
 ) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors, of the routed experts only those TP rank ``tp_rank``
     holds (per-expert keys skipped, fused 3-D ones read as a slice): a rank never holds
-    the whole expert set in memory."""
+    the whole expert set in memory. Keys ``skip`` names are not read (MTP layers)."""
     from safetensors import safe_open
 
     first, count = local_experts(moe.num_experts, tp_size, tp_rank)
@@ -169,6 +174,8 @@ def read_local_experts(
     with safe_open(str(path), "pt", device="cpu") as f:
         for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
             m = _EXPERT_KEY.match(key)
+            if skip(key):
+                continue
             if m is None or int(m[1]) not in moe.sparse_layers:
                 out[key] = f.get_tensor(key)
             elif m[2] is not None:

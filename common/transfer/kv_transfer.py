@@ -47,7 +47,8 @@ log = structlog.get_logger("pdserve.kv_transfer")
 # num_kv_heads is per TP rank: checked against the TP mapping instead. The stored dtype and
 # the fp8 scales are compared first, by kv_dtype_mismatch (a pull moves bytes, never converts).
 LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "num_kv_parts")
-KV_DTYPE_NAMES = {"float8_e4m3fn": "fp8"}  # the --kv-cache-dtype that stores each dtype
+# the --kv-cache-dtype that stores each dtype (uint8: an MLA latent in fp8_ds_mla records)
+KV_DTYPE_NAMES = {"float8_e4m3fn": "fp8", "uint8": "fp8"}
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)
 
@@ -67,7 +68,8 @@ def _pull_error(request_id: str, peer: str, why: str) -> KVTransferError:
 def _kv_dtype(layout: KVLayout) -> str:
     flag = KV_DTYPE_NAMES.get(layout.dtype, "auto")
     scales = f", k_scale {layout.k_scale:g}, v_scale {layout.v_scale:g}" if layout.is_fp8 else ""
-    return f"{layout.dtype} (--kv-cache-dtype {flag}{scales})"
+    stored = "uint8 fp8_ds_mla records" if layout.dtype == "uint8" else layout.dtype
+    return f"{stored} (--kv-cache-dtype {flag}{scales})"
 
 
 def kv_dtype_mismatch(local: KVLayout, remote: KVLayout) -> str | None:

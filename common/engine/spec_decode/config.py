@@ -31,9 +31,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             )
         if self.method == "mtp":
             raise PdserveError(
-                "speculative_config: method 'mtp' needs multi-token-prediction layers of a "
-                "DeepSeek (MLA) checkpoint, which pdserve cannot load yet; it waits for MLA "
-                "support. Use 'ngram' or 'draft_model'."
+                "speculative_config: method 'mtp' is not supported: pdserve loads DeepSeek "
+                "checkpoints without their multi-token-prediction layers (their weights are "
+                "skipped, common/model/mtp.py). Use 'ngram' or 'draft_model'."
             )
         if self.num_speculative_tokens < 1:
             raise PdserveError(

@@ -1,0 +1,99 @@
+"""vLLM's ``fp8_ds_mla`` record of an MLA latent token (torch; the Triton kernels in
+kernels/triton_mla.py write and read the same bytes).
+
+DeepSeek-V3 (kv_lora_rank 512, rope 64): each token of each layer is one uint8 record of
+``record_bytes()`` = 656 bytes,
+
+    [0, 512)    the latent in float8_e4m3fn, tile t = values [128 t, 128 t + 128)
+    [512, 528)  4 float32 scales, one per tile: scale = max(|tile|) / 448 (never 0)
+    [528, 656)  the 64 rope values in bfloat16, unquantized
+
+so the latent dequantizes as ``fp8 * scale`` of its tile. The scales live in the record,
+so a transfer that moves the records moves their scales with them. A cache in this format
+is a uint8 tensor whose last dimension is the record (``is_ds_mla``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+TILE = 128  # latent values per fp32 scale
+MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero tile keeps a finite, nonzero scale
+
+
+def is_ds_mla(dtype: torch.dtype) -> bool:
+    """A latent cache of this dtype holds fp8_ds_mla records (uint8 bytes)."""
+    return dtype == torch.uint8
+
+
+def check_rank(kv_lora_rank: int) -> None:
+    if kv_lora_rank < TILE or kv_lora_rank % TILE:
+        raise ValueError(
+            f"fp8_ds_mla needs kv_lora_rank to be a multiple of {TILE}, got {kv_lora_rank}"
+        )
+
+
+def record_bytes(kv_lora_rank: int = KV_LORA_RANK, rope_dim: int = ROPE_DIM) -> int:
+    """Bytes of one token's record: 656 for DeepSeek-V3's 512 + 64."""
+    check_rank(kv_lora_rank)
+    return kv_lora_rank + 4 * (kv_lora_rank // TILE) + 2 * rope_dim
+
+
+def quantize(
+    latent: torch.Tensor,  # [T, kv_lora_rank], any float dtype
+    rope: torch.Tensor,  # [T, rope_dim]
+) -> torch.Tensor:  # [T, record_bytes] uint8
+    num_tokens, rank = latent.shape
+    check_rank(rank)
+    if rope.dim() != 2 or rope.shape[0] != num_tokens:
+        raise ValueError(f"rope must be [{num_tokens}, rope_dim], got {tuple(rope.shape)}")
+    tiles = latent.float().reshape(num_tokens, rank // TILE, TILE)  # [T, n, 128]
+    scales = (tiles.abs().amax(-1) / FP8_MAX).clamp_min(MIN_SCALE)  # [T, n] fp32
+    values = (tiles / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    record = torch.empty(
+        num_tokens, record_bytes(rank, rope.shape[1]), dtype=torch.uint8, device=latent.device
+    )
+    scale_end = rank + 4 * scales.shape[1]
+    record[:, :rank] = values.reshape(num_tokens, rank).view(torch.uint8)
+    record[:, rank:scale_end] = scales.contiguous().view(torch.uint8)
+    record[:, scale_end:] = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return record
+
+
+def dequantize(
+    record: torch.Tensor,  # [..., record_bytes] uint8
+    kv_lora_rank: int = KV_LORA_RANK,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:  # latent [..., kv_lora_rank], rope [..., rope_dim]
+    check_rank(kv_lora_rank)
+    num_tiles = kv_lora_rank // TILE
+    scale_end = kv_lora_rank + 4 * num_tiles
+    rope_bytes = record.shape[-1] - scale_end
+    if record.dtype != torch.uint8 or rope_bytes <= 0 or rope_bytes % 2:
+        raise ValueError(
+            f"not fp8_ds_mla records of kv_lora_rank {kv_lora_rank}: "
+            f"{record.dtype} {tuple(record.shape)}"
+        )
+    lead = record.shape[:-1]
+    flat = record.reshape(-1, record.shape[-1])
+    values = flat[:, :kv_lora_rank].contiguous().view(FP8_DTYPE).float()
+    scales = flat[:, kv_lora_rank:scale_end].contiguous().view(torch.float32)  # [T, n]
+    latent = values.reshape(-1, num_tiles, TILE) * scales[..., None]
+    rope = flat[:, scale_end:].contiguous().view(torch.bfloat16)
+    return (
+        latent.reshape(*lead, kv_lora_rank).to(dtype),
+        rope.reshape(*lead, rope_bytes // 2).to(dtype),
+    )
+
+
+def dequantize_rows(
+    record: torch.Tensor,  # [..., record_bytes] uint8
+    kv_lora_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [..., kv_lora_rank + rope_dim]: latent ++ rope, as an auto cache holds
+    latent, rope = dequantize(record, kv_lora_rank, dtype)
+    return torch.cat((latent, rope), dim=-1)
