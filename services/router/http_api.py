@@ -47,7 +47,12 @@ from pdserve.services.router.renderers import (
     Renderer,
 )
 from pdserve.services.router.tokenize_pool import TokenizePool
-from pdserve.services.router.tool_calls import detect_parser, template_messages
+from pdserve.services.router.tool_calls import (
+    ToolError,
+    detect_parser,
+    functions_of,
+    template_messages,
+)
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -252,14 +257,21 @@ class OpenAIApi:
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt",
                            code="invalid_value")  # fmt: skip
         tokenizer = self.core.tokenizer
+        if req.prompt is not None and req.tools:
+            raise ApiError(400, "tools are rendered by the chat template; give messages, not a "
+                           "prompt", param="tools", code="invalid_value")  # fmt: skip
         if req.prompt is not None:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
         else:
+            try:
+                functions_of(req.tools or [])
+            except ToolError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
             chat = oa.ChatCompletionRequest(
                 messages=req.messages or [], add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
             )  # fmt: skip
             ids = await self._tokenize(request, _chat_prompt, chat)
             if req.add_special_tokens and tokenizer.bos_token_id is not None:

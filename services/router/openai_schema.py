@@ -532,6 +532,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # As chat completions render them, so the count is the one a chat completion sees.
+    tools: list[Any] | None = None
     return_token_strs: bool | None = None
 
 
