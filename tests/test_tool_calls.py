@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.services.router import openai_schema as oa
-from pdserve.services.router.http_api import _chat_prompt
+from pdserve.services.router.chat_prompts import chat_prompt
 from pdserve.services.router.tool_calls import (
     ToolStream,
     choice_of,
@@ -208,7 +208,7 @@ def test_tools_and_tool_messages_render_as_transformers(model_dir: Any, hf_token
     req = oa.decode_request(json.dumps({"messages": HISTORY, "tools": TOOLS}).encode(),
                             oa.ChatCompletionRequest)  # fmt: skip
     assert req.unsupported() is None
-    ours = _chat_prompt(_Core(tok), req)  # type: ignore[arg-type]
+    ours = chat_prompt(_Core(tok), req)  # type: ignore[arg-type]
     # transformers' convention: a call's arguments are a mapping
     hf_history = json.loads(json.dumps(HISTORY))
     for call in hf_history[1]["tool_calls"]:
