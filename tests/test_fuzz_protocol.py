@@ -27,7 +27,7 @@ from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket
-from pdserve.services.router.client import _Inbox
+from pdserve.services.router.client_common import Inbox
 
 UNIONS = {
     "ClientToRouter": p.ClientToRouter, "RouterToClient": p.RouterToClient,
@@ -229,7 +229,7 @@ def test_oversized_frames_cost_the_sender_its_connection() -> None:
 @given(frames=st.lists(FUZZ_FRAMES | st.sampled_from(FRAMES), min_size=1, max_size=3))
 def test_sdk_reply_routing_never_raises(frames: list[bytes]) -> None:
     queues: dict[str, Any] = {"r": deque(), "fuzz-g": deque()}
-    _Inbox().route(frames, queues)
+    Inbox().route(frames, queues)
     assert all(
         isinstance(e, p.TokenChunk | p.Finished | p.Failed) for q in queues.values() for e in q
     )
