@@ -352,9 +352,9 @@ def ask(sock: zmq.Socket[Any], msg: p.Message | None, decoder: p.Decoder[Any],
 
 @pytest.fixture(scope="module")
 def http_server(model_dir: Path) -> Iterator[Any]:
-    """The real aiohttp app over test_http_api's FakeCore: the HTTP layer alone."""
+    """The real aiohttp app over tests/http_fakes.py's FakeCore: the HTTP layer alone."""
     from pdserve.common.model.tokenizer import Tokenizer
-    from tests.test_http_api import FakeCore, Server
+    from tests.http_fakes import FakeCore, Server
 
     server = Server(FakeCore(Tokenizer.from_dir(model_dir)))
     yield server
@@ -388,7 +388,7 @@ def test_http_api_under_schemathesis(http_server: Any) -> None:
 
 
 def test_http_bodies_nested_too_deeply_are_400(http_server: Any) -> None:
-    from tests.test_http_api import request
+    from tests.http_fakes import request
 
     deep = b"[" * 100_000 + b"]" * 100_000
     bodies = {

@@ -26,7 +26,7 @@ from pdserve.services.router.tool_calls import (
     parse,
     parse_forced,
 )
-from tests.test_http_api import MODEL, FakeCore, Server, error_of, request
+from tests.http_fakes import MODEL, FakeCore, Server, error_of, request
 
 openai = pytest.importorskip("openai")
 
