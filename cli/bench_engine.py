@@ -27,28 +27,38 @@ processes on a shared machine skew every number.
 from __future__ import annotations
 
 import argparse
-import inspect
-import itertools
-import json
 import os
-import platform
-import random
-import statistics
-import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cli.arg_types import gen_len_arg, positive_int, positive_ints
+from pdserve.cli.bench_rows import (
+    FLOOR_COLUMNS,
+    Row,
+    add_floors,
+    bench_config,
+    format_table,
+    make_row,
+    median_timing,
+    write_json,
+)
+from pdserve.cli.bench_runners import (
+    EngineBench,
+    HFBench,
+    Timing,
+    make_sync,
+    progress,
+    random_prompts,
+)
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 
 if TYPE_CHECKING:
-    import torch
-
     from pdserve.common.engine.llm_engine import LLMEngine
 
-Sync = Callable[[], None]
+# cli/bench_serve.py imports the argument types by these names.
+_positive_int = positive_int
+_positive_ints = positive_ints
 
 
 def add_parser(sub: Any) -> None:
@@ -69,7 +79,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--layers",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="with --shape: that many layers instead of the shape's own",
     )
@@ -88,14 +98,16 @@ def add_parser(sub: Any) -> None:
         choices=("auto", "float32", "bfloat16"),
         help="auto: float32 on CPU, bfloat16 on CUDA",
     )
-    p.add_argument("--prompt-len", type=_positive_int, default=256)
-    p.add_argument("--gen-len", type=_gen_len, default=32, help="tokens per sequence, at least 2")
+    p.add_argument("--prompt-len", type=positive_int, default=256)
     p.add_argument(
-        "--batch-sizes", type=_positive_ints, default=[1, 16], help="comma-separated, e.g. 1,16"
+        "--gen-len", type=gen_len_arg, default=32, help="tokens per sequence, at least 2"
+    )
+    p.add_argument(
+        "--batch-sizes", type=positive_ints, default=[1, 16], help="comma-separated, e.g. 1,16"
     )
     p.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=3,
         help="timed runs per number (the median is reported)",
     )
@@ -127,420 +139,6 @@ def add_parser(sub: Any) -> None:
         help="also write the config and rows here",
     )
     p.set_defaults(run=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _gen_len(text: str) -> int:
-    value = int(text)
-    if value < 2:  # decode is every token after the first; one token has none to time
-        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
-    return value
-
-
-def _positive_ints(text: str) -> list[int]:
-    """A comma-separated list of positive integers, e.g. 1,16 (every bench's list flags)."""
-    try:
-        values = [_positive_int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive integers, got {text!r}"
-        ) from exc
-    if not values:
-        raise argparse.ArgumentTypeError("no value given")
-    return values
-
-
-# -- shared helpers ---------------------------------------------------------------------
-
-
-def random_prompts(
-    vocab_size: int, batch: int, prompt_len: int, seed: int, run_index: int
-) -> list[list[int]]:
-    """Seeded per (batch, run) so that the engine and HF see exactly the same prompts.
-
-    A string seed is hashed with SHA-512 by ``random``, so it is stable across processes.
-    """
-    rng = random.Random(f"{seed}/{batch}/{run_index}")
-    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-    if len({tuple(p) for p in prompts}) != batch:  # only possible with a toy vocabulary
-        raise RuntimeError("random prompts collided; use a longer --prompt-len")
-    return prompts
-
-
-def make_sync(device: str) -> Sync:
-    """A barrier before reading the clock: CUDA work is asynchronous."""
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None
-
-
-def progress(message: str) -> None:
-    print(f"bench engine: {message}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Timing:
-    prefill_s: float
-    decode_s: float
-    decode_tokens: int  # tokens produced during the timed decode steps
-    decode_steps: int = 0  # engine steps of the timed decode (engine side only)
-    model_s: float = 0.0  # of decode_s, inside ModelRunner.execute (synced): the forward
-    # MoE: distinct (layer, routed expert) pairs a timed decode step read, on average
-    experts_touched: float | None = None
-
-
-# -- the engine side --------------------------------------------------------------------
-
-
-class EngineBench:
-    def __init__(self, engine: LLMEngine, sync: Sync) -> None:
-        self.engine = engine
-        self.sync = sync
-        self._ids = itertools.count()
-        from pdserve.common.model.moe import record_expert_usage
-
-        runner = engine.runner
-        self.moe_blocks = record_expert_usage(runner.model)
-        if self.moe_blocks:  # the graphs were captured without the marking
-            runner.recapture_graphs()
-
-    def _add(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[str]:
-        from pdserve.common.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        ids = [f"bench-{next(self._ids)}" for _ in prompts]
-        for rid, prompt in zip(ids, prompts, strict=True):
-            self.engine.add_request(rid, prompt, params)
-        return ids
-
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[float, int]:
-        """Seconds from adding the requests to the last first token, and the steps taken."""
-        self.sync()
-        start = time.perf_counter()
-        self._add(prompts, max_tokens=1)
-        steps = 0
-        while self.engine.has_unfinished:
-            self.engine.step()
-            steps += 1
-        self.sync()
-        return time.perf_counter() - start, steps
-
-    def decode(
-        self, prompts: Sequence[Sequence[int]], gen_len: int
-    ) -> tuple[float, int, int, float, float | None]:
-        """Seconds of the steps after every sequence has its first token, their tokens,
-        the steps, the seconds spent in the model's forward (synced after each), and for a
-        MoE model the mean count of (layer, expert) pairs a step routed to."""
-        waiting_first = set(self._add(prompts, max_tokens=gen_len))
-        while waiting_first:
-            for out in self.engine.step():
-                waiting_first.discard(out.request_id)
-        runner = self.engine.runner
-        execute = runner.execute
-        model_s = 0.0
-        import torch
-
-        blocks = self.moe_blocks
-        touched = torch.zeros((), dtype=torch.int64, device=runner.device) if blocks else None
-
-        def timed_execute(plan):  # noqa: ANN001, ANN202
-            nonlocal model_s
-            for block in blocks:  # device ops, no sync: which experts this step reads
-                assert block.touched is not None
-                block.touched.zero_()
-            start = time.perf_counter()
-            logits = execute(plan)
-            self.sync()  # sampling syncs right after anyway: this moves the wait, adds none
-            model_s += time.perf_counter() - start
-            if touched is not None:
-                touched.add_(torch.stack([b.touched for b in blocks]).sum())  # type: ignore[misc]
-            return logits
-
-        runner.execute = timed_execute  # type: ignore[method-assign]
-        try:
-            self.sync()
-            start = time.perf_counter()
-            tokens = steps = 0
-            while self.engine.has_unfinished:
-                tokens += sum(len(out.new_token_ids) for out in self.engine.step())
-                steps += 1
-            self.sync()
-        finally:
-            del runner.execute  # the bound method again
-        elapsed = time.perf_counter() - start
-        mean_touched = None if touched is None else touched.item() / max(1, steps)
-        return elapsed, tokens, steps, model_s, mean_touched
-
-    def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> tuple[Timing, int]:
-        prefill_s, steps = self.prefill(prompts)
-        decode_s, tokens, decode_steps, model_s, touched = self.decode(prompts, gen_len)
-        return Timing(prefill_s, decode_s, tokens, decode_steps, model_s, touched), steps
-
-
-# -- the Hugging Face side --------------------------------------------------------------
-
-
-class HFBench:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str, sync: Sync) -> None:
-        import transformers
-
-        # Generation-config chatter (sampling flags ignored by greedy decoding, ...) would
-        # bury the table; errors still show.
-        transformers.logging.set_verbosity_error()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model = self.model.to(device).eval()
-        self.device = device
-        self.sync = sync
-        # Logits for the last position only: a [b, prompt_len, vocab] float tensor is
-        # pure overhead the engine does not pay, and generate() skips it as well.
-        self.prefill_kwargs: dict[str, Any] = {}
-        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
-            self.prefill_kwargs["logits_to_keep"] = 1
-        gen_cfg = self.model.generation_config
-        eos = gen_cfg.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
-        self.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else eos
-
-    def _inputs(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
-
-        input_ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-        return input_ids, torch.ones_like(input_ids)
-
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> float:
-        import torch
-
-        input_ids, mask = self._inputs(prompts)
-        with torch.inference_mode():
-            self.sync()
-            start = time.perf_counter()
-            self.model(
-                input_ids=input_ids, attention_mask=mask, use_cache=True, **self.prefill_kwargs
-            )
-            self.sync()
-        return time.perf_counter() - start
-
-    def generate(self, prompts: Sequence[Sequence[int]], gen_len: int) -> float:
-        import torch
-
-        input_ids, mask = self._inputs(prompts)
-        with torch.inference_mode():
-            self.sync()
-            start = time.perf_counter()
-            out = self.model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=gen_len,
-                min_new_tokens=gen_len,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=self.pad_token_id,
-            )
-            self.sync()
-        seconds = time.perf_counter() - start
-        if out.shape[1] != input_ids.shape[1] + gen_len:
-            made = out.shape[1] - input_ids.shape[1]
-            raise RuntimeError(f"HF generated {made} tokens, not {gen_len}")
-        return seconds
-
-    def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> Timing:
-        prefill_s = self.prefill(prompts)
-        generate_s = self.generate(prompts, gen_len)
-        # generate() = one prefill + (gen_len - 1) decode forwards (+ its own overhead,
-        # which counts against decode: a server pays it too).
-        return Timing(prefill_s, generate_s - prefill_s, len(prompts) * (gen_len - 1))
-
-
-# -- results ----------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    batch: int
-    engine_prefill_tok_s: float
-    engine_decode_tok_s: float
-    engine_prefill_s: float
-    engine_decode_s: float
-    engine_prefill_steps: int
-    hf_prefill_tok_s: float | None = None
-    hf_decode_tok_s: float | None = None
-    hf_prefill_s: float | None = None
-    hf_decode_s: float | None = None
-    prefill_ratio: float | None = None  # engine / HF: above 1, the engine is faster
-    decode_ratio: float | None = None
-    # Against the machine's ceilings (cli/bench_floors.py): ms per decode step, of it
-    # the model's forward, the memory floor of that step, and step / floor.
-    engine_step_ms: float | None = None
-    model_step_ms: float | None = None
-    decode_floor_ms: float | None = None
-    experts_touched: float | None = None  # MoE: (layer, expert) pairs a decode step reads
-    engine_step_over_floor: float | None = None
-    model_step_over_floor: float | None = None
-    prefill_floor_s: float | None = None  # matmul FLOPs / measured matmul rate
-    prefill_over_floor: float | None = None  # engine prefill seconds / that
-
-
-def median_timing(runs: list[Timing]) -> Timing:
-    return Timing(
-        statistics.median(t.prefill_s for t in runs),
-        statistics.median(t.decode_s for t in runs),
-        runs[0].decode_tokens,
-        runs[0].decode_steps,
-        statistics.median(t.model_s for t in runs),
-        None
-        if runs[0].experts_touched is None
-        else statistics.mean(t.experts_touched or 0.0 for t in runs),
-    )
-
-
-def add_floors(row: Row, engine: Timing, ceilings: Any, prompt_len: int, gen_len: int) -> None:
-    from pdserve.cli.bench_floors import decode_floor_s, prefill_floor_s
-
-    if engine.decode_steps:
-        # timed steps decode tokens 2..gen_len: contexts prompt_len + 1 .. prompt_len + gen_len - 1
-        floor = decode_floor_s(
-            ceilings, row.batch, prompt_len + gen_len / 2, engine.experts_touched
-        )
-        row.experts_touched = engine.experts_touched
-        row.engine_step_ms = engine.decode_s / engine.decode_steps * 1e3
-        row.model_step_ms = engine.model_s / engine.decode_steps * 1e3
-        row.decode_floor_ms = floor * 1e3
-        row.engine_step_over_floor = row.engine_step_ms / row.decode_floor_ms
-        row.model_step_over_floor = row.model_step_ms / row.decode_floor_ms
-    row.prefill_floor_s = prefill_floor_s(ceilings, row.batch, prompt_len)
-    row.prefill_over_floor = engine.prefill_s / row.prefill_floor_s
-
-
-def make_row(batch: int, prompt_len: int, engine: Timing, steps: int, hf: Timing | None) -> Row:
-    row = Row(
-        batch=batch,
-        engine_prefill_tok_s=batch * prompt_len / engine.prefill_s,
-        engine_decode_tok_s=engine.decode_tokens / engine.decode_s,
-        engine_prefill_s=engine.prefill_s,
-        engine_decode_s=engine.decode_s,
-        engine_prefill_steps=steps,
-    )
-    if hf is not None:
-        row.hf_prefill_s, row.hf_decode_s = hf.prefill_s, hf.decode_s
-        row.hf_prefill_tok_s = batch * prompt_len / hf.prefill_s
-        # Noise can beat a decode this short; a non-positive time has no rate.
-        row.hf_decode_tok_s = hf.decode_tokens / hf.decode_s if hf.decode_s > 0 else None
-        row.prefill_ratio = row.engine_prefill_tok_s / row.hf_prefill_tok_s
-        if row.hf_decode_tok_s:
-            row.decode_ratio = row.engine_decode_tok_s / row.hf_decode_tok_s
-    return row
-
-
-COLUMNS = (
-    ("batch", "batch", "{:d}"),
-    ("engine_prefill_tok_s", "engine prefill tok/s", "{:.1f}"),
-    ("hf_prefill_tok_s", "HF prefill tok/s", "{:.1f}"),
-    ("prefill_ratio", "prefill engine/HF", "{:.2f}x"),
-    ("engine_decode_tok_s", "engine decode tok/s", "{:.1f}"),
-    ("hf_decode_tok_s", "HF decode tok/s", "{:.1f}"),
-    ("decode_ratio", "decode engine/HF", "{:.2f}x"),
-)
-
-
-FLOOR_COLUMNS = (
-    ("batch", "batch", "{:d}"),
-    ("engine_step_ms", "decode step ms", "{:.2f}"),
-    ("model_step_ms", "of it forward ms", "{:.2f}"),
-    ("decode_floor_ms", "memory floor ms", "{:.2f}"),
-    ("experts_touched", "experts read", "{:.0f}"),
-    ("engine_step_over_floor", "step/floor", "{:.2f}x"),
-    ("model_step_over_floor", "forward/floor", "{:.2f}x"),
-    ("engine_prefill_s", "prefill s", "{:.4f}"),
-    ("prefill_floor_s", "matmul floor s", "{:.4f}"),
-    ("prefill_over_floor", "prefill/floor", "{:.2f}x"),
-)
-
-
-def format_table(rows: list[Row], columns: tuple[tuple[str, str, str], ...] = COLUMNS) -> str:
-    header = [title for _, title, _ in columns]
-    body = [
-        [fmt.format(v) if (v := getattr(row, key)) is not None else "-" for key, _, fmt in columns]
-        for row in rows
-    ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(cell.rjust(w) for cell, w in zip(cells, widths, strict=True))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def bench_config(
-    args: argparse.Namespace, engine: LLMEngine, load_at_start: float
-) -> dict[str, Any]:
-    import torch
-
-    from pdserve.cli.provenance import provenance
-
-    config: dict[str, Any] = {
-        **provenance(),
-        "model": args.model or "embedded default",
-        "shape": args.shape,
-        "model_dir": str(engine.model_dir),
-        "device": args.device,
-        "device_name": device_name(args.device),
-        "dtype": engine.config.torch_dtype_name,
-        "kv_cache_dtype": engine.config.kv_cache_dtype,
-        "torch_version": torch.__version__,
-        "transformers_version": None,
-        "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len,
-        "batch_sizes": args.batch_sizes,
-        "repeats": args.repeats,
-        "seed": args.seed,
-        "cpu_count": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
-        "hf": not args.no_hf,
-        # Other processes on the machine skew every number here: keep the evidence.
-        "loadavg_1m_start": load_at_start,
-        "loadavg_1m_end": os.getloadavg()[0],
-    }
-    if not args.no_hf:
-        import transformers
-
-        config["transformers_version"] = transformers.__version__
-    return config
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return _cpu_model() or platform.processor() or platform.machine()
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return None
-
-
-def write_json(path: Path, config: dict[str, Any], rows: list[Row]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "engine", "config": config, "rows": [asdict(r) for r in rows]}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-
-
-# -- the command ------------------------------------------------------------------------
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli.arg_types import positive_int, positive_ints
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 
@@ -84,7 +84,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--tokens",
-        type=_positive_ints,
+        type=positive_ints,
         default=None,
         help="comma-separated prompt lengths, e.g. 1024,8192 (default: per device, shape)",
     )
@@ -102,7 +102,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=5,
         help="timed repeats per row (the median is reported)",
     )
@@ -130,7 +130,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _fragments(text: str) -> list[int]:
-    return [] if text.strip().lower() == "none" else _positive_ints(text)
+    return [] if text.strip().lower() == "none" else positive_ints(text)
 
 
 def _orders(text: str) -> list[str]:
@@ -309,7 +309,7 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
 
     import torch
 
-    from pdserve.cli.bench_engine import device_name
+    from pdserve.cli.bench_rows import device_name
 
     try:
         nixl_version = version("nixl")

@@ -27,7 +27,7 @@ from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.sockets import make_socket
-from pdserve.services.router.client import _Inbox
+from pdserve.services.router.client_common import Inbox
 
 UNIONS = {
     "ClientToRouter": p.ClientToRouter, "RouterToClient": p.RouterToClient,
@@ -229,7 +229,7 @@ def test_oversized_frames_cost_the_sender_its_connection() -> None:
 @given(frames=st.lists(FUZZ_FRAMES | st.sampled_from(FRAMES), min_size=1, max_size=3))
 def test_sdk_reply_routing_never_raises(frames: list[bytes]) -> None:
     queues: dict[str, Any] = {"r": deque(), "fuzz-g": deque()}
-    _Inbox().route(frames, queues)
+    Inbox().route(frames, queues)
     assert all(
         isinstance(e, p.TokenChunk | p.Finished | p.Failed) for q in queues.values() for e in q
     )
@@ -352,9 +352,9 @@ def ask(sock: zmq.Socket[Any], msg: p.Message | None, decoder: p.Decoder[Any],
 
 @pytest.fixture(scope="module")
 def http_server(model_dir: Path) -> Iterator[Any]:
-    """The real aiohttp app over test_http_api's FakeCore: the HTTP layer alone."""
+    """The real aiohttp app over tests/http_fakes.py's FakeCore: the HTTP layer alone."""
     from pdserve.common.model.tokenizer import Tokenizer
-    from tests.test_http_api import FakeCore, Server
+    from tests.http_fakes import FakeCore, Server
 
     server = Server(FakeCore(Tokenizer.from_dir(model_dir)))
     yield server
@@ -388,7 +388,7 @@ def test_http_api_under_schemathesis(http_server: Any) -> None:
 
 
 def test_http_bodies_nested_too_deeply_are_400(http_server: Any) -> None:
-    from tests.test_http_api import request
+    from tests.http_fakes import request
 
     deep = b"[" * 100_000 + b"]" * 100_000
     bodies = {

@@ -26,7 +26,7 @@ def test_a_stall_is_measured_beyond_the_interval_and_counted() -> None:
 
 def test_the_sdk_refuses_what_the_http_api_refuses() -> None:
     from pdserve.common.errors import RequestError
-    from pdserve.services.router.client import _request
+    from pdserve.services.router.client_common import build_request
 
     for kwargs, words in (
         ({"request_id": "x" * 129}, "1-128 printable"),
@@ -37,8 +37,10 @@ def test_the_sdk_refuses_what_the_http_api_refuses() -> None:
     ):
         args: dict = {"prompt": "hi", "prompt_token_ids": None, "request_id": None, **kwargs}
         with pytest.raises(RequestError, match=words):
-            _request(args["prompt"], args["prompt_token_ids"], None, args["request_id"], True, {})
-    assert _request("hi", None, None, "ok-id_1", True, {}).request_id == "ok-id_1"
+            build_request(
+                args["prompt"], args["prompt_token_ids"], None, args["request_id"], True, {}
+            )
+    assert build_request("hi", None, None, "ok-id_1", True, {}).request_id == "ok-id_1"
 
 
 def test_internal_keys_alone_leave_the_front_door_open(tmp_path: Path) -> None:

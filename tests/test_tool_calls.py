@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.services.router import openai_schema as oa
-from pdserve.services.router.http_api import _chat_prompt
+from pdserve.services.router.chat_prompts import chat_prompt
 from pdserve.services.router.tool_calls import (
     ToolStream,
     choice_of,
@@ -26,7 +26,7 @@ from pdserve.services.router.tool_calls import (
     parse,
     parse_forced,
 )
-from tests.test_http_api import MODEL, FakeCore, Server
+from tests.http_fakes import MODEL, FakeCore, Server, error_of, request
 
 openai = pytest.importorskip("openai")
 
@@ -208,7 +208,7 @@ def test_tools_and_tool_messages_render_as_transformers(model_dir: Any, hf_token
     req = oa.decode_request(json.dumps({"messages": HISTORY, "tools": TOOLS}).encode(),
                             oa.ChatCompletionRequest)  # fmt: skip
     assert req.unsupported() is None
-    ours = _chat_prompt(_Core(tok), req)  # type: ignore[arg-type]
+    ours = chat_prompt(_Core(tok), req)  # type: ignore[arg-type]
     # transformers' convention: a call's arguments are a mapping
     hf_history = json.loads(json.dumps(HISTORY))
     for call in hf_history[1]["tool_calls"]:
@@ -318,3 +318,32 @@ def test_tool_history_reaches_the_prompt(served: tuple[str, FakeCore, int]) -> N
     prompt = core.tokenizer.decode(core.submitted[-1].prompt_token_ids)
     # the embedded model's template shows contents only; the results must be among them
     assert "18 C, <sunny>" in prompt and "21:04" in prompt
+
+
+def test_tokenize_renders_tools_as_chat_completions_do(model_dir: Any) -> None:
+    """/tokenize with tools counts what a chat completion with those tools is given (the
+    template shows them); before, tools were dropped and the count was short."""
+    base = Tokenizer.from_dir(model_dir)
+    core = FakeCore(Tokenizer(base._backend, base.special_tokens, HERMES_TEMPLATE,
+                              base.eos_token_ids))  # fmt: skip
+    server = Server(core)
+    try:
+        port = server.port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1)
+        seen = core.submitted[-1].prompt_token_ids
+        body = {"messages": ASK, "tools": TOOLS, "return_token_strs": True}
+        status, _, data = request(port, "POST", "/tokenize", body)
+        out = json.loads(data)
+        assert status == 200 and out["tokens"] == seen and out["count"] == len(seen)
+        assert "get_weather" in "".join(out["token_strs"])
+        plain = json.loads(request(port, "POST", "/tokenize", {"messages": ASK})[2])
+        assert plain["count"] < out["count"]
+        bad = {"messages": ASK, "tools": [{"type": "function", "function": {}}]}
+        assert error_of(*request(port, "POST", "/tokenize", bad)[::2], 400)["param"] == "tools[0]"
+        with_prompt = {"prompt": "hi", "tools": TOOLS}
+        assert error_of(*request(port, "POST", "/tokenize", with_prompt)[::2], 400)["param"] == (
+            "tools"
+        )
+    finally:
+        server.stop()

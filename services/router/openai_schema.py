@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response bodies, as msgspec Structs.
+"""OpenAI-compatible request bodies, as msgspec Structs (responses: openai_responses.py;
+field types and decoding: openai_types.py).
 
 Requests are decoded straight into these types, so a wrong type or an out-of-range
 value is a 400 whose message names the field (msgspec says "... - at `$.max_tokens`").
@@ -15,17 +16,35 @@ fuzzers read cannot drift from what the server decodes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
-from pdserve.common.runtime.protocol import Usage
+from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutput
+
+# Every response body too: importers of this module (``openai_schema as oa``) see them all.
+from pdserve.services.router.openai_responses import *  # noqa: F403
+from pdserve.services.router.openai_types import (
+    Bias,
+    Choices,
+    Count,
+    NonNegative,
+    NullableAny,
+    NumLogprobs,
+    Penalty,
+    Prompt,
+    ResponseFormat,
+    Seed,
+    StreamOptions,
+    Temperature,
+    Text,
+    TokenId,
+    only,
+)
+from pdserve.services.router.openai_types import decode_request as decode_request
 from pdserve.services.router.structured_request import StructuredError, structured_of
 from pdserve.services.router.tool_calls import (
-    DeltaToolCall,
-    ToolCall,
     ToolError,
     ToolMode,
     check_calls,
@@ -34,75 +53,6 @@ from pdserve.services.router.tool_calls import (
     functions_of,
 )
 
-T = TypeVar("T")
-
-TokenId = Annotated[int, Meta(ge=0)]
-NonNegative = Annotated[int, Meta(ge=0)]
-Text = Annotated[str, Meta(min_length=1)]
-
-
-def only(schema: dict[str, Any]) -> Meta:
-    """A field this server takes only at its default: the schema says so (fuzzers then
-    send what is supported), the handler refuses other values with a clear message."""
-    return Meta(extra_json_schema=schema, description="not supported beyond this value")
-
-
-Count = Annotated[int, Meta(ge=1)]
-# n and best_of: OpenAI's own limit. Each choice is a request of its own, so an unbounded
-# count would let one body fill the router (and the server's memory) with copies.
-MAX_CHOICES = 128
-Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what torch's manual_seed takes
-# msgspec can only hold one array type in a union, so the decoded type is looser
-# (a list of str | int | list[int]) and the handler checks the list is homogeneous;
-# the OpenAPI document (openapi.py) states the four shapes OpenAI accepts.
-Prompt = Text | Annotated[list[Text | TokenId | Annotated[list[TokenId], Meta(min_length=1)]],
-                          Meta(min_length=1)]  # fmt: skip
-
-
-def _integral_floats_as_ints(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral_floats_as_ints(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
-    return value
-
-
-def decode_request(body: bytes, kind: type[T]) -> T:
-    """Strict decoding, raising msgspec's DecodeError / ValidationError (which name the
-    field), except that an integral float is taken for an int."""
-    try:
-        return _decode_request(body, kind)
-    except RecursionError:  # [[[[...]]]] anywhere, even in a field that is skipped
-        raise msgspec.DecodeError("the JSON is nested too deeply") from None
-
-
-def _decode_request(body: bytes, kind: type[T]) -> T:
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        if "got `float`" not in str(exc):
-            raise
-    # JSON has one number type, and JSON Schema counts 16.0 as an integer: accept it, but
-    # nothing looser (no "16" strings). A slow path, taken only for such bodies.
-    return msgspec.convert(_integral_floats_as_ints(msgspec.json.decode(body)), kind)
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool | None = False
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"  # text | json_object | json_schema (structured_request.py)
-    json_schema: Any = None  # {"name", "schema", "strict"}
-
-
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # OpenAI's range
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
-Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 NO_FUNCTIONS = "the legacy functions / function_call are not supported; use tools and tool_choice"
 NO_PROMPT_LOGPROBS = (
     "the prompt's logprobs are given by completions (echo with logprobs, "
@@ -122,7 +72,6 @@ _COMMON_REFUSALS: tuple[_Refusal, ...] = (
     ("spaces_between_special_tokens", (None, True),
      "spaces_between_special_tokens=false is not supported"),
 )  # fmt: skip
-NullableAny = Annotated[Any, only({"type": "null"})]
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
@@ -386,142 +335,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         return self.add_generation_prompt
 
 
-# -- responses ----------------------------------------------------------------------------
-
-
-class PromptTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int = 0
-
-
-class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # only when some were cached
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    """OpenAI's legacy shape: per token its text, logprob, best alternatives (text ->
-    logprob, the chosen token always among them) and offset in the choice's text."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]  # null for the first token of an echoed prompt
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(msgspec.Struct, kw_only=True):
-    """vLLM's entry of ``prompt_logprobs``, keyed by token id (as a string)."""
-
-    logprob: float
-    rank: int | None  # 1: the most likely; null: the prompt's token, outside the top N
-    decoded_token: str
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    finish_reason: str | None  # stop | length | abort; null in a stream until the end
-    logprobs: CompletionLogprobs | None = None
-    # vLLM's prompt_logprobs: null for the first token, then the prompt token and top N
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class TopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatTokenLogprob] | None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
-    object: str  # text_completion
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None  # always set, except on stream chunks
-
-
-class ChatMessageOut(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | None  # null when the answer is only tool calls
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int
-    message: ChatMessageOut
-    finish_reason: str
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    object: str  # chat.completion
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    object: str  # chat.completion.chunk
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None  # set only on the last chunk, when include_usage
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str  # model
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str  # list
-    data: list[ModelCard]
-
-
-class ErrorDetail(msgspec.Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(msgspec.Struct, kw_only=True):
-    error: ErrorDetail
-
-
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: a prompt (completions) or messages (chat, rendered by the template)."""
 
@@ -532,40 +345,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # As chat completions render them, so the count is the one a chat completion sees.
+    tools: list[Any] | None = None
     return_token_strs: bool | None = None
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[TokenId]
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    prompt: str
-
-
-class Version(msgspec.Struct, kw_only=True):
-    version: str
-
-
-class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
-    status: str  # ok | unavailable
-    detail: dict[str, Any] | None = None
-
-
-def usage_of(usages: list[Usage], n: int = 1) -> UsageInfo:
-    """``usages`` in choice order, ``n`` choices per prompt: a prompt counts once, as
-    OpenAI counts it, however many choices it has."""
-    prompt = sum(u.prompt_tokens for u in usages[::n])
-    completion = sum(u.completion_tokens for u in usages)
-    cached = sum(u.cached_tokens for u in usages[::n])
-    details = PromptTokensDetails(cached_tokens=cached) if cached else None
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip

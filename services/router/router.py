@@ -1,13 +1,9 @@
 """The router's dispatch core: validates, picks instances, relays prefill -> decode.
 
 Every accepted request gets exactly one terminal event (Finished or Failed). A consumer
-that stops early (client gone) aborts the request on whichever service holds it.
-
-An instance is down when its connection drops (at once) or when it has answered no ping
-for ``peer_timeout_seconds``: its requests in flight fail with ``peer_down`` naming it,
-and nothing is routed to it until it answers a ping as ready again. An instance that
-answers "not ready" (starting, draining) only stops getting new requests: it still
-answers the ones it holds.
+that stops early (client gone) aborts the request on whichever service holds it. The
+links to the instances (liveness, receiving, metrics scrapes) are `Instances`
+(instances.py), which `Router` extends.
 """
 
 from __future__ import annotations
@@ -16,58 +12,27 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import structlog
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.engine.block_pool import hash_blocks
 from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
-from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
-from pdserve.common.runtime.loop_lag import LoopLag
-from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.service_config import DeploymentConfig
-from pdserve.common.runtime.sockets import make_socket
 from pdserve.common.runtime.ttft import ttft_parts
+from pdserve.services.router.instances import Instances
 from pdserve.services.router.links import Link, pick
+from pdserve.services.router.request_state import MAX_LABEL_CHARS, PHASES, Event, RequestState
+
+__all__ = ["MAX_LABEL_CHARS", "Event", "Router"]
 
 log = structlog.get_logger("pdserve.router")
 
-PEER_TIMEOUT = 5.0  # no Pong for this long: the instance is down, its requests fail
-MAX_LABEL_CHARS = 128  # a client's own request id, kept as the label its replies carry
-SCRAPE_TIMEOUT = 2.0
 
-Event = p.TokenChunk | p.Finished | p.Failed
-PHASES = {  # a request's phases with a deadline: what did not come
-    "prefill": "no prefill answer",
-    "first_token": "no first token",
-    "token_gap": "no next token",
-}
-
-
-@dataclass
-class RequestState:
-    request_id: str  # the router's own, unique; what the services see
-    trace_id: str
-    num_prompt_tokens: int
-    label: str = ""  # the client's id for it: what its replies carry
-    owner: str = ""  # the connection that submitted it: only it may abort it
-    arrived: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(
-        default_factory=lambda: {"arrived": time.time()}
-    )  # common/runtime/ttft.py
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    link: Link | None = None  # the instance holding the request now
-    finished: bool = False
-
-
-class Router:
+class Router(Instances):
     def __init__(
         self,
         cfg: DeploymentConfig,
@@ -76,7 +41,7 @@ class Router:
         max_model_len: int,
         vocab_size: int,
     ) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -85,49 +50,10 @@ class Router:
         # A text longer than this has more tokens than max_model_len: refused untokenised.
         self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
         self.per_owner: dict[str, int] = {}  # requests in flight by owner (fair admission)
-        self.metrics = Metrics("router", 0)
-        self.security = WireSecurity.counted(cfg.security, self.metrics)
-        self.metrics.declare("pdserve:bad_messages")
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
-        self.ping_seconds = cfg.ping_seconds
-        self.peer_timeout = cfg.peer_timeout_seconds
-        self.ctx = zmq.asyncio.Context()
-        self.prefills: list[Link] = []
-        self.decodes: list[Link] = []
-        self.requests: dict[str, RequestState] = {}
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
-        self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM: new requests fail "draining" (main.py drains)
-
-    async def start(self) -> None:
-        if not self.cfg.colocated:
-            for i, addrs in enumerate(self.cfg.prefill_addresses):
-                self.prefills.append(self._link("prefill", i, addrs.address))
-        for i, addrs in enumerate(self.cfg.decode_addresses):
-            self.decodes.append(self._link("decode", i, addrs.address))
-        self._tasks.append(asyncio.create_task(self._ping_loop()))
-
-    def _link(self, role: str, index: int, address: str) -> Link:
-        sock = make_socket(self.ctx, zmq.DEALER, connect=address, curve=self.security.client,
-                           monitor_events=zmq.EVENT_DISCONNECTED)  # fmt: skip
-        link = Link(role, index, address, sock)
-        union = p.PrefillToRouter if role == "prefill" else p.DecodeToRouter
-        monitor = sock.get_monitor_socket()  # attached by make_socket
-        self._tasks.append(asyncio.create_task(self._receive(link, p.Decoder(union))))
-        self._tasks.append(asyncio.create_task(self._watch_connection(link, monitor)))
-        self.metrics.declare("pdserve:peer_down", peer=link.name)
-        return link
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        self.ctx.destroy(linger=0)
-
-    @property
-    def links(self) -> list[Link]:
-        return self.prefills + self.decodes
 
     # -- the RouterCore surface -------------------------------------------------------------
 
@@ -138,17 +64,6 @@ class Router:
             and bool(self.decodes)
             and all(link.is_alive(now, self.peer_timeout) for link in self.links)
         )
-
-    def health_detail(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            link.name: {
-                "address": link.address,
-                "ready": link.is_alive(now, self.peer_timeout),
-                "inflight": len(link.inflight),
-            }
-            for link in self.links
-        }
 
     def submit(self, gen: p.Generate, owner: str = "") -> AsyncIterator[Event]:
         """Validates now (RequestError), then runs the request as the iterator is consumed.
@@ -226,24 +141,6 @@ class Router:
                     message=message,
                 )
             )
-
-    async def metrics_text(self) -> bytes:
-        self.metrics.set("pdserve:num_requests_running", len(self.requests))  # held here now
-        loop = asyncio.get_running_loop()
-        waits = []
-        for link in self.links:
-            if not link.ready:
-                continue
-            fut: asyncio.Future[p.MetricsReport] = loop.create_future()
-            self._scrapes[link.name] = fut
-            self._send(link, p.MetricsQuery())
-            waits.append(fut)
-        samples = self.metrics.samples()
-        if waits:
-            done, _ = await asyncio.wait(waits, timeout=SCRAPE_TIMEOUT)
-            for fut in done:
-                samples += fut.result().samples
-        return render(samples)
 
     # -- one request ------------------------------------------------------------------------
 
@@ -473,104 +370,3 @@ class Router:
         return p.Failed(
             request_id=state.request_id, trace_id=state.trace_id, reason=reason, message=message
         )
-
-    def _send(self, link: Link, msg: p.Message) -> None:
-        try:
-            link.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning(
-                "send_failed", peer=link.name, message_type=type(msg).__name__, error=str(exc)
-            )
-
-    # -- receiving --------------------------------------------------------------------------
-
-    async def _receive(self, link: Link, decoder: p.Decoder[Any]) -> None:
-        while True:
-            payload = await link.sock.recv()
-            try:
-                msg = decoder.decode(payload)
-            except Exception as exc:
-                self.metrics.inc("pdserve:bad_messages")
-                log.warning("bad_message", peer=link.name, error=str(exc))
-                continue
-            if isinstance(msg, p.Pong):
-                link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
-            elif isinstance(msg, p.MetricsReport):
-                fut = self._scrapes.pop(link.name, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            else:
-                state = self.requests.get(msg.request_id)
-                if state is not None:
-                    state.queue.put_nowait(msg)
-                elif isinstance(msg, p.PrefillDone | p.TokenChunk):
-                    # The request already ended here (aborted, or failed while this instance
-                    # looked down): without an Abort the instance would pin its KV until the
-                    # lease ran out, or generate for nobody.
-                    self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
-
-    async def _ping_loop(self) -> None:
-        lag = LoopLag(self.ping_seconds, self.metrics)
-        while True:
-            now = time.monotonic()
-            stalled = lag.tick()
-            for link in self.links:
-                if stalled and link.last_pong:  # our stall, not its silence
-                    link.last_pong += stalled
-                self._send(link, p.Ping(sent_at=time.time(), interval=self.ping_seconds))
-                # Silent: down, whether it said ready or not (a draining instance that
-                # dies still fails what it held).
-                if not link.lost and link.last_pong and now - link.last_pong >= self.peer_timeout:
-                    self._peer_down(link, f"answered no ping for {self.peer_timeout:g} s")
-                alive = link.is_alive(now, self.peer_timeout)
-                if link.up and not alive:  # said "not ready": it still answers what it holds
-                    log.warning(
-                        "peer_not_ready",
-                        peer=link.name,
-                        address=link.address,
-                        inflight=len(link.inflight),
-                    )
-                elif alive and not link.up:
-                    log.info("peer_up", peer=link.name, address=link.address)
-                link.up = alive
-            await asyncio.sleep(self.ping_seconds)
-
-    async def _watch_connection(self, link: Link, monitor: zmq.asyncio.Socket) -> None:
-        """A dropped connection (the process died, or ZMQ's heartbeat gave up on it) marks
-        the instance down at once, not after the ping timeout."""
-        handshakes = (
-            None
-            if self.security.client is None
-            else HandshakeLog(link.address, self.security.client)
-        )
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and not link.lost:
-                self._peer_down(link, "dropped its connection")
-            elif handshakes is not None:  # CURVE: a refused handshake is logged
-                handshakes(event["event"])
-
-    def _peer_down(self, link: Link, why: str) -> None:
-        """Stop routing to ``link`` until it answers a ping as ready again, and fail what it
-        holds: the clients learn now. If the instance is still alive, it gets an Abort for
-        any of them it answers about later, and aborts them itself once this router's
-        pings stop reaching it."""
-        link.ready = link.up = False
-        link.lost = True
-        self.metrics.inc("pdserve:peer_down", peer=link.name)
-        log.error(
-            "peer_down",
-            peer=link.name,
-            address=link.address,
-            why=why,
-            num_failed=len(link.inflight),
-        )
-        message = f"{link.name} at {link.address} {why}; retry the request"
-        for rid in list(link.inflight):
-            state = self.requests.get(rid)
-            if state is not None:
-                state.queue.put_nowait(
-                    p.Failed(
-                        request_id=rid, trace_id=state.trace_id, reason="peer_down", message=message
-                    )
-                )

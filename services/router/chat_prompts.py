@@ -1,0 +1,100 @@
+"""Requests' prompts as token ids: completions' four prompt shapes and their echoes, and
+chat messages through the model's chat template (tools and tool messages included).
+Run on the loop or, for long texts, in the tokenize pool (so errors pickle: ApiError)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.common.errors import PdserveError
+from pdserve.services.router import openai_schema as oa
+from pdserve.services.router.core_api import RouterCore
+from pdserve.services.router.http_errors import ApiError
+from pdserve.services.router.tool_calls import template_messages
+
+
+def completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> one token list per choice."""
+    if isinstance(prompt, str):
+        prompts = [core.tokenizer.encode(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [core.tokenizer.encode(p) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise ApiError(400, "prompt: a list must hold only strings, only token ids, or only "
+                       "lists of token ids", param="prompt", code="invalid_value")  # fmt: skip
+    vocab = core.tokenizer.vocab_size
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(400, f"prompt {i} is empty", param="prompt", code="invalid_value")
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt {i}: token id {bad} is outside the vocabulary "
+                           f"(0..{vocab - 1})", param="prompt", code="invalid_value")  # fmt: skip
+    return prompts
+
+
+def completion_echoes(core: RouterCore, prompt: str | list[Any],
+                       prompts: list[list[int]]) -> list[str]:  # fmt: skip
+    """echo: each prompt's text as given, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [core.tokenizer.decode(ids) for ids in prompts]
+
+
+def content_text(content: str | list[oa.ContentPart] | None, index: int = 0) -> str:
+    if not isinstance(content, list):
+        return content or ""  # OpenAI allows a null content; templates index it
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{index}]: only text content parts are "
+                           f"supported, got type {part.type!r}", code="invalid_value",
+                           param=f"messages[{index}].content")  # fmt: skip
+    # As vLLM does for string templates: the parts of one message, one per line.
+    return "\n".join(part.text for part in content if part.text is not None)
+
+
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
+    chat = template_messages([{"role": m.role, "content": content_text(m.content, i),
+                               "name": m.name, "tool_calls": m.tool_calls,
+                               "tool_call_id": m.tool_call_id}
+                              for i, m in enumerate(req.messages)])  # fmt: skip
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}; use the "
+                       "request's own fields", param="chat_template_kwargs",
+                       code="invalid_value")  # fmt: skip
+    try:
+        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs,
+                                                  tools=req.tools or None)  # fmt: skip
+    except PdserveError as exc:
+        raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+    if req.continue_final_message:
+        if not chat:
+            raise ApiError(400, "continue_final_message needs a final message to continue; "
+                           "messages is empty", param="messages", code="invalid_value")  # fmt: skip
+        # As transformers does: end the text right after the final message's content, so
+        # the model continues it instead of closing the turn.
+        final = (chat[-1]["content"] or "").strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise ApiError(400, "continue_final_message: the final message's content is not "
+                           "found in the rendered prompt (is it empty?)",
+                           param="continue_final_message", code="invalid_value")  # fmt: skip
+        text = text[: at + len(final)]
+    # The template already wrote BOS and friends as text; adding them again would double them.
+    ids = core.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError(
+            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
+        )
+    return ids
