@@ -327,6 +327,8 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
         result["deployment"] = {
             "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
             "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
+            "prefill_torch_threads": cfg.prefill_torch_threads,
+            "decode_torch_threads": cfg.decode_torch_threads,
             "log_dir": str(dep.log_dir),
         }  # fmt: skip
     return results
