@@ -3,7 +3,7 @@
     python benchmarks/plot_serve.py benchmarks/results/serve_h200.json benchmarks/results/serve_h200.png
 
 Four panels against concurrency, one line per mode (disaggregated, colocated, HF
-generate): output token throughput, TTFT p50/p99, TPOT p50/p99, ITL p50/p99.
+generate, a --peer-url server under its --peer-label): output token throughput, TTFT p50/p99, TPOT p50/p99, ITL p50/p99.
 """
 
 from __future__ import annotations

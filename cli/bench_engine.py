@@ -56,10 +56,6 @@ from pdserve.cli.engine_flags import add_kv_cache_dtype
 if TYPE_CHECKING:
     from pdserve.common.engine.llm_engine import LLMEngine
 
-# cli/bench_serve.py imports the argument types by these names.
-_positive_int = positive_int
-_positive_ints = positive_ints
-
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(

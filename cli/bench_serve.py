@@ -6,6 +6,8 @@ deployment with the colocated baseline (router + decode only, decode computes pr
     pdserve bench serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
     pdserve bench serve --compare --num-prompts 32 --max-concurrency 8 \\
         --json benchmarks/results/serve_cpu.json
+    pdserve bench serve --compare --modes colocated --max-concurrency 1,8,16 \\
+        --peer-url http://127.0.0.1:8011 --peer-label vllm   # cli/bench_peer.py
 
 Every request is a random prompt of exactly --input-len token ids, sent to
 /v1/completions with stream, ignore_eos and max_tokens=--output-len, so every output has
@@ -38,8 +40,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli import ttft_parts
-from pdserve.cli.bench_engine import _positive_int, _positive_ints  # stdlib-only at import time
+from pdserve.cli import bench_peer, ttft_parts
+from pdserve.cli.arg_types import positive_int, positive_ints  # stdlib-only at import time
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 from pdserve.cli.serve_load import (
@@ -71,10 +73,11 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="start disaggregated, then colocated deployments; load each",
     )
+    bench_peer.add_flags(p)
     p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
     add_kv_cache_dtype(p)  # --compare only
-    p.add_argument("--num-prompts", type=_positive_int, default=64)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
     p.add_argument(
         "--request-rate",
         type=_rate,
@@ -83,7 +86,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--max-concurrency",
-        type=_positive_ints,
+        type=positive_ints,
         default=None,
         help="at most this many requests in flight (default: no limit); a list, "
         "e.g. 1,8,32, runs one load per value against each deployment",
@@ -94,8 +97,8 @@ def add_parser(sub: Any) -> None:
         help="--compare: also time Hugging Face generate() on the same model and "
         "prompts, batches of each --max-concurrency (cli/bench_serve_hf.py)",
     )
-    p.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens")
-    p.add_argument("--output-len", type=_positive_int, default=64, help="generated tokens")
+    p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
@@ -158,9 +161,11 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                       output_len: int, record: RequestRecord) -> None:  # fmt: skip
+                       output_len: int, record: RequestRecord,
+                       model: str | None = None) -> None:  # fmt: skip
     """One streamed completion; fills ``record`` and never raises (but for cancellation)."""
-    body = {
+    body: dict[str, Any] = {} if model is None else {"model": model}
+    body |= {
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0.0,
@@ -253,12 +258,15 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         limit = info["max_model_len"]
         if limit is not None and args.input_len + args.output_len > limit:
             raise RuntimeError(f"--input-len + --output-len exceeds max_model_len {limit}")
-        id_range = tuple(info["token_id_range"])
+        # a peer (cli/bench_peer.py) takes pdserve's ids and is told the model's name
+        id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
+        model = info["model"] if getattr(args, "name_model", False) else None
+        info["token_id_range"] = list(id_range)
         prompts = make_prompts(args.num_prompts, args.input_len, id_range, args.seed)
         # The first request pays one-off costs (allocation, lazy init): keep it out.
         warm = RequestRecord(-1)
         [warm_prompt] = make_prompts(1, args.input_len, id_range, args.seed, "warm-up")
-        await send_request(session, url, warm_prompt, args.output_len, warm)
+        await send_request(session, url, warm_prompt, args.output_len, warm, model)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
         parts_before = await ttft_parts.scrape(session, url)
@@ -273,7 +281,8 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         async def one(record: RequestRecord) -> None:
             async with gate:
                 record.start_s = time.perf_counter() - start
-                await send_request(session, url, prompts[record.index], args.output_len, record)
+                await send_request(session, url, prompts[record.index], args.output_len,
+                                   record, model)  # fmt: skip
             bar.update()
 
         tasks = []
@@ -318,6 +327,8 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
         result["deployment"] = {
             "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
             "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
+            "prefill_torch_threads": cfg.prefill_torch_threads,
+            "decode_torch_threads": cfg.decode_torch_threads,
             "log_dir": str(dep.log_dir),
         }  # fmt: skip
     return results
@@ -361,7 +372,8 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         **provenance(),
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "peer_url": args.peer_url,
+        "modes": args.modes if args.compare else None,
         "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
         "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference, "input_len": args.input_len,
         "output_len": args.output_len, "seed": args.seed, "timeout_s": args.timeout,
@@ -390,8 +402,8 @@ def run(args: argparse.Namespace) -> int:
     loads: list[int | None] = list(args.max_concurrency or [None])
     try:
         if args.compare:
-            runs = (run_deployed(args, "disaggregated", colocated=False, loads=loads)
-                    + run_deployed(args, "colocated", colocated=True, loads=loads))  # fmt: skip
+            runs = [run for mode in args.modes
+                    for run in run_deployed(args, mode, mode == "colocated", loads)]  # fmt: skip
             if args.hf_reference:
                 from pdserve.cli.bench_serve_hf import hf_runs
 
@@ -401,6 +413,11 @@ def run(args: argparse.Namespace) -> int:
             runs = [asyncio.run(run_load(args.url, _for_load(args, i, load),
                                          label if len(loads) == 1 else f"{label} c={load}"))
                     for i, load in enumerate(loads)]  # fmt: skip
+            for run_, load in zip(runs, loads, strict=True):  # one series in the plot
+                run_.update(load=load, mode=label)
+        if args.peer_url:
+            runs += bench_peer.peer_runs(args, loads, tuple(runs[0]["server"]["token_id_range"]),
+                                         run_load, _for_load)  # fmt: skip
     except RuntimeError as exc:  # a server that is unreachable or refuses the warm-up
         raise PdserveError(str(exc)) from exc
     server = runs[0]["server"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 
@@ -25,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from pdserve.common.runtime.log import configure_logging
-    from pdserve.common.runtime.service_config import load_config
+    from pdserve.common.runtime.service_config import load_config, torch_threads_for
 
     cfg = load_config(args.config, model=args.model, device=args.device, http_port=args.http_port)
     configure_logging(cfg.log_level)
@@ -34,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
         uvloop.run(serve(cfg))
         return 0
-    threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // 2)
+    threads = torch_threads_for(cfg, args.role)
     from pdserve.common.runtime.net_scope import confine_to
 
     addresses = cfg.prefill_addresses if args.role == "prefill" else cfg.decode_addresses

@@ -141,27 +141,44 @@ def decode_attention(
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [S, H_q, D]
     """All sequences in one padded SDPA call: a per-sequence loop costs more than the
-    padding at decode sizes."""
+    padding at decode sizes.
+
+    What a step reads is gathered once, straight into [2, H_kv, S, ctx, D] (index_select
+    on the block dim of a permuted view: no copy after it); the grouped query heads of a
+    KV head ride as SDPA's query rows ([S, H_kv, group, D]), so K/V are never repeated per
+    query head; only the slots that some sequence must not see are zeroed, in place.
+    """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
     _, _, num_kv_heads, block_size, _ = layer_cache.shape
-    num_blocks = int((int(context_lens.max()) + block_size - 1) // block_size)
-    blocks = layer_cache[block_tables[:, :num_blocks].long()]  # [S, n, 2, H_kv, B, D]
-    blocks = _dequantize_kv(blocks, 2, k_scale, v_scale, q.dtype)
-    kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # [2, S, H_kv, n*B, D]
-    k_pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]  # [1, ctx]
+    lens = context_lens.tolist()
+    num_blocks = (max(lens) + block_size - 1) // block_size
+    ctx = num_blocks * block_size
+    # Blocks behind a window may be NULL_BLOCK (-1, common/engine/kv_groups.py): read block
+    # 0 there, a slot no query sees.
+    table = block_tables[:, :num_blocks].long().flatten().clamp(min=0)
+    # index_select copies whole [B, D] runs; the result is [2, H_kv, S * n, B, D].
+    kv = layer_cache.permute(1, 2, 0, 3, 4).index_select(2, table)
+    kv = _dequantize_kv(kv, 0, k_scale, v_scale, q.dtype).reshape(
+        2, num_kv_heads, num_seqs * ctx, head_dim
+    )
+    k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
     q_pos = (context_lens.long() - 1)[:, None]  # [S, 1]
     visible = k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
-    # Slots past a sequence's end hold whatever was there (NaN in tests): zero them, since
-    # a masked NaN still poisons SDPA's sums.
-    kv = kv.masked_fill(~visible[None, :, None, :, None], 0)
+    # Slots a sequence must not see hold whatever was there (NaN in tests): zero them, since
+    # a masked NaN still poisons SDPA's sums. Only those rows are written.
+    hidden = (~visible).flatten().nonzero().squeeze(1)
+    if hidden.numel():
+        kv.index_fill_(2, hidden, 0)
+    kv = kv.reshape(2, num_kv_heads, num_seqs, ctx, head_dim)
     group = num_heads // num_kv_heads
-    k = kv[0].repeat_interleave(group, dim=1)  # [S, H_q, ctx, D]
-    v = kv[1].repeat_interleave(group, dim=1)
+    k = kv[0].transpose(0, 1)  # [S, H_kv, ctx, D], strided views
+    v = kv[1].transpose(0, 1)
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :].to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale
-    )  # [S, H_q, 1, D]
-    return out[:, :, 0].to(q.dtype)
+        qg, k, v, attn_mask=visible[:, None, None, :], scale=scale
+    )  # [S, H_kv, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)

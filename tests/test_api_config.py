@@ -7,7 +7,7 @@ import pytest
 from pdserve.cli.deployment import local_config
 from pdserve.cli.main import build_parser
 from pdserve.common.errors import PdserveError
-from pdserve.common.runtime.service_config import load_config
+from pdserve.common.runtime.service_config import load_config, torch_threads_for
 
 
 def _up_config(argv: list[str]) -> object:
@@ -43,3 +43,17 @@ def test_api_key_and_names_from_the_environment(monkeypatch: pytest.MonkeyPatch)
 def test_empty_model_name_is_refused() -> None:
     with pytest.raises(PdserveError, match="served_model_name"):
         load_config(None, served_model_name=["ok", ""])
+
+
+def test_torch_threads_split_per_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_DECODE_TORCH_THREADS", "3")
+    cfg = load_config(None, torch_threads=2)
+    assert (torch_threads_for(cfg, "decode"), torch_threads_for(cfg, "prefill")) == (3, 2)
+    monkeypatch.delenv("PDSERVE_DECODE_TORCH_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    split = local_config(colocated=False)  # one prefill + one decode: half the cores each
+    assert (torch_threads_for(split, "prefill"), torch_threads_for(split, "decode")) == (4, 4)
+    alone = local_config(colocated=True)  # decode computes the prompts too: every core
+    assert torch_threads_for(alone, "decode") == 8
+    with pytest.raises(PdserveError, match="prefill_torch_threads must be 0"):
+        load_config(None, prefill_torch_threads=-1)

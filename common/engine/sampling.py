@@ -55,9 +55,18 @@ class Sampler:
         """``histories``: per row, (prompt token ids, output token ids so far); needed
         only by rows whose params adjust logits (penalties, logit_bias, min_tokens,
         structured output, which also needs ``request_ids``)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1)
+        tokens = greedy.tolist()
+        # argmax picks a NaN where a row has one: one check (one sync) for every plain
+        # greedy row, which then needs no per-row tensor op at all
+        nan = torch.isnan(logits.gather(-1, greedy[:, None])).squeeze(-1).tolist()
         self.failed_rows = {}
         for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
+            if p.is_greedy and not p.adjusts_logits:
+                if nan[row]:
+                    self.failed_rows[row] = "the model's logits for this request are NaN"
+                    tokens[row] = FAILED_TOKEN
+                continue
             try:
                 tokens[row] = self._row(logits, row, p, n, tokens[row], histories, request_ids)
             except (RuntimeError, ValueError) as exc:  # NaN / inf / empty distribution

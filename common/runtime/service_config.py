@@ -103,9 +103,18 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     prefill_engine: dict[str, Any] = {}  # overrides of [engine] for prefill only
     decode_engine: dict[str, Any] = {}  # and for decode only
     torch_threads: int = 0  # 0: divide the machine's cores among the local services
+    # Per role, to split one machine's cores on purpose (0: torch_threads); e.g. on 2 cores
+    # disaggregated, prefill 1 + decode 1 is what the default division gives.
+    prefill_torch_threads: int = 0
+    decode_torch_threads: int = 0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        for name in ("torch_threads", "prefill_torch_threads", "decode_torch_threads"):
+            if getattr(self, name) < 0:
+                raise PdserveError(
+                    f"{name} must be 0 (automatic) or more, got {getattr(self, name)}"
+                )
         if self.kv_load_failure_policy not in POLICIES:
             raise PdserveError(
                 f"kv_load_failure_policy must be one of {', '.join(POLICIES)}, "
@@ -294,3 +303,10 @@ def _convert(raw: dict[str, Any], kind: type, where: str) -> Any:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         raise PdserveError(f"invalid {where}: {exc}") from exc
+
+
+def torch_threads_for(cfg: DeploymentConfig, role: str) -> int:
+    """The intra-op threads of a ``role`` ("prefill" or "decode") service: its own setting,
+    else ``torch_threads``, else half the machine's cores (a lone ``pdserve prefill``)."""
+    own = cfg.prefill_torch_threads if role == "prefill" else cfg.decode_torch_threads
+    return own or cfg.torch_threads or max(1, (os.cpu_count() or 1) // 2)
