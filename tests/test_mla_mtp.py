@@ -71,8 +71,15 @@ def test_mtp_layer_weights_are_skipped_with_a_note(
     assert cfg["num_nextn_predict_layers"] == 1  # transformers' V3 default
     want = engine_greedy(model, PROMPTS)
     num_tensors = add_extra_layer(model, cfg["num_hidden_layers"])
-    with structlog.testing.capture_logs() as logs:
-        got = engine_greedy(model, PROMPTS)
+    # another test may have configured a level filter (info dropped before any processor):
+    # capture with structlog's defaults, then put the configuration back
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            got = engine_greedy(model, PROMPTS)
+    finally:
+        structlog.configure(**saved)
     assert got == want
     notes = [e for e in logs if e["event"] == "mtp_layers_skipped"]
     assert len(notes) == 1, logs
