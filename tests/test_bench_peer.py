@@ -73,9 +73,11 @@ def test_peer_gets_the_same_loads(tmp_path: Path, capsys: pytest.CaptureFixture[
                    "--max-concurrency", "1,2", "--label", "pdserve", "--json", str(out)])  # fmt: skip
     assert rc == 0
     # warm-up + 3 prompts per load, each side; the peer got pdserve's prompts (ids below
-    # pdserve's vocabulary of 500, not the fallback range a card without one gives) in order
+    # pdserve's vocabulary of 500, not the fallback range a card without one gives): in order
+    # at c=1; at c=2 two requests race, so the same prompts in some order
     assert len(ours) == len(theirs) == 8
-    assert [b["prompt"] for b in theirs] == [b["prompt"] for b in ours]
+    sent, got = [b["prompt"] for b in ours], [b["prompt"] for b in theirs]
+    assert got[:4] == sent[:4] and sorted(got[4:]) == sorted(sent[4:])
     assert all(0 <= t < 500 for b in theirs for t in b["prompt"])
     assert all(b["model"] == "their-model" for b in theirs)  # the peer is told its model
     assert all("model" not in b for b in ours)
