@@ -155,10 +155,11 @@ def reference(tp_model: Path) -> dict[str, list[int]]:
     return {p: o.token_ids for p, o in zip(PROMPTS, outs, strict=True)}
 
 
-# CI runs the first two; PDSERVE_TP_MATRIX=1 runs all four prefill layouts.
+# CI's slow lane runs the first two; PDSERVE_TP_MATRIX=1 runs all four prefill layouts.
 PREFILL_LAYOUTS = [(2, 2), (1, 1), (2, 1), (1, 2)]
 
 
+@pytest.mark.slow  # a deployment: TP x PCP prefill ranks, decode instances of TP 1, 2 and 4
 @pytest.mark.parametrize(("prefill_tp", "pcp"), PREFILL_LAYOUTS)
 def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
     tmp_path: Path, tp_model: Path, reference: dict[str, list[int]], prefill_tp: int, pcp: int
@@ -210,6 +211,7 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
         assert_pools_full(d.url)
 
 
+@pytest.mark.slow  # four decode rank processes
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Path) -> None:
     """TP 4 over 2 KV heads: each KV head lives on two ranks; greedy tokens as at TP 1."""
     pytest.importorskip("transformers")
