@@ -53,14 +53,15 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f".gpu/tok/{f}", f"/tmp/tokmodel/{f}")
 PY
 shape_model() {  # the random checkpoint of a named shape, written once (bench engine --shape)
-    python3 -c "from pdserve.common.model.random import random_shape_model as m; print(m('$1', device='cuda', tokenizer_from='/tmp/tokmodel'))"
+    python3 -c "from pdserve.common.model.random_shapes import random_shape_model as m; print(m('$1', device='cuda', tokenizer_from='/tmp/tokmodel'))"
 }
 LLAMA1B=$(shape_model 1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
 
 suite_tests() {
-    timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_fp8.py \
+    timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_pointwise.py \
+        tests/test_kernels_fp8.py \
         tests/test_fp8_kv.py tests/test_gpu_serving.py \
         -p no:cacheprovider --durations=10 > "$OUT/gpu_tests.txt" 2>&1
     local rc=$?; tail -12 "$OUT/gpu_tests.txt"; return $rc

@@ -1,5 +1,6 @@
 """Paged-attention kernels: the Triton kernels against the torch reference, and the
-reference against a naive dense attention.
+reference against a naive dense attention (the pointwise kernels are in
+tests/test_kernels_pointwise.py, the shared cases and fixtures in tests/kernel_tools.py).
 
 Three ways to run this module:
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import zlib
 
 import pytest
 import torch
@@ -30,103 +29,21 @@ import torch
 from pdserve import kernels
 from pdserve.common.engine.kv_layout import LOGICAL_FROM_STORAGE
 from pdserve.kernels import reference
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
-NUM_LAYERS, LAYER = 3, 1  # the kernels get cache[:, LAYER], a strided view
-TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
-NAN = float("nan")
-
-TRITON_DEVICES = [
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET=1 would interpret the GPU run"),
-        ],
-    ),
-    pytest.param(
-        "cpu",
-        id="interp",
-        marks=[
-            pytest.mark.interp,
-            pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to interpret on CPU"),
-        ],
-    ),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-WINDOWS = [pytest.param(None, id="full"), pytest.param(24, id="win24")]
-
-
-@pytest.fixture(params=TRITON_DEVICES)
-def device(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def ops(device):
-    return pytest.importorskip("pdserve.kernels.triton_ops")
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test id: random data, different per case, reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-class Paged:
-    """Sequences of random K/V written into a NaN-poisoned cache under shuffled block tables."""
-
-    def __init__(self, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, gen):
-        blocks = [math.ceil(c / block_size) for c in ctx_lens]
-        num_blocks = sum(blocks) + 4  # block 0 and three more are never written
-        ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-        # One spare column: the padding (block 0) is there to be read by mistake.
-        self.block_tables = torch.zeros(len(ctx_lens), max(blocks) + 1, dtype=torch.int32)
-        for s, n in enumerate(blocks):
-            self.block_tables[s, :n] = torch.tensor(ids[:n])
-            del ids[:n]
-        self.context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-        # The real memory order (head-major storage, common/engine/kv_layout.py) seen through the
-        # logical view [N, L, 2, H_kv, B, D]: the kernels must follow the strides.
-        storage = (num_kv_heads, num_blocks, NUM_LAYERS, 2, block_size, head_dim)
-        self.cache = torch.full(storage, NAN, dtype=dtype).permute(LOGICAL_FROM_STORAGE)
-        # Un-paged K/V per sequence, [ctx, H_kv, D] float64, as the cache rounds them.
-        self.keys, self.values, slots = [], [], []
-        for s, ctx in enumerate(ctx_lens):
-            for kv in (self.keys, self.values):
-                x = torch.randn(ctx, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-                kv.append(x.to(dtype).double())
-            pos = torch.arange(ctx)
-            block_ids = self.block_tables[s, pos // block_size].long()
-            slots.append(block_ids * block_size + pos % block_size)
-        reference.write_kv(
-            self.cache[:, LAYER], torch.cat(self.keys), torch.cat(self.values), torch.cat(slots)
-        )
-        self.cache = self.cache.to(device)
-        self.block_tables = self.block_tables.to(device)
-        self.context_lens = self.context_lens.to(device)
-        self.layer = self.cache[:, LAYER]  # [N, 2, H_kv, B, D]
-
-
-def cpu64(x):
-    """A tensor argument moved to CPU, floating point as float64; anything else as is."""
-    if not torch.is_tensor(x):
-        return x
-    return x.cpu().double() if x.is_floating_point() else x.cpu()
-
-
-def random_q(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
-    """q as the leading heads of a packed qkv row, so its token stride is not H_q * D."""
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    return qkv.to(dtype).to(device)[:, :num_heads]
-
+from tests.kernel_tools import (  # noqa: F401 (the *_fixture: fixtures device, gen, ops)
+    DTYPES,
+    LAYER,
+    NAN,
+    NUM_LAYERS,
+    TOL,
+    WINDOWS,
+    Paged,
+    cpu64,
+    device_fixture,
+    gen_fixture,
+    ops_fixture,
+    random_q,
+    rel_err,
+)
 
 # ---------------------------------------------------------------------------------------
 # Triton kernels against the reference (GPU, or CPU through the interpreter).
@@ -354,89 +271,6 @@ def test_dispatch_env(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         kernels.backend_name("cpu")
-
-
-# ---------------------------------------------------------------------------------------
-# Pointwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) against pointwise_ref, on
-# the same values in the same dtype: rotary and the residual sum round exactly as torch
-# does; RMSNorm's mean of squares is summed in another order (a last-bit difference).
-# Triton's interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest
-# even), so under it bfloat16 results are compared with a tolerance instead.
-
-
-def assert_rounds_as_torch(got, want, device):
-    if device == "cuda" or want.dtype == torch.float32:
-        assert torch.equal(got.cpu(), want)
-    else:
-        assert rel_err(got, want) < TOL[want.dtype]
-
-
-@pytest.fixture
-def pointwise(device):
-    return pytest.importorskip("pdserve.kernels.triton_pointwise")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [576, 2048])
-def test_rms_norm(pointwise, device, gen, dtype, hidden):
-    from pdserve.kernels import pointwise_ref
-
-    x = (torch.randn(7, hidden, generator=gen) * 3).to(dtype)
-    res = torch.randn(7, hidden, generator=gen).to(dtype)
-    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
-    want, _ = pointwise_ref.rms_norm(x, w, 1e-5)
-    got, none = pointwise.rms_norm(x.to(device), w.to(device), 1e-5)
-    # one bf16 ulp is 2^-8 relative; truncation (interpreter) costs up to one more
-    tol = 1e-5 if dtype == torch.float32 else (4e-3 if device == "cuda" else TOL[dtype])
-    assert none is None and got.dtype == dtype
-    assert rel_err(got, want) < tol
-    want, want_sum = pointwise_ref.rms_norm(x, w, 1e-5, res)
-    got, got_sum = pointwise.rms_norm(x.to(device), w.to(device), 1e-5, res.to(device))
-    assert_rounds_as_torch(got_sum, want_sum, device)  # the residual add rounds as torch's
-    assert rel_err(got, want) < tol
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_in_place_on_packed_qkv(pointwise, device, gen, dtype, head_dim):
-    from pdserve.kernels import pointwise_ref
-
-    heads, kv_heads, tokens = 6, 2, 5
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
-    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
-    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
-
-    def split(t):
-        q, k, _ = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-        return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
-
-    want_q, want_k = pointwise_ref.rotary(*split(qkv), cos, sin)
-    packed = qkv.to(device)
-    got_q, got_k = pointwise.rotary(*split(packed), cos.to(device), sin.to(device))
-    # On the GPU the compiler contracts x1 * c1 + (-x2 * s1) into a fused multiply-add
-    # (one rounding instead of two) where torch runs two kernels: a last-bit difference.
-    # (the interpreter's truncating bf16 casts cost up to one ulp more)
-    tol = 1e-6 if dtype == torch.float32 else (4e-3 if device == "cuda" else TOL[dtype])
-    assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol
-    assert torch.equal(split(packed)[0].cpu(), got_q.cpu())  # in place, v untouched
-    assert torch.equal(
-        packed[:, (heads + kv_heads) * head_dim :].cpu(), qkv[:, (heads + kv_heads) * head_dim :]
-    )
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inner", [1536, 8192])
-def test_silu_and_mul(pointwise, device, gen, dtype, inner):
-    from pdserve.kernels import pointwise_ref
-
-    x = (torch.randn(3, 2 * inner, generator=gen) * 4).to(dtype)
-    want = pointwise_ref.silu_and_mul(x)
-    got = pointwise.silu_and_mul(x.to(device))
-    if dtype == torch.float32:  # exp() may differ in the last bit
-        assert rel_err(got, want) < 1e-6
-    else:
-        assert_rounds_as_torch(got, want, device)
 
 
 # ---------------------------------------------------------------------------------------

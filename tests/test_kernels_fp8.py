@@ -18,7 +18,7 @@ import torch
 
 from pdserve.common.engine.kv_layout import LOGICAL_FROM_STORAGE
 from pdserve.kernels import fp8, reference
-from tests.test_kernels import TRITON_DEVICES, rel_err
+from tests.kernel_tools import TRITON_DEVICES, rel_err
 
 NUM_LAYERS, LAYER = 3, 1
 K_SCALE, V_SCALE = 0.5, 2.0  # not 1: a scale applied twice, or never, shows

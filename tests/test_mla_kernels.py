@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pdserve.kernels import fp8_ds_mla, mla_reference
-from tests.test_kernels import INTERPRET, TRITON_DEVICES
+from tests.kernel_tools import INTERPRET, TRITON_DEVICES
 
 NUM_LAYERS, LAYER = 3, 1  # the kernels get cache[:, LAYER], a strided view
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
