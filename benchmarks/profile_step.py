@@ -19,7 +19,7 @@ import torch
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.random import random_shape_model
+from pdserve.common.model.random_shapes import random_shape_model
 
 
 def main() -> None:

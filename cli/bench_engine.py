@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shape is not None:
         if args.model is not None:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
-        from pdserve.common.model.random import random_shape_model
+        from pdserve.common.model.random_shapes import random_shape_model
 
         progress(f"random {args.shape} checkpoint")
         args.model = str(

@@ -24,38 +24,28 @@ common/runtime/ttft.py): mean and median over the load's requests, from the rout
 (cli/ttft_parts.py); they add up to the router's TTFT.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
 PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
-progress to stderr; --json writes the config, the metrics and every request.
+progress to stderr; --json writes the config, the metrics and every request. The load
+itself (HTTP requests on their schedule) is cli/serve_http.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.cli import bench_peer, ttft_parts
 from pdserve.cli.arg_types import positive_int, positive_ints  # stdlib-only at import time
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
-from pdserve.cli.serve_load import (
-    STATS,
-    RequestRecord,
-    arrival_offsets,
-    compute_metrics,
-    make_prompts,
-)
+from pdserve.cli.serve_http import progress, run_load
+from pdserve.cli.serve_load import STATS
 
-if TYPE_CHECKING:
-    import aiohttp
-
-FALLBACK_TOKEN_IDS = (1000, 30000)  # when the server does not say its vocabulary
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 
 
@@ -123,184 +113,6 @@ def _rate(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive or inf, got {text}")
     return value
-
-
-def progress(message: str) -> None:
-    print(f"bench serve: {message}", file=sys.stderr, flush=True)
-
-
-# -- the load (HTTP) --------------------------------------------------------------------
-
-
-class Progress:
-    """A bar on stderr: one redrawn line on a terminal, else a line per 10% (readable logs)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.started, self.tty = time.perf_counter(), sys.stderr.isatty()
-
-    def update(self) -> None:
-        self.done += 1
-        if not self.tty and self.done % max(1, self.total // 10) and self.done != self.total:
-            return
-        filled = 30 * self.done // self.total
-        line = (
-            f"bench serve: {self.label} [{'#' * filled}{'.' * (30 - filled)}] "
-            f"{self.done}/{self.total} {time.perf_counter() - self.started:.1f} s"
-        )
-        end = "\n" if not self.tty or self.done == self.total else ""
-        print(f"\r{line}" if self.tty else line, end=end, file=sys.stderr, flush=True)
-
-
-async def _http_error(resp: aiohttp.ClientResponse) -> str:
-    text = await resp.text()
-    try:
-        return f"HTTP {resp.status}: {json.loads(text)['error']['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status}: {text[:200]}"
-
-
-async def send_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                       output_len: int, record: RequestRecord,
-                       model: str | None = None) -> None:  # fmt: skip
-    """One streamed completion; fills ``record`` and never raises (but for cancellation)."""
-    body: dict[str, Any] = {} if model is None else {"model": model}
-    body |= {
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    record.prompt_tokens = len(prompt)
-    start = last = time.perf_counter()
-    chunks, usage = 0, None
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                record.error = await _http_error(resp)
-                return
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue  # the blank line that ends each event
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:  # a failure after the stream started
-                    record.error = f"stream error: {event['error'].get('message')}"
-                    return
-                usage = event.get("usage") or usage
-                if any(c.get("text") for c in event.get("choices") or ()):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        record.ttft_s = now - start
-                    else:
-                        record.itl_s.append(now - last)
-                    chunks, last = chunks + 1, now
-        record.e2e_s = time.perf_counter() - start
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failed request is a record, not the end
-        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return
-    if chunks == 0:
-        record.error = "the stream carried no text"
-        return
-    record.output_tokens = usage["completion_tokens"] if usage else chunks
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    record.cached_tokens = details.get("cached_tokens", 0)
-    record.ok = True
-
-
-async def server_info(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    """The served model, its length and the token-id range of the random prompts."""
-    async with session.get(f"{url}/v1/models") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {url}/v1/models: {await _http_error(resp)}")
-        card = (await resp.json())["data"][0]
-    vocab = card.get("vocab_size")
-    if vocab is None:  # the router's /openapi.json bounds prompt token ids by the vocabulary
-        with contextlib.suppress(Exception):
-            async with session.get(f"{url}/openapi.json") as resp:
-                vocab = _vocab_from_openapi(await resp.json())
-    id_range = (0, vocab) if vocab else FALLBACK_TOKEN_IDS
-    return {"model": card["id"], "max_model_len": card.get("max_model_len"),
-            "vocab_size": vocab, "token_id_range": list(id_range)}  # fmt: skip
-
-
-def _vocab_from_openapi(document: dict[str, Any]) -> int | None:
-    prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
-    for shape in prompt.get("anyOf", ()):
-        items = shape.get("items", {})
-        if shape.get("type") == "array" and items.get("type") == "integer":
-            maximum = items.get("maximum")
-            return None if maximum is None else int(maximum) + 1
-    return None
-
-
-async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, Any]:
-    """Warm up, send every request on its schedule, and return the run's results."""
-    import aiohttp
-
-    url = url.rstrip("/")
-    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
-    # No connection cap of aiohttp's own: concurrency is what the flags say, no less.
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-    ) as session:
-        try:
-            info = await server_info(session, url)
-        except aiohttp.ClientError as exc:
-            raise RuntimeError(f"cannot reach {url}: {exc}") from exc
-        limit = info["max_model_len"]
-        if limit is not None and args.input_len + args.output_len > limit:
-            raise RuntimeError(f"--input-len + --output-len exceeds max_model_len {limit}")
-        # a peer (cli/bench_peer.py) takes pdserve's ids and is told the model's name
-        id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
-        model = info["model"] if getattr(args, "name_model", False) else None
-        info["token_id_range"] = list(id_range)
-        prompts = make_prompts(args.num_prompts, args.input_len, id_range, args.seed)
-        # The first request pays one-off costs (allocation, lazy init): keep it out.
-        warm = RequestRecord(-1)
-        [warm_prompt] = make_prompts(1, args.input_len, id_range, args.seed, "warm-up")
-        await send_request(session, url, warm_prompt, args.output_len, warm, model)
-        if not warm.ok:
-            raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
-        parts_before = await ttft_parts.scrape(session, url)
-
-        records = [RequestRecord(i) for i in range(args.num_prompts)]
-        gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
-                else contextlib.nullcontext())  # fmt: skip
-        bar = Progress(args.num_prompts, label)
-        load_start = os.getloadavg()[0]
-        start = time.perf_counter()
-
-        async def one(record: RequestRecord) -> None:
-            async with gate:
-                record.start_s = time.perf_counter() - start
-                await send_request(session, url, prompts[record.index], args.output_len,
-                                   record, model)  # fmt: skip
-            bar.update()
-
-        tasks = []
-        for record, offset in zip(records, arrival_offsets(len(records), args.request_rate,
-                                                           args.seed), strict=True):  # fmt: skip
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(record)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        parts_after = await ttft_parts.scrape(session, url)
-    metrics = compute_metrics(records, duration)
-    metrics.update(ttft_parts.part_metrics(parts_before, parts_after))
-    for record in records:
-        if record.error:
-            progress(f"{label}: request {record.index} failed: {record.error}")
-    return {"label": label, "url": url, "server": info, "loadavg_1m_start": load_start,
-            "loadavg_1m_end": os.getloadavg()[0], "metrics": metrics,
-            "requests": [r.public() for r in records]}  # fmt: skip
 
 
 # -- deployments (--compare) ------------------------------------------------------------

@@ -59,7 +59,7 @@ from pdserve.cli.arg_types import positive_int, positive_ints
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 
-DTYPE = "bfloat16"  # the stored dtype of --kv-cache-dtype auto (cli/transfer_peers.py's DTYPE)
+DTYPE = "bfloat16"  # the stored dtype of --kv-cache-dtype auto (cli/transfer_cache.py's DTYPE)
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
     ("cpu", "8b"): [1024, 4096, 8192],
@@ -143,7 +143,7 @@ def _orders(text: str) -> list[str]:
 
 
 def _shapes(text: str) -> list[str]:
-    from pdserve.cli.transfer_peers import SHAPES
+    from pdserve.cli.transfer_cache import SHAPES
 
     shapes = [s.strip().lower() for s in text.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
@@ -201,7 +201,8 @@ def run_shape(
     device: str, shape: str, order: str, tokens: list[int], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Spawn producer and consumer for one shape and order; return its rows and what they said."""
-    from pdserve.cli.transfer_peers import cache_blocks, consumer_main, producer_main
+    from pdserve.cli.transfer_cache import cache_blocks
+    from pdserve.cli.transfer_peers import consumer_main, producer_main
     from pdserve.common.errors import PdserveError
 
     spec = {
@@ -250,7 +251,7 @@ def kv_dtype_of(kv_cache_dtype: str) -> str:
 
 def check_memory(device: str, shape: str, tokens: list[int], dtype: str = DTYPE) -> None:
     """Refuse a cpu run whose two caches would not fit the memory available now."""
-    from pdserve.cli.transfer_peers import cache_blocks, make_layout
+    from pdserve.cli.transfer_cache import cache_blocks, make_layout
     from pdserve.common.errors import PdserveError
 
     if device != "cpu":

@@ -118,7 +118,7 @@ def test_bench_engine_rejects_a_one_token_generation() -> None:
 def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path) -> None:
     """A Qwen3-MoE (8 experts, 2 a token, 2 layers): the decode floor counts the routed
     experts each step read (batch 1: exactly 2 per layer), not all 8."""
-    from pdserve.common.model.random import write_random_llama
+    from pdserve.common.model.random_shapes import write_random_llama
 
     model = write_random_llama(
         tmp_path / "moe",

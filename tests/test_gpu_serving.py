@@ -99,7 +99,7 @@ def test_8b_shape_graphs_match_eager(model_dir: Path) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random import random_shape_model
+    from pdserve.common.model.random_shapes import random_shape_model
 
     path = random_shape_model("8b", num_layers=4, device="cuda", tokenizer_from=model_dir)
     lens = [1, 5, 63, 64, 65, 100, 130, 200, 257, 300, 511, 512, 600, 700, 900, 1000, 1500]

@@ -277,7 +277,7 @@ def test_bench_shape_writer_gives_a_checkpoint_transformers_reads(
     """``write_random_deepseek`` (bench engine --shape dsv3) at a tiny size: transformers
     loads its config.json and weights, and our engine gives HF's tokens on it (yarn rope,
     interleaved, q low-rank: DeepSeek-V3's switches)."""
-    from pdserve.common.model.random import SHAPES, write_random_deepseek
+    from pdserve.common.model.random_shapes import SHAPES, write_random_deepseek
 
     assert SHAPES["dsv3"]["kv_lora_rank"] == 512 and SHAPES["dsv3"]["num_heads"] == 128
     path = write_random_deepseek(

@@ -305,7 +305,7 @@ def test_benchmark_writer_moe_checkpoint_runs_as_transformers_does(
     tmp_path: Path, prompts: list[list[int]]
 ) -> None:
     """write_random_llama with experts (the 30b-a3b bench shape, tiny): HF's tokens."""
-    from pdserve.common.model.random import SHAPES, write_random_llama
+    from pdserve.common.model.random_shapes import SHAPES, write_random_llama
 
     assert SHAPES["30b-a3b"]["num_experts"] == 128
     model = write_random_llama(

@@ -1,6 +1,7 @@
 """The decode side of KV transfer: ``KVConsumer`` connects to producer replicas, pulls
 blocks with NIXL READs and releases them (common/transfer/kv_transfer.py has the producer and the
-shared parts; common/transfer/kv_descs.py the descriptor arithmetic).
+shared parts; common/transfer/kv_descs.py the descriptor arithmetic; common/transfer/kv_pull_state.py
+``Pull``, ``Remote`` and the checks before a READ is posted).
 
 NIXL agents are not thread-safe: use each KVConsumer from one thread only.
 """
@@ -8,7 +9,6 @@ NIXL agents are not thread-safe: use each KVConsumer from one thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release, encode
 from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
+from pdserve.common.transfer.kv_pull_state import Pull, Remote, check_heads, check_ids
 from pdserve.common.transfer.kv_transfer import (
     KVTransferError,
     _CacheAgent,
@@ -27,44 +28,6 @@ from pdserve.common.transfer.kv_transfer import (
 )
 
 log = structlog.get_logger("pdserve.kv_transfer")
-
-
-@dataclass(eq=False)
-class Pull:
-    """One posted READ of a request's blocks from one replica."""
-
-    request_id: str
-    peer: str  # for messages: agent, engine, epoch
-    num_descriptors: int  # coalesced runs
-    num_bytes: int
-    started_at: float  # time.perf_counter() before building the request
-    # On CPU, UCX's CMA GET copies inside transfer(): posting then ~ the whole transfer.
-    posted_at: float = 0.0
-    done_at: float | None = None
-    nixl_descriptors: int | None = None  # NIXL's own count (only with capture_telemetry)
-    error: str | None = None
-    remote: Any = field(default=None, repr=False)  # the _Remote read from
-    xfer: Any = field(default=None, repr=False)
-
-    @property
-    def done(self) -> bool:
-        return self.done_at is not None
-
-    @property
-    def post_seconds(self) -> float:
-        return self.posted_at - self.started_at
-
-    @property
-    def transfer_seconds(self) -> float | None:
-        return None if self.done_at is None else self.done_at - self.started_at
-
-
-@dataclass(eq=False)
-class _Remote:
-    reply: HandshakeReply
-    dlist: Any  # prepped (head, block)-granular descriptor list of the remote cache
-    blocks: Any = None  # block order: prepped list of whole blocks (all heads), else None
-    failed: bool = False  # a READ from it failed: releases take the side channel
 
 
 class KVConsumer(_CacheAgent):
@@ -96,7 +59,7 @@ class KVConsumer(_CacheAgent):
             if blocks is None
             else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
         )
-        self._remotes: dict[tuple[str, int, str], _Remote] = {}  # (engine, epoch, agent)
+        self._remotes: dict[tuple[str, int, str], Remote] = {}  # (engine, epoch, agent)
         # Releases go out from a second agent (no memory, no READs). Sent from the reading
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
         # completion then waits until the producer's agent has made progress: measured
@@ -150,7 +113,7 @@ class KVConsumer(_CacheAgent):
         except Exception as exc:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
-        self._remotes[key] = _Remote(reply=reply, dlist=dlist, blocks=block_dlist)
+        self._remotes[key] = Remote(reply=reply, dlist=dlist, blocks=block_dlist)
         log.info(
             "kv_remote_connected",
             peer=peer_name(*key),
@@ -193,7 +156,7 @@ class KVConsumer(_CacheAgent):
             except Exception as exc:  # noqa: BLE001 - the remote may be gone; forget it anyway
                 log.warning("kv_remote_drop_failed", peer=peer_name(*key), error=repr(exc))
 
-    def _remote_for(self, handle: KVHandle, replica: int, request_id: str) -> _Remote:
+    def _remote_for(self, handle: KVHandle, replica: int, request_id: str) -> Remote:
         if not 0 <= replica < len(handle.replicas):
             raise KVTransferError(
                 f"KV pull of request {request_id!r}: replica {replica} out of range, handle of "
@@ -232,7 +195,7 @@ class KVConsumer(_CacheAgent):
             raise _pull_error(
                 request_id, peer, f"refused, block ids are not block numbers: {exc}"
             ) from exc
-        self._check_ids(request_id, peer, handle, remote, local_ids, remote_ids)
+        check_ids(self.layout, request_id, peer, handle, remote, local_ids, remote_ids)
         local_ids, remote_ids = (
             local_ids.astype(np.int32),
             remote_ids.astype(np.int32),
@@ -240,7 +203,7 @@ class KVConsumer(_CacheAgent):
         rlayout = remote.reply.layout
         if heads is None:
             heads = [(0, 0, self.layout.num_kv_heads)]
-        self._check_heads(request_id, peer, remote, heads)
+        check_heads(self.layout, request_id, peer, remote, heads)
         num_heads = sum(n for _, _, n in heads)
         if (
             remote.blocks is not None
@@ -298,48 +261,6 @@ class KVConsumer(_CacheAgent):
             raise _pull_error(request_id, peer, pull.error or "")
         pull.num_descriptors = num_runs(remote_idx, local_idx)  # counted while the READ runs
         return pull
-
-    def _check_ids(
-        self,
-        request_id: str,
-        peer: str,
-        handle: KVHandle,
-        remote: _Remote,
-        local: np.ndarray,
-        remote_ids: np.ndarray,
-    ) -> None:
-        # Refused before posting: NIXL would reject the indices, but say which ones and why.
-        if handle.layout != remote.reply.layout:
-            why = f"handle layout {handle.layout} differs from the handshake's"
-            raise _pull_error(request_id, peer, f"refused, {why}")
-        if len(handle.block_ids) != len(local):
-            why = f"{len(handle.block_ids)} remote blocks but {len(local)} local"
-            raise _pull_error(request_id, peer, f"refused, {why}")
-        for side, ids, n in (
-            ("remote", remote_ids, remote.reply.layout.num_blocks),
-            ("local", local, self.layout.num_blocks),
-        ):
-            if len(ids) and (ids.min() < 0 or ids.max() >= n):  # C-speed check; list only on error
-                bad = [int(b) for b in ids if not 0 <= b < n][:8]
-                why = f"{side} block ids {bad} outside [0, {n})"
-                raise _pull_error(request_id, peer, f"refused, {why}")
-
-    def _check_heads(
-        self, request_id: str, peer: str, remote: _Remote, heads: list[tuple[int, int, int]]
-    ) -> None:
-        for src, dst, n in heads:
-            if (
-                n < 0
-                or src < 0
-                or dst < 0
-                or src + n > remote.reply.layout.num_kv_heads
-                or dst + n > self.layout.num_kv_heads
-            ):
-                why = (
-                    f"head slice (remote {src}, local {dst}, count {n}) outside remote "
-                    f"{remote.reply.layout.num_kv_heads} / local {self.layout.num_kv_heads} KV heads"
-                )
-                raise _pull_error(request_id, peer, f"refused, {why}")
 
     def poll(self, pull: Pull) -> bool:
         """True when the pull is done, False while in progress; raises on failure."""

@@ -16,7 +16,8 @@ from pdserve.common.runtime import protocol as p
 
 if TYPE_CHECKING:
     from pdserve.common.engine.model_runner import ModelRunner
-    from pdserve.common.transfer.kv_consumer import KVConsumer, Pull
+    from pdserve.common.transfer.kv_consumer import KVConsumer
+    from pdserve.common.transfer.kv_pull_state import Pull
 
 
 class PullSpec(msgspec.Struct, array_like=True, frozen=True):

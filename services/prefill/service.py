@@ -11,8 +11,9 @@ import zmq
 
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_commands import Abort, Heartbeat, Prefill, SideRelease
-from pdserve.common.runtime.service import Handler, Service
+from pdserve.common.runtime.service import Service
 from pdserve.common.runtime.service_config import DeploymentConfig
+from pdserve.common.runtime.service_messages import Handler
 from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.prefill.engine_thread import PrefillContext, PrefillEngineThread
 
