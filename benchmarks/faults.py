@@ -1,4 +1,4 @@
-"""The fault table: run the fault suite (tests/test_faults.py, real processes, kill -9
+"""The fault table: run the fault suite (tests/test_faults*.py, real processes, kill -9
 and friends) and the hostile-input suite (tests/test_hostile.py, test_hostile_router.py:
 forged messages, poison values, huge prompts, greedy clients, a frozen router; issue 19)
 and print what they measured for each fault: faults injected, requests affected,
@@ -42,6 +42,7 @@ def main() -> int:
             "-p",
             "no:cacheprovider",
             "tests/test_faults.py",
+            "tests/test_faults_prefill_rank.py",
             "tests/test_hostile.py",
             "tests/test_hostile_router.py",
         ]

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.model.files import resolve_model
+from tests.fault_suite import fault_report  # noqa: F401 (a session fixture)
 from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noqa: F401 (session fixtures)
 
 

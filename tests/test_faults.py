@@ -5,18 +5,15 @@ every request with exactly one terminal reply naming what failed, within its bou
 leave every KV pool full. The bounds are the ones docs/operations.md ("Faults") gives
 for this suite's settings; every wait is bounded. A table of the faults is printed and
 written to $PDSERVE_FAULTS_JSON (benchmarks/faults.py keeps it in benchmarks/results/).
+The prefill rank's death is in tests/test_faults_prefill_rank.py; the settings, helpers
+and the table's fixture in tests/fault_suite.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import os
-import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,196 +27,32 @@ from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from tests.e2e import deployment
 from tests.fault_storm import storm
+from tests.fault_suite import (
+    DETECT_BOUND,
+    FAST,
+    LEASE,
+    LEASE_BOUND,
+    PROMPT,
+    READY_TIMEOUT,
+    addresses,
+    client,
+    decode_waiting,
+    failure_of,
+    health,
+    in_background,
+    leaked,
+)
 from tests.fault_tools import (
     FaultReport,
     FaultRow,
     Peer,
-    is_gone,
     pools_full,
-    rank_pids,
-    report_path,
     service_metrics,
     wait_until,
 )
 from tests.test_serving import metrics, total
 
 pytestmark = pytest.mark.slow
-
-# Short liveness settings so the suite stays quick; the bounds scale with them.
-PING, PEER_TIMEOUT, LEASE, HEARTBEAT = 0.5, 3.0, 3.0, 0.5
-FAST = {
-    "ping_seconds": PING,
-    "peer_timeout_seconds": PEER_TIMEOUT,
-    "lease_seconds": LEASE,
-    "heartbeat_seconds": HEARTBEAT,
-    "drain_seconds": 2.0,
-}
-# A dead process's connection drops at once; silence is noticed within PEER_TIMEOUT + PING.
-# SLACK absorbs a loaded 2-core machine; these are bounds, not speed measurements.
-SLACK = 5.0
-DETECT_BOUND = PEER_TIMEOUT + PING + SLACK
-LEASE_BOUND = LEASE + HEARTBEAT + SLACK
-READY_TIMEOUT = 180.0
-PROMPT = [1, 504, 3458, 282, 4649, 30, 13617, 28, 17212, 28]  # a short raw prompt
-
-
-@pytest.fixture(scope="module")
-def report(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultReport]:
-    rep = FaultReport()
-    started = time.monotonic()
-    yield rep
-    path = report_path(tmp_path_factory.getbasetemp())
-    rep.write(
-        path,
-        {
-            "suite_seconds": round(time.monotonic() - started, 1),
-            "cpus": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-            "ping_seconds": PING,
-            "peer_timeout_seconds": PEER_TIMEOUT,
-            "lease_seconds": LEASE,
-            "heartbeat_seconds": HEARTBEAT,
-        },
-    )
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n\nfaults injected ({path}):\n{rep.table()}")
-
-
-def health(dep: Deployment) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(f"{dep.url}/health", timeout=5):
-            return {"ok": True}
-    except urllib.error.HTTPError as err:
-        return json.loads(err.read())
-
-
-def addresses(dep: Deployment) -> list[tuple[str, str]]:
-    return [(a.address, "prefill") for a in dep.cfg.prefill_addresses] + [
-        (a.address, "decode") for a in dep.cfg.decode_addresses
-    ]
-
-
-def leaked(dep: Deployment, roles: list[tuple[str, str]] | None = None) -> int:
-    out = 0
-    for address, role in roles or addresses(dep):
-        m = service_metrics(address, role)
-        out += int(m["pdserve:kv_blocks_total"] - m["pdserve:kv_blocks_free"])
-    return out
-
-
-def client(dep: Deployment) -> Any:
-    from pdserve.services.router.client import Client
-
-    return Client(dep.cfg.front_address, timeout=120)
-
-
-def in_background(
-    pool: concurrent.futures.Executor, dep: Deployment, ids: list[int], **sampling: Any
-) -> concurrent.futures.Future[Any]:
-    def run() -> Any:
-        with client(dep) as c:
-            return c.generate(prompt_token_ids=ids, **sampling)
-
-    return pool.submit(run)
-
-
-def failure_of(fut: concurrent.futures.Future[Any], timeout: float) -> Any:
-    from pdserve.services.router.client import GenerationFailed
-
-    with pytest.raises(GenerationFailed) as info:
-        fut.result(timeout=timeout)
-    return info.value
-
-
-def decode_waiting(dep: Deployment) -> bool:
-    return (
-        service_metrics(dep.cfg.decode_addresses[0].address, "decode")[
-            "pdserve:num_requests_waiting"
-        ]
-        >= 1
-    )
-
-
-# -- a prefill rank (PCP = 2) -------------------------------------------------------------------
-
-
-def test_a_dead_prefill_rank_fails_its_instance_fast(
-    tmp_path: Path, model_dir: Path, report: FaultReport
-) -> None:
-    long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]  # 16 chunks of 128 tokens
-    with (
-        deployment(
-            tmp_path,
-            model_dir,
-            prefill_instances=2,
-            pcp=2,
-            prefill_engine={"max_num_batched_tokens": 128},
-            **FAST,
-        ) as dep,
-        concurrent.futures.ThreadPoolExecutor(2) as pool,
-    ):
-        fut = in_background(pool, dep, long_prompt, max_tokens=4)
-
-        def busy_instance() -> int | None:
-            for i, a in enumerate(dep.cfg.prefill_addresses):
-                if service_metrics(a.address, "prefill")["pdserve:num_requests_running"] >= 1:
-                    return i + 1  # truthy
-            return None
-
-        victim = wait_until(busy_instance, 60, "the long prefill to start") - 1
-        coordinator = dep.procs[f"prefill-{victim}"]
-        ranks = rank_pids(coordinator.pid)
-        assert len(ranks) == 2, ranks
-        killed = time.monotonic()
-        os.kill(ranks[1], signal.SIGKILL)
-        err = failure_of(fut, DETECT_BOUND)
-        failed_in = time.monotonic() - killed
-        assert (
-            err.reason == "peer_down"
-            and f"prefill {victim}" in err.message
-            and "rank 1" in err.message
-        ), err
-        code = wait_until(
-            lambda: coordinator.poll() is not None and coordinator.returncode,
-            30,
-            "the coordinator to exit",
-        )
-        exited_in = time.monotonic() - killed
-        assert code != 0
-        wait_until(lambda: all(is_gone(pid) for pid in ranks), 15, "its other rank to exit")
-        detail = wait_until(
-            lambda: health(dep).get("detail"), 10, "the router to report the instance"
-        )
-        assert detail[f"prefill-{victim}"]["ready"] is False
-        other = 1 - victim
-        before = total(metrics(dep.url), "pdserve:kv_replica_releases_total", "prefill")
-        with client(dep) as c:
-            for k in range(4):
-                assert c.generate(prompt_token_ids=PROMPT + [k], max_tokens=3).token_ids
-        after = metrics(dep.url)
-        assert (
-            total(after, "pdserve:kv_replica_releases_total", "prefill") - before == 4 * 2
-        )  # 2 ranks each
-        live = [
-            (dep.cfg.prefill_addresses[other].address, "prefill"),
-            (dep.cfg.decode_addresses[0].address, "decode"),
-        ]
-        wait_until(lambda: pools_full(live), 10, "the live pools to be full")
-        report.add(
-            FaultRow(
-                "kill -9 of a prefill rank mid-prefill (PCP 2)",
-                1,
-                1,
-                1,
-                leaked(dep, live),
-                round(failed_in, 2),
-                DETECT_BOUND,
-                f"Failed peer_down; coordinator exited {code} after {exited_in:.1f} s; prefill-{other} served 4/4",
-            )
-        )
 
 
 # -- one prefill, one decode: killed, restarted, lied to ---------------------------------------
@@ -304,7 +137,7 @@ def transfer_failures(dep: Deployment) -> float:
 
 
 def test_wrong_descriptors_fail_the_request_and_are_counted(
-    dep: Deployment, report: FaultReport
+    dep: Deployment, fault_report: FaultReport
 ) -> None:
     done = handle_for(dep, "forged-1", PROMPT)
     n = done.handle.layout.num_blocks
@@ -323,7 +156,7 @@ def test_wrong_descriptors_fail_the_request_and_are_counted(
     wait_until(
         lambda: pools_full(addresses(dep)), 10, "the producer to free the forged request's blocks"
     )
-    report.add(
+    fault_report.add(
         FaultRow(
             "wrong KV descriptors (policy fail)",
             1,
@@ -338,7 +171,7 @@ def test_wrong_descriptors_fail_the_request_and_are_counted(
 
 
 def test_prefill_killed_before_the_pull_fails_the_request(
-    dep: Deployment, hold: Path, carry: dict[str, Any], report: FaultReport
+    dep: Deployment, hold: Path, carry: dict[str, Any], fault_report: FaultReport
 ) -> None:
     with client(dep) as c:  # decode has met this producer life (no handshake left to do)
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
@@ -362,7 +195,7 @@ def test_prefill_killed_before_the_pull_fails_the_request(
     with client(dep) as c, pytest.raises(Exception, match="no prefill instance is up"):
         c.generate(prompt_token_ids=PROMPT, max_tokens=2)
     up_in = restart(dep, "prefill-0")
-    report.add(
+    fault_report.add(
         FaultRow(
             "kill -9 of prefill after its answer, before the pull (policy fail)",
             1,
@@ -377,7 +210,7 @@ def test_prefill_killed_before_the_pull_fails_the_request(
 
 
 def test_a_restarted_producer_refuses_old_handles(
-    dep: Deployment, carry: dict[str, Any], report: FaultReport
+    dep: Deployment, carry: dict[str, Any], fault_report: FaultReport
 ) -> None:
     old = carry.get("old")
     assert old is not None, "runs after the producer was killed and restarted"
@@ -396,7 +229,7 @@ def test_a_restarted_producer_refuses_old_handles(
     with prefill_peer(dep) as peer:  # nobody will pull it: the abort frees it at once
         peer.send(p.Abort(request_id="older"))
     wait_until(lambda: pools_full(addresses(dep)), 10, "the aborted request's blocks to be free")
-    report.add(
+    fault_report.add(
         FaultRow(
             "producer restarted: old handles used",
             2,
@@ -411,7 +244,7 @@ def test_a_restarted_producer_refuses_old_handles(
 
 
 def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(
-    dep: Deployment, hold: Path, report: FaultReport
+    dep: Deployment, hold: Path, fault_report: FaultReport
 ) -> None:
     prefill = dep.cfg.prefill_addresses[0].address
     expired = service_metrics(prefill, "prefill")["pdserve:kv_expired_requests"]
@@ -439,7 +272,7 @@ def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(
     up_in = restart(dep, "decode-0", PDSERVE_KV_LOAD_FAILURE_POLICY="recompute")
     with client(dep) as c:
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
-    report.add(
+    fault_report.add(
         FaultRow(
             "kill -9 of decode mid-pull",
             1,
@@ -455,7 +288,7 @@ def test_decode_killed_mid_pull_frees_the_producer_at_lease_expiry(
 
 
 def test_recompute_policy_gives_the_same_tokens(
-    dep: Deployment, hold: Path, report: FaultReport
+    dep: Deployment, hold: Path, fault_report: FaultReport
 ) -> None:
     with client(dep) as c:
         want = c.generate(prompt_token_ids=PROMPT, max_tokens=6).token_ids
@@ -482,7 +315,7 @@ def test_recompute_policy_gives_the_same_tokens(
     assert transfer_failures(dep) == before + 2
     up_in = restart(dep, "prefill-0")
     wait_until(lambda: pools_full(addresses(dep)), 10, "every pool to be full")
-    report.add(
+    fault_report.add(
         FaultRow(
             "wrong descriptors + kill -9 of prefill before the pull (policy recompute)",
             2,
@@ -497,7 +330,7 @@ def test_recompute_policy_gives_the_same_tokens(
 
 
 def test_a_dead_router_has_its_work_aborted(
-    dep: Deployment, hold: Path, report: FaultReport
+    dep: Deployment, hold: Path, fault_report: FaultReport
 ) -> None:
     from pdserve.services.router.client import AsyncClient
 
@@ -544,7 +377,7 @@ def test_a_dead_router_has_its_work_aborted(
     up_in = restart(dep, "router")
     with client(dep) as c:
         assert c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids
-    report.add(
+    fault_report.add(
         FaultRow(
             "kill -9 of the router",
             1,
@@ -559,7 +392,9 @@ def test_a_dead_router_has_its_work_aborted(
     )
 
 
-def test_500_requests_with_disconnects_and_aborts(dep: Deployment, report: FaultReport) -> None:
+def test_500_requests_with_disconnects_and_aborts(
+    dep: Deployment, fault_report: FaultReport
+) -> None:
     before = metrics(dep.url)
     result = asyncio.run(storm(dep.cfg.front_address, dep.url, num=500, concurrency=48, seed=6))
     assert not result.violations, result.violations[:10]
@@ -573,7 +408,7 @@ def test_500_requests_with_disconnects_and_aborts(dep: Deployment, report: Fault
         before, "pdserve:kv_expired_requests_total"
     )
     aborted = sum(n for k, n in result.outcomes.items() if k.endswith(("abort", "left", "gone")))
-    report.add(
+    fault_report.add(
         FaultRow(
             "500 requests, clients aborting / disconnecting",
             aborted,

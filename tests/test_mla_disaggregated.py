@@ -151,8 +151,7 @@ def test_decode_killed_mid_pull_expires_each_of_the_four_replicas_once(
     once (kv_expired_requests 1 on every rank, no release counted), the pool full again."""
     from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
     from tests.e2e import deployment
-    from tests.fault_tools import pools_full, service_metrics, wait_until
-    from tests.test_faults import (
+    from tests.fault_suite import (
         DETECT_BOUND,
         FAST,
         LEASE_BOUND,
@@ -161,6 +160,7 @@ def test_decode_killed_mid_pull_expires_each_of_the_four_replicas_once(
         failure_of,
         in_background,
     )
+    from tests.fault_tools import pools_full, service_metrics, wait_until
     from tests.test_serving import metrics
 
     hold = tmp_path / "hold-pulls"

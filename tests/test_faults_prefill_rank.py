@@ -1,0 +1,115 @@
+"""A fault on real processes: kill -9 of a prefill rank mid-prefill (PCP 2). Its instance
+fails the request at once and exits, the other instance serves on, every live KV pool
+full; a row of the fault table (tests/fault_suite.py; the rest of the suite:
+tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import deployment
+from tests.fault_suite import (
+    DETECT_BOUND,
+    FAST,
+    PROMPT,
+    client,
+    failure_of,
+    health,
+    in_background,
+    leaked,
+)
+from tests.fault_tools import (
+    FaultReport,
+    FaultRow,
+    is_gone,
+    pools_full,
+    rank_pids,
+    service_metrics,
+    wait_until,
+)
+from tests.test_serving import metrics, total
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_dead_prefill_rank_fails_its_instance_fast(
+    tmp_path: Path, model_dir: Path, fault_report: FaultReport
+) -> None:
+    long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]  # 16 chunks of 128 tokens
+    with (
+        deployment(
+            tmp_path,
+            model_dir,
+            prefill_instances=2,
+            pcp=2,
+            prefill_engine={"max_num_batched_tokens": 128},
+            **FAST,
+        ) as dep,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        fut = in_background(pool, dep, long_prompt, max_tokens=4)
+
+        def busy_instance() -> int | None:
+            for i, a in enumerate(dep.cfg.prefill_addresses):
+                if service_metrics(a.address, "prefill")["pdserve:num_requests_running"] >= 1:
+                    return i + 1  # truthy
+            return None
+
+        victim = wait_until(busy_instance, 60, "the long prefill to start") - 1
+        coordinator = dep.procs[f"prefill-{victim}"]
+        ranks = rank_pids(coordinator.pid)
+        assert len(ranks) == 2, ranks
+        killed = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        err = failure_of(fut, DETECT_BOUND)
+        failed_in = time.monotonic() - killed
+        assert (
+            err.reason == "peer_down"
+            and f"prefill {victim}" in err.message
+            and "rank 1" in err.message
+        ), err
+        code = wait_until(
+            lambda: coordinator.poll() is not None and coordinator.returncode,
+            30,
+            "the coordinator to exit",
+        )
+        exited_in = time.monotonic() - killed
+        assert code != 0
+        wait_until(lambda: all(is_gone(pid) for pid in ranks), 15, "its other rank to exit")
+        detail = wait_until(
+            lambda: health(dep).get("detail"), 10, "the router to report the instance"
+        )
+        assert detail[f"prefill-{victim}"]["ready"] is False
+        other = 1 - victim
+        before = total(metrics(dep.url), "pdserve:kv_replica_releases_total", "prefill")
+        with client(dep) as c:
+            for k in range(4):
+                assert c.generate(prompt_token_ids=PROMPT + [k], max_tokens=3).token_ids
+        after = metrics(dep.url)
+        assert (
+            total(after, "pdserve:kv_replica_releases_total", "prefill") - before == 4 * 2
+        )  # 2 ranks each
+        live = [
+            (dep.cfg.prefill_addresses[other].address, "prefill"),
+            (dep.cfg.decode_addresses[0].address, "decode"),
+        ]
+        wait_until(lambda: pools_full(live), 10, "the live pools to be full")
+        fault_report.add(
+            FaultRow(
+                "kill -9 of a prefill rank mid-prefill (PCP 2)",
+                1,
+                1,
+                1,
+                leaked(dep, live),
+                round(failed_in, 2),
+                DETECT_BOUND,
+                f"Failed peer_down; coordinator exited {code} after {exited_in:.1f} s; prefill-{other} served 4/4",
+            )
+        )
