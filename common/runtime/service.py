@@ -28,7 +28,6 @@ import threading
 import time
 from typing import Any
 
-import structlog
 import zmq
 
 from pdserve.common.runtime import protocol as p
@@ -40,8 +39,6 @@ from pdserve.common.runtime.sd_notify import Watchdog, notify
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.service_messages import ServiceMessages
 from pdserve.common.runtime.sockets import make_socket
-
-log = structlog.get_logger("pdserve.service")
 
 FLUSH_SECONDS = 0.5  # after a fatal failure, for the Failed replies to leave before exit
 

@@ -1,7 +1,8 @@
 """The decode side of KV transfer: ``KVConsumer`` connects to producer replicas, pulls
-blocks with NIXL READs and releases them (common/transfer/kv_transfer.py has the producer and the
-shared parts; common/transfer/kv_descs.py the descriptor arithmetic; common/transfer/kv_pull_state.py
-``Pull``, ``Remote`` and the checks before a READ is posted).
+blocks with NIXL READs and releases them (common/transfer/kv_transfer.py has the producer
+and the shared parts; common/transfer/kv_descs.py the descriptor arithmetic;
+common/transfer/kv_pull_state.py ``Pull``, ``Remote`` and the checks before a READ is
+posted).
 
 NIXL agents are not thread-safe: use each KVConsumer from one thread only.
 """
