@@ -27,11 +27,12 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.engine.spec_decode.config import SpeculativeConfig
+from pdserve.common.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pdserve.common.engine.spec_decode.mtp import MTPProposer
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.step_plan import ScheduledSeq
-from pdserve.common.model.random import save_random_model
+from pdserve.common.errors import ModelLoadError, PdserveError
+from pdserve.common.model.random import save_random_llama, save_random_model
 from tests.test_mla import build_mla
 from tests.test_mla_mtp import add_extra_layer
 from tests.test_moe_deepseek import DEEPSEEK_MODEL
@@ -281,3 +282,35 @@ def test_greedy_unchanged_with_drafts_accepted(
     assert greedy(eng) == want
     assert_counters_add_up(eng, accepted=True)
     Reference(model).check(seen[:: max(1, len(seen) // 4)])
+
+
+def test_config_validation_names_the_problem() -> None:
+    spec = parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 5}')
+    assert spec.num_speculative_tokens == 5
+    for bad in ("0", "-2"):
+        with pytest.raises(PdserveError, match=f"at least 1, got {bad}"):
+            parse_speculative_config(f'{{"method": "mtp", "num_speculative_tokens": {bad}}}')
+    with pytest.raises(PdserveError, match="invalid --speculative-config"):
+        parse_speculative_config('{"method": "mtp"}')
+    with pytest.raises(PdserveError, match="method 'mtp' takes no 'model'"):
+        parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1, "model": "m"}')
+    with pytest.raises(PdserveError, match="prompt_lookup_max/min belong to method 'ngram'"):
+        parse_speculative_config(
+            '{"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}'
+        )
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    # V3's config declares one MTP layer by default; a checkpoint may still leave it out
+    plain = build_mla(tmp_path / "plain", "v3-yarn", tokenizer_from=model_dir)
+    with pytest.raises(ModelLoadError, match=r"declares num_nextn_predict_layers=1 but holds "
+                       r"no tensors of its MTP layer \(model\.layers\.2\.\*\)"):  # fmt: skip
+        engine(plain, 1)
+    raw = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ModelLoadError, match="has no multi-token-prediction layer"):
+        engine(plain, 1)
+    llama = save_random_llama(tmp_path / "llama", num_layers=1, hidden_size=64, num_heads=4,
+                              num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers is 0 or absent"):
+        engine(llama, 2)
