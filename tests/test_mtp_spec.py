@@ -314,3 +314,18 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path: Path, model_dir: P
                               num_kv_heads=2, intermediate_size=128, vocab_size=512)  # fmt: skip
     with pytest.raises(ModelLoadError, match="num_nextn_predict_layers is 0 or absent"):
         engine(llama, 2)
+
+
+def test_sampled_requests_run_and_repeat_with_their_seed(checkpoints: dict[str, Path]) -> None:
+    """Sampled drafting (the MTP layer's distribution handed to the rejection sampler, whose
+    exactness tests/test_spec_sampling.py checks): a seeded request gives the same tokens
+    twice, the counters add up."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7)
+    outs = []
+    for _ in range(2):
+        eng = engine(checkpoints["dense-echo"], 3)
+        outs.append([o.token_ids for o in eng.generate(PROMPTS, params)])
+        assert eng.pool.num_free_blocks == eng.pool.num_blocks
+        assert_counters_add_up(eng, accepted=False)
+    assert outs[0] == outs[1]
+    assert all(len(t) == MAX_TOKENS for t in outs[0])
