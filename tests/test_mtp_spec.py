@@ -329,3 +329,26 @@ def test_sampled_requests_run_and_repeat_with_their_seed(checkpoints: dict[str, 
         assert_counters_add_up(eng, accepted=False)
     assert outs[0] == outs[1]
     assert all(len(t) == MAX_TOKENS for t in outs[0])
+
+
+def test_the_benchmarks_random_mtp_layer_loads_and_drafts(tmp_path: Path, model_dir: Path) -> None:
+    """``bench engine --shape dsv3`` with method mtp: common/model/random_mtp.py adds the
+    layer (without its own embedding and head: the target's serve) to a checkpoint of
+    write_random_deepseek's; here at a tiny size, greedy output unchanged."""
+    from pdserve.common.model.random import write_random_deepseek
+    from pdserve.common.model.random_mtp import add_random_mtp_layer
+
+    model = write_random_deepseek(
+        tmp_path / "dsv3", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, dtype="float32", tokenizer_from=model_dir,
+    )  # fmt: skip
+    want = greedy(engine(model, None))
+    add_random_mtp_layer(model)
+    assert add_random_mtp_layer(model) == model / "mtp.safetensors"  # written once
+    eng = engine(model, 2)
+    mtp = proposer(eng)
+    assert mtp.layer.embed_tokens is eng.runner.model.model.embed_tokens  # type: ignore[attr-defined]
+    assert mtp.layer.shared_head.head is eng.runner.model.lm_head  # type: ignore[attr-defined]
+    assert greedy(eng) == want
+    assert_counters_add_up(eng, accepted=False)
