@@ -235,8 +235,7 @@ class ModelRunner:
             # cover cuda_graph_max_batch sequences' verify rows, not that many rows
             cuda_graph_max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch)
             * (1 + _num_speculative(config)),
-            # MTP reads the target's hidden states, which the graphs do not hand out
-            cuda_graphs=config.cuda_graphs and not _is_mtp(config),
+            cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
             **kwargs,
         )
@@ -404,11 +403,6 @@ class ModelRunner:
 def _num_speculative(config: EngineConfig) -> int:
     spec = config.speculative_config
     return spec.num_speculative_tokens if spec is not None else 0
-
-
-def _is_mtp(config: EngineConfig) -> bool:
-    spec = config.speculative_config
-    return spec is not None and spec.method == "mtp"
 
 
 def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:

@@ -61,6 +61,8 @@ class MTPProposer:
             )
         self.runner = runner
         runner.model.keep_hidden = True
+        if runner.graphs is not None:  # captured without the hidden states: again with them
+            runner.recapture_graphs()
         self.layer: MTPLayer = load_mtp_layer(
             target, runner.model_dir, runner.model, runner.dtype, runner.device
         )
@@ -82,7 +84,8 @@ class MTPProposer:
         if hidden is None:
             return
         for request_id, row, position, num in kept:
-            self._pending[request_id] = (position, hidden[row : row + num])
+            # a copy: a CUDA graph's output is overwritten by its next replay
+            self._pending[request_id] = (position, hidden[row : row + num].clone())
 
     @torch.inference_mode()
     def _target_hidden(
