@@ -164,11 +164,11 @@ class Reference:
                     torch.testing.assert_close(got[0], row, rtol=1e-5, atol=1e-5)
 
 
-def engine(model: Path, k: int | None) -> LLMEngine:
+def engine(model: Path, k: int | None, **kw: Any) -> LLMEngine:
     torch.set_num_threads(1)
     spec = None if k is None else SpeculativeConfig(method="mtp", num_speculative_tokens=k)
     return LLMEngine(
-        EngineConfig(model=str(model), kv_cache_memory_gb=0.05, speculative_config=spec)
+        EngineConfig(model=str(model), kv_cache_memory_gb=0.05, speculative_config=spec, **kw)
     )
 
 
@@ -352,3 +352,31 @@ def test_the_benchmarks_random_mtp_layer_loads_and_drafts(tmp_path: Path, model_
     assert mtp.layer.shared_head.head is eng.runner.model.lm_head  # type: ignore[attr-defined]
     assert greedy(eng) == want
     assert_counters_add_up(eng, accepted=False)
+
+
+def test_a_long_prompt_catches_up_in_pieces(checkpoints: dict[str, Path]) -> None:
+    """With max_num_batched_tokens 16 the 40-token prompt's hidden states and the MTP
+    layer's prompt KV are computed in forwards of at most 16 tokens: same drafts as the
+    reference over the whole sequence, greedy unchanged."""
+    model = checkpoints["dense"]
+    want = greedy(engine(model, None, max_num_batched_tokens=16))
+    eng = engine(model, 3, max_num_batched_tokens=16)
+    mtp = proposer(eng)
+    sizes: list[int] = []
+    target = eng.runner.model  # type: ignore[attr-defined]
+    hidden_states, run_layer = target.hidden_states, mtp.run_layer
+
+    def sized(ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        sizes.append(ids.shape[0])
+        return hidden_states(ids, *args)
+
+    def layer_sized(seqs: list[ScheduledSeq], hidden: list[torch.Tensor]) -> torch.Tensor:
+        sizes.append(sum(len(s.token_ids) for s in seqs))
+        return run_layer(seqs, hidden)
+
+    target.hidden_states = sized
+    mtp.run_layer = layer_sized  # type: ignore[method-assign]
+    seen = record(mtp)
+    assert greedy(eng) == want
+    assert max(sizes) <= 16 * len(PROMPTS) and sizes.count(16) >= 4, sizes
+    Reference(model).check(seen[:6])

@@ -19,7 +19,8 @@ The target's hidden states: the engine's target forward leaves those of its logi
 positions, exactly what the next proposal needs. Where they are not at hand (a request's
 first proposal: the prompt; after a step without drafts or a preemption) the proposer runs
 the target over the missing positions again, reading the target's KV cache and writing
-nothing (slots -1), and takes every position's hidden state. On the decode side of a
+nothing (slots -1), and takes every position's hidden state (forwards of at most
+``max_num_batched_tokens`` tokens, then the MTP layer over them likewise). On the decode side of a
 disaggregated deployment this is how the MTP layer gets its prompt KV: the prompt's hidden
 states never leave prefill, decode recomputes them once from the pulled KV. It costs one
 target prefill over the prompt on the decode side per request (drafts only: the target's
@@ -60,6 +61,7 @@ class MTPProposer:
                 "(decode tensor parallel 1); it reads the target's hidden states"
             )
         self.runner = runner
+        self.chunk = config.max_num_batched_tokens  # the longest forward of a catch-up
         runner.model.keep_hidden = True
         if runner.graphs is not None:  # captured without the hidden states: again with them
             runner.recapture_graphs()
@@ -101,22 +103,47 @@ class MTPProposer:
                 out[i] = held[1][a - held[0] : b - held[0]]
             else:
                 redo.append(i)
-        if redo:
-            seqs = [
-                ScheduledSeq(reqs[i].request_id, reqs[i].token_ids_between(*spans[i]),
-                             spans[i][0], reqs[i].block_ids, False)
-                for i in redo
-            ]  # fmt: skip
-            order = sorted(range(len(redo)), key=lambda n: len(seqs[n].token_ids) != 1)
-            runner = self.runner
-            ids, positions, meta, _ = runner.prepare(StepPlan([seqs[n] for n in order]))
+        # pieces of at most max_num_batched_tokens, as many to a forward as that many hold
+        seqs = [
+            ScheduledSeq(reqs[i].request_id, reqs[i].token_ids_between(x, y), x,
+                         reqs[i].block_ids, False)
+            for i in redo
+            for x, y in self._chunks(*spans[i])
+        ]  # fmt: skip
+        owner = [i for i in redo for _ in self._chunks(*spans[i])]
+        got: list[torch.Tensor | None] = [None] * len(seqs)
+        runner = self.runner
+        for group in self._forwards(seqs):
+            ids, positions, meta, _ = runner.prepare(StepPlan([seqs[n] for n in group]))
             # read the target's KV, write none of it (a negative slot writes nothing)
             meta = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
             hidden = runner.model.hidden_states(ids, positions, runner.kv_cache, meta)
-            pieces = hidden.split([len(seqs[n].token_ids) for n in order])
-            for n, piece in zip(order, pieces, strict=True):
-                out[redo[n]] = piece
+            for n, piece in zip(group, hidden.split([len(seqs[n].token_ids) for n in group]),
+                                strict=True):  # fmt: skip
+                got[n] = piece
+        for i in redo:
+            out[i] = torch.cat(
+                [g for g, o in zip(got, owner, strict=True) if o == i and g is not None]
+            )
         return [h for h in out if h is not None]
+
+    def _chunks(self, a: int, b: int) -> list[tuple[int, int]]:
+        """[a, b) in pieces of at most max_num_batched_tokens positions."""
+        n = self.chunk
+        return [(x, min(x + n, b)) for x in range(a, b, n)]
+
+    def _forwards(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
+        """``seqs`` (in order) grouped into forwards of at most max_num_batched_tokens tokens,
+        each group's one-token seqs first (the runner's order: decodes, then the rest)."""
+        groups: list[list[int]] = []
+        total = 0
+        for n, seq in enumerate(seqs):
+            if not groups or total + len(seq.token_ids) > self.chunk:
+                groups.append([])
+                total = 0
+            groups[-1].append(n)
+            total += len(seq.token_ids)
+        return [sorted(g, key=lambda n: len(seqs[n].token_ids) != 1) for g in groups]
 
     # -- proposing --------------------------------------------------------------------------
 
@@ -129,6 +156,7 @@ class MTPProposer:
         ends = [s.start_position for s in seqs]  # s: the position of the last real token
         starts = [min(r.num_draft_computed, s) for r, s in zip(reqs, ends, strict=True)]
         hidden = self._target_hidden(reqs, list(zip(starts, ends, strict=True)))
+        self._lead_in(reqs, starts, ends, hidden)  # starts, hidden: now of step 0's last piece
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         gens = [
@@ -168,6 +196,26 @@ class MTPProposer:
         for req, end in zip(reqs, ends, strict=True):
             req.num_draft_computed = end  # entries from s on were made of drafts
         return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs, strict=True)]
+
+    def _lead_in(
+        self, reqs: list[Request], starts: list[int], ends: list[int], hidden: list[torch.Tensor]
+    ) -> None:
+        """The MTP layer's KV of positions [a, s) longer than max_num_batched_tokens (the
+        prompt), but for its last piece, in forwards of at most that many tokens; ``starts``
+        and ``hidden`` are left holding that last piece's."""
+        seqs: list[ScheduledSeq] = []
+        fed: list[torch.Tensor] = []
+        for i, req in enumerate(reqs):
+            a, pieces = starts[i], self._chunks(starts[i], ends[i])
+            for x, y in pieces[:-1]:
+                ids = req.token_ids_between(x + 1, y + 1)
+                seqs.append(ScheduledSeq(req.request_id, ids, x, req.block_ids, True))
+                fed.append(hidden[i][x - a : y - a])
+            if len(pieces) > 1:
+                starts[i] = pieces[-1][0]
+                hidden[i] = hidden[i][starts[i] - a :]
+        for group in self._forwards(seqs):
+            self.run_layer([seqs[n] for n in group], [fed[n] for n in group])
 
     def _run(self, seqs: list[ScheduledSeq], hidden: list[torch.Tensor]) -> torch.Tensor:
         """The MTP layer's output at each seq's last position [S, hidden]."""
