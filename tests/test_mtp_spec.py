@@ -128,7 +128,8 @@ class Reference:
     def mtp(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """h' at positions 0..n-1 from t_{i+1} = next_ids[i] and h_i = hidden[i]."""
         n = len(next_ids)
-        e = self.enorm(self.embed[torch.tensor(next_ids)])
+        e = self.embed[torch.tensor(next_ids)]
+        e = self.enorm(torch.cat((torch.zeros_like(e[:1]), e[1:])))  # position 0's zeroed
         x = torch.cat((e, self.hnorm(hidden)), dim=-1) @ self.eh_proj.T
         positions = torch.arange(n)[None]
         rope = self.target.model.rotary_emb(x[None], positions)

@@ -9,7 +9,8 @@ For position i, with ``h_i`` the target's final hidden state before its final no
     h'_i    = decoder_layer(x_i)                 # its own attention over its own KV cache
     logits  = shared_head.head(shared_head.norm(h'_i))   # a guess of t_{i+2}
 
-``h'_i`` (before ``shared_head.norm``) stands in for the target's hidden state when the one
+At position 0 the embedding is zeroed before ``enorm``, as vLLM's ``deepseek_mtp`` and
+SGLang's NextN do. ``h'_i`` (before ``shared_head.norm``) stands in for the target's hidden state when the one
 layer drafts a second token and further. The layer is a :class:`DecoderLayer` (its tensor
 names are the checkpoint's once the ``model.layers.N.`` prefix is cut), MLA attention and a
 dense MLP or routed experts. ``embed_tokens`` and ``shared_head.head`` are optional in the
@@ -58,12 +59,14 @@ class MTPLayer(DecoderLayer):
     def predict(
         self,
         input_ids: torch.Tensor,  # [T]: t_{i+1}
+        positions: torch.Tensor,  # [T]: i
         hidden: torch.Tensor,  # [T, hidden]: h_i (the target's, or this layer's own h'_{i-1})
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of positions i
         layer_cache: torch.Tensor,  # this layer's own KV cache
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]: h'_i, before shared_head.norm
-        e = self.enorm(self.embed_tokens(input_ids))
+        e = self.embed_tokens(input_ids)
+        e = self.enorm(torch.where(positions[:, None] == 0, 0.0, e))  # vLLM's, SGLang's mask
         h = self.hnorm(hidden.to(e.dtype))
         x = self.eh_proj(torch.cat((e, h), dim=-1))
         out, residual = self(x, None, rope, layer_cache, meta)

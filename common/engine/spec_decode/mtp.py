@@ -230,7 +230,7 @@ class MTPProposer:
         cos, sin = runner.model.model.rotary.cos_sin(positions)
         h = torch.cat(hidden)
         rope = (cos.to(h.dtype), sin.to(h.dtype))
-        return self.layer.predict(ids, h, rope, self.kv_cache[:, 0], meta)  # [T, hidden]
+        return self.layer.predict(ids, positions, h, rope, self.kv_cache[:, 0], meta)  # [T, hidden]
 
 
 def _last_rows(seqs: list[ScheduledSeq]) -> list[int]:
