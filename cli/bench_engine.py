@@ -222,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer_from=args.tokenizer,
             )
         )
+        if args.shape == "dsv3" and '"mtp"' in (args.speculative_config or ""):
+            from pdserve.common.model.random_mtp import add_random_mtp_layer
+
+            add_random_mtp_layer(Path(args.model), args.device)  # random drafts: the cost
     elif args.layers is not None:
         raise SystemExit("pdserve bench engine: --layers needs --shape")
     load_at_start = os.getloadavg()[0]

@@ -2,7 +2,7 @@
 (``num_nextn_predict_layers`` > 0, tensors of layer index ``num_hidden_layers``): the model
 loads without them (common/model/mtp.py: not read, one ``mtp_layers_skipped`` note) and
 generates exactly what it does on the checkpoint without them; weights of any other extra
-layer are still refused, and so is the ``mtp`` speculative method.
+layer are still refused. The speculative method ``mtp``, which loads them: tests/test_mtp_spec.py.
 
 The MTP layer is written as DeepSeek-V3's checkpoints hold it: the decoder layer's own
 tensors (attention, norms, MLP or routed experts) plus ``enorm``, ``hnorm``, ``eh_proj``,
@@ -20,7 +20,7 @@ import structlog
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.common.errors import ModelLoadError, PdserveError
+from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.random import save_random_model
 from tests.test_families import engine_greedy
 from tests.test_mla import build_mla
@@ -98,10 +98,3 @@ def test_other_extra_layers_are_still_refused(tmp_path: Path, model_dir: Path) -
     add_extra_layer(no_mtp, 2)  # the config declares no MTP layer: layer 2 is unexpected
     with pytest.raises(ModelLoadError, match=r"unexpected \['model\.layers\.2\."):
         engine_greedy(no_mtp, PROMPTS)
-
-
-def test_mtp_speculative_method_stays_refused() -> None:
-    from pdserve.common.engine.spec_decode.config import parse_speculative_config
-
-    with pytest.raises(PdserveError, match="method 'mtp' is not supported"):
-        parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')

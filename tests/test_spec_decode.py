@@ -89,8 +89,8 @@ def test_config_errors_name_the_problem() -> None:
         parse_speculative_config('{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(PdserveError, match="at least 1, got 0"):
         parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 0}')
-    with pytest.raises(PdserveError, match="method 'mtp' is not supported"):
-        parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(PdserveError, match="method 'mtp' takes no 'model'"):
+        parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}')
     with pytest.raises(PdserveError, match="needs 'model'"):
         parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 2}')
     with pytest.raises(PdserveError, match="prompt_lookup_min <= prompt_lookup_max"):
@@ -325,7 +325,7 @@ def test_counters_reach_the_metrics_text() -> None:
     "flag, message",
     [
         ('{"method": "ngram"}', "invalid --speculative-config"),
-        ('{"method": "mtp", "num_speculative_tokens": 1}', "method 'mtp' is not supported"),
+        ('{"method": "mtp", "num_speculative_tokens": 0}', "at least 1, got 0"),
     ],
 )
 def test_cli_refuses_a_bad_speculative_config(

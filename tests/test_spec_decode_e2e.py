@@ -1,8 +1,10 @@
 """Speculative decoding in real deployments: prefill with PCP 2 (unchanged), decode with
-speculation (the draft model computes its own prompt KV on the decode side). Greedy output,
+speculation (the draft model computes its own prompt KV on the decode side; so does the MTP
+layer, from the target's hidden states recomputed over the pulled prompt KV). Greedy output,
 streamed text with a stop string included, must equal the monolithic engine's without
-speculation; the acceptance counters must add up in the router's /metrics. Two
-deployments: the embedded model with n-gram, a random checkpoint with a draft model."""
+speculation; the acceptance counters must add up in the router's /metrics. Three
+deployments: the embedded model with n-gram, a random checkpoint with a draft model, a
+random DeepSeek-V3 checkpoint (MLA) with its MTP layer."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.model.random import save_random_llama
 from tests.e2e import deployment
+from tests.test_mtp_spec import mtp_checkpoint
 from tests.test_serving import assert_pools_full
 from tests.test_spec_decode import perturbed_copy
 
@@ -57,7 +60,7 @@ def counter(url: str, name: str) -> float:
     )
 
 
-@pytest.mark.parametrize("kind", ["embedded-ngram", "random-draft"])
+@pytest.mark.parametrize("kind", ["embedded-ngram", "random-draft", "deepseek-mtp"])
 def test_disaggregated_speculation_matches_the_monolithic_engine(
     tmp_path: Path, model_dir: Path, kind: str
 ) -> None:
@@ -67,6 +70,9 @@ def test_disaggregated_speculation_matches_the_monolithic_engine(
     if kind == "embedded-ngram":
         model = model_dir
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2}
+    elif kind == "deepseek-mtp":  # an MTP layer whose drafts get accepted (tests/test_mtp_spec.py)
+        model = mtp_checkpoint(tmp_path / "mtp", "dense", model_dir, echo=True)
+        spec = {"method": "mtp", "num_speculative_tokens": k}
     else:
         model = save_random_llama(tmp_path / "target", num_layers=2, hidden_size=64,
                                   num_heads=4, num_kv_heads=2, intermediate_size=128)  # fmt: skip

@@ -76,3 +76,59 @@ def test_cuda_speculation_greedy_identical(gpu_llama: Path, method: str) -> None
         # the draft is the target, through other kernels (decode graphs vs verify): a near tie
         # may rarely split them, never more
         assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("kind", ["dense-echo", "moe-echo"])
+def test_cuda_mtp_greedy_identical(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, kind: str, graphs: bool
+) -> None:
+    """Method mtp on CUDA (Triton MLA kernels; the MTP prompt pass writes no KV, slots -1):
+    greedy output equal to the engine's without speculation, drafts accepted; with graphs,
+    verify steps replay the decode graphs, which hand the MTP layer the target's hidden
+    states (cuda_graphs.py keeps them per graph)."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.engine.spec_decode.config import SpeculativeConfig
+    from tests.test_mtp_spec import mtp_checkpoint
+
+    model = mtp_checkpoint(tmp_path_factory.mktemp("mtp-gpu"), kind.split("-")[0], model_dir,
+                           echo=True)  # fmt: skip
+    prompts = [[(i * 31 + j * 7) % 40000 + 5 for j in range(n)] for i, n in enumerate([1, 63, 300])]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(k: int | None) -> tuple[list[list[int]], LLMEngine]:
+        spec = None if k is None else SpeculativeConfig(method="mtp", num_speculative_tokens=k)
+        engine = LLMEngine(
+            EngineConfig(model=str(model), device="cuda", dtype="float32", cuda_graphs=graphs,
+                         gpu_memory_utilization=0.15, speculative_config=spec)
+        )  # fmt: skip
+        replays: list[int] = []
+        runner_graphs = getattr(engine.runner, "graphs", None)
+        assert (runner_graphs is not None) == graphs
+        if runner_graphs is not None:
+            run_graph = runner_graphs.run
+
+            def run_and_count(plan):  # noqa: ANN001, ANN202
+                logits = run_graph(plan)
+                if logits is not None and len({s.request_id for s in plan.seqs}) < len(plan.seqs):
+                    replays.append(len(plan.seqs))  # a verify step's rows
+                return logits
+
+            runner_graphs.run = run_and_count
+        out = [c.token_ids for c in engine.generate(prompts, params)]
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        if graphs and k is not None:
+            assert replays, "no verify step replayed a CUDA graph"
+        return out, engine
+
+    want, _ = run(None)
+    for k in (1, 3):
+        got, engine = run(k)
+        assert got == want, k
+        assert engine.speculator is not None
+        stats = engine.speculator.stats
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+        del engine
+        torch.cuda.empty_cache()

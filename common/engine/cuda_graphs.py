@@ -81,7 +81,10 @@ class DecodeGraphs:
         self._rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         self._keep: list[AttentionMetadata] = []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # size -> (graph, its logits, its pre-norm hidden states when the model keeps them:
+        # the MTP proposer reads them, common/engine/spec_decode/mtp.py)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self._model = model
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
             meta = AttentionMetadata(
@@ -112,7 +115,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = model(*args)
             pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size] = (graph, logits, model.hidden if model.keep_hidden else None)
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - started
         log.info("cuda_graphs_captured", sizes=self.sizes, seconds=round(self.capture_seconds, 2))
@@ -155,6 +158,8 @@ class DecodeGraphs:
                 torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32),
                 non_blocking=True,
             )
-        graph, logits = self._graphs[size]
+        graph, logits, hidden = self._graphs[size]
         graph.replay()
+        if hidden is not None:
+            self._model.hidden = hidden[:n]
         return logits[:n]

@@ -74,7 +74,12 @@ class EngineCore(Generic[OutputT]):
             None
             if spec is None
             else Speculator(
-                spec, config, self.model_config, self.tokenizer, self.runner.layout.num_blocks
+                spec,
+                config,
+                self.model_config,
+                self.tokenizer,
+                self.runner.layout.num_blocks,
+                runner=self.runner,
             )
         )
         self.scheduler = Scheduler(

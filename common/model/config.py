@@ -78,7 +78,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     v_head_dim: int = 0
     # rope over interleaved pairs (x0, x1), (x2, x3)... (V3's rope_interleave; V2 always)
     rope_interleave: bool = False
-    # DeepSeek's MTP layers after the model's own: their weights are skipped (model/mtp.py)
+    # DeepSeek's MTP layers after the model's own: not part of the model (model/mtp.py);
+    # the speculative method mtp loads the first (model/mtp_layer.py)
     num_nextn_predict_layers: int = 0
 
     @property

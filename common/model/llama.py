@@ -191,6 +191,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # MTP speculation (common/engine/spec_decode/mtp.py): with keep_hidden, a forward
+        # leaves the final hidden states before the final norm of its logits rows here
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None  # [S, hidden]
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (last MLP output, residual before it)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions)
+        rope = (cos.to(x.dtype), sin.to(x.dtype))  # once per step, not per layer
+        residual: torch.Tensor | None = None
+        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache[:, slot], meta.of_group(group))
+        return x, residual
 
     def forward(
         self,
@@ -200,17 +219,25 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab] float32
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions)
-        rope = (cos.to(x.dtype), sin.to(x.dtype))  # once per step, not per layer
-        residual: torch.Tensor | None = None
-        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache[:, slot], meta.of_group(group))
+        x, residual = self._layers(input_ids, positions, kv_cache, meta)
         if residual is None:  # no layers
-            x = self.model.norm(x[logits_indices])
+            pre = x[logits_indices]
+            x = self.model.norm(pre)
         else:
-            x, _ = self.model.norm.add(x[logits_indices], residual[logits_indices])
+            x, pre = self.model.norm.add(x[logits_indices], residual[logits_indices])
+        if self.keep_hidden:
+            self.hidden = pre
         return self.lm_head(x).float()
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]: every token's final hidden state before the final norm
+        x, residual = self._layers(input_ids, positions, kv_cache, meta)
+        return x if residual is None else x + residual
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         """The decode kernel's split of a batch of ``num_seqs`` (``kernels.decode_splits``,

@@ -5,9 +5,9 @@ DeepSeek-V3 checkpoints carry ``num_nextn_predict_layers`` extra decoder layers 
 model's own (``model.layers.61.*`` in V3: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``,
 an embedding and a whole decoder layer with its experts), used only to draft tokens for
 speculative decoding. The model itself never runs them (transformers ignores them at load).
-pdserve serves the model without them: their tensors are not read, and the load logs which
-layers it skipped. The ``mtp`` speculative method stays refused
-(common/engine/spec_decode/config.py).
+The model itself is served without them: the target's load does not read their tensors and
+logs which layers it skipped. The speculative method ``mtp`` loads the first of them on its
+own (common/model/mtp_layer.py, common/engine/spec_decode/mtp.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def read_weights(
             model=str(model_dir),
             layers=list(mtp_layers(cfg)),
             num_tensors=num_mtp,
-            note="multi-token-prediction layers are not loaded; the model runs without them "
-            "(speculative method 'mtp' is not supported)",
+            note="multi-token-prediction layers are not part of the model; only the "
+            "speculative method 'mtp' loads them",
         )
     return state

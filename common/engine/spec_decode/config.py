@@ -13,7 +13,8 @@ METHODS = ("ngram", "draft_model", "mtp")
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2}`` or ``{"method": "draft_model", "model": PATH,
-    "num_speculative_tokens": 5}``. Every decode step proposes exactly
+    "num_speculative_tokens": 5}`` or ``{"method": "mtp", "num_speculative_tokens": 1}``
+    (a DeepSeek checkpoint's own multi-token-prediction layer). Every decode step proposes exactly
     ``num_speculative_tokens`` tokens a sequence (fewer only where max_tokens or
     max_model_len leave less room) and the target verifies them in one forward."""
 
@@ -29,12 +30,6 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 f"speculative_config: unknown method {self.method!r}; choose one of "
                 f"{', '.join(METHODS)}"
             )
-        if self.method == "mtp":
-            raise PdserveError(
-                "speculative_config: method 'mtp' is not supported: pdserve loads DeepSeek "
-                "checkpoints without their multi-token-prediction layers (their weights are "
-                "skipped, common/model/mtp.py). Use 'ngram' or 'draft_model'."
-            )
         if self.num_speculative_tokens < 1:
             raise PdserveError(
                 "speculative_config: num_speculative_tokens must be at least 1, "
@@ -47,6 +42,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise PdserveError(
                     "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+                )
+        elif self.method == "mtp":
+            if self.model is not None:
+                raise PdserveError(
+                    "speculative_config: method 'mtp' takes no 'model' (it drafts with the "
+                    "target checkpoint's own multi-token-prediction layer)"
+                )
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise PdserveError(
+                    "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
                 )
         else:
             if not self.model:

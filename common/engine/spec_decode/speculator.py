@@ -27,6 +27,7 @@ from pdserve.common.engine.sampling import (
 )
 from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.engine.spec_decode.draft_model import DraftModelProposer
+from pdserve.common.engine.spec_decode.mtp import MTPProposer
 from pdserve.common.engine.spec_decode.ngram import ngram_propose
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.spec_decode.rejection import rejection_sample
@@ -47,7 +48,9 @@ class Speculator:
         target: ModelConfig,
         tokenizer: Tokenizer,
         num_blocks: int,
+        runner: object = None,
     ) -> None:
+        """``runner``: the engine's target runner (method 'mtp' reads its hidden states)."""
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self.stats = SpecDecodeStats(self.k)
@@ -55,6 +58,9 @@ class Speculator:
         if spec.method == "draft_model":
             assert spec.model is not None  # SpeculativeConfig checked it
             self.draft = DraftModelProposer(spec.model, config, target, tokenizer, num_blocks)
+        self.mtp: MTPProposer | None = None
+        if spec.method == "mtp":
+            self.mtp = MTPProposer(config, target, runner)
         self._drafts: dict[str, Draft] = {}
 
     def fill(self, plan: StepPlan, reqs: list[Request]) -> StepPlan:
@@ -65,6 +71,8 @@ class Speculator:
             return plan
         if self.draft is not None:
             drafts = self.draft.propose([reqs[i] for i in picked], [plan.seqs[i] for i in picked])
+        elif self.mtp is not None:
+            drafts = self.mtp.propose([reqs[i] for i in picked], [plan.seqs[i] for i in picked])
         else:
             spec = self.spec
             drafts = [
@@ -90,6 +98,8 @@ class Speculator:
         """Per sampled sequence, in plan order: the tokens to append and drafts rejected."""
         out: list[Verified] = []
         plain: list[tuple[int, Request]] = []  # (logits row, request): no drafts this step
+        # MTP: (request id, logits row, its position, rows whose inputs the target accepted)
+        kept: list[tuple[str, int, int, int]] = []
         row = 0
         for req, seq in zip(reqs, plan.seqs, strict=True):
             if not seq.sample:
@@ -97,6 +107,7 @@ class Speculator:
             if seq.num_drafts == 0:
                 plain.append((row, req))
                 out.append((req, [], [], 0))
+                kept.append((req.request_id, row, seq.context_len - 1, 1))
                 row += 1
                 continue
             draft = self._drafts.pop(req.request_id)
@@ -104,9 +115,12 @@ class Speculator:
             tokens = self._accept(rows, draft, req, sampler.eos_token_ids)
             num_accepted = len(tokens) - 1
             self.stats.add(seq.num_drafts, num_accepted)
+            kept.append((req.request_id, row, seq.start_position, 1 + num_accepted))
             lps = self._logprobs(rows, req.sampling, tokens)
             out.append((req, tokens, lps, seq.num_drafts - num_accepted))
             row += 1 + seq.num_drafts
+        if self.mtp is not None:
+            self.mtp.keep(kept)
         if plain:
             index = torch.tensor([r for r, _ in plain], device=logits.device)
             sub = logits[index]  # [P, V]
