@@ -30,10 +30,11 @@ CASES = {
     "heads20": (20, 64, 16, 32, [33, 5, 64, 100]),
     "v3": (128, 512, 64, 64, [1, 700, 2048, 64, 129]),
 }
-INTERP_CASES = ("small", "heads20", "fp8-small")
+INTERP_CASES = ("small", "heads20", "fp8-small", "fp8-4tiles")
 # fp8_ds_mla caches (kv_lora_rank a multiple of 128)
 FP8_CASES = {
     "fp8-small": (4, 128, 16, 16, [1, 17, 40]),
+    "fp8-4tiles": (4, 512, 16, 16, [3, 20]),  # four scales a record, as DeepSeek-V3's
     "fp8-v3": (128, 512, 64, 64, [1, 700, 2048, 64, 129]),
 }
 
@@ -149,6 +150,7 @@ def test_fp8_ds_mla_write_and_decode_match_reference(ops, device, gen, name, dty
     # tiles of different magnitudes (each its own scale), plus a padding row (slot -1)
     magnitude = torch.tensor([0.05, 1.0, 20.0, 3.0]).repeat_interleave(32)[:latent]
     magnitude = magnitude.repeat(latent // magnitude.numel())
+    magnitude *= torch.tensor([1.0, 8.0, 0.25, 3.0]).repeat_interleave(128)[:latent]  # by tile
     new = torch.cat(rows + [torch.ones(1, latent + rope, dtype=dtype)])
     new[:, :latent] = (new[:, :latent].float() * magnitude).to(dtype)
     slots = torch.cat((slots, torch.tensor([-1])))
