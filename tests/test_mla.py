@@ -210,18 +210,22 @@ def test_absorbed_decode_reference_equals_expanded_attention() -> None:
 
 
 @pytest.mark.parametrize("v_dim", [12, 40], ids=["v-narrower", "v-wider"])
-@pytest.mark.parametrize("expand_tokens", [8192, 10], ids=["one-group", "groups"])
+@pytest.mark.parametrize(
+    ("expand_tokens", "pad"), [(8192, True), (10, True), (8192, False)],
+    ids=["one-group", "groups", "unpadded"],
+)  # fmt: skip
 def test_prefill_equals_attention_of_each_sequence(
-    monkeypatch: pytest.MonkeyPatch, v_dim: int, expand_tokens: int
+    monkeypatch: pytest.MonkeyPatch, v_dim: int, expand_tokens: int, pad: bool
 ) -> None:
     """common/model/mla_prefill.py: sequences without a cached prefix (two of one length,
     attended in one batched call), one whose queries follow a cached prefix, one alone, with
-    v padded to the q/k width or q/k to v's, in one or several expansion groups, against
-    causal attention over per-head K/V expanded by kv_b_proj, sequence by sequence."""
+    v padded to the q/k width, q/k to v's or neither, in one or several expansion groups,
+    against causal attention over per-head K/V expanded by kv_b_proj, sequence by sequence."""
     from pdserve.common.model import mla_prefill
     from pdserve.common.model.attention import AttentionMetadata
 
     monkeypatch.setattr(mla_prefill, "EXPAND_TOKENS", expand_tokens)
+    monkeypatch.setattr(mla_prefill, "pads_value", lambda q: pad)  # unpadded: CUDA fp32's
     gen = torch.Generator().manual_seed(1)
     heads, latent, rope, nope, block = 4, 32, 16, 8, 16
     q_lens, ctxs = [5, 5, 3, 7], [5, 5, 21, 7]

@@ -10,10 +10,10 @@ then causal attention per sequence.
   refuse 3-D inputs and fall back to the math path, which materialises every ``[H, len,
   len]`` score matrix (the old per-sequence 3-D calls did: the H200's prefill at 0.2x of
   transformers', which passes 4-D). The value is zero-padded to the query/key width
-  (DeepSeek: 128 -> 192) since flash attention needs one head dim for q, k and v; the
-  padding's output columns are zeros and are dropped. A sequence with a cached prefix (its
-  queries the last ``q_len`` of ``ctx`` positions) takes the lower-right causal mask, which
-  flash attention also runs.
+  (DeepSeek: 128 -> 192; not on CUDA in fp32, which has no flash kernel: ``pads_value``)
+  since flash attention needs one head dim for q, k and v; the padding's output columns are
+  zeros and are dropped. A sequence with a cached prefix (its queries the last ``q_len`` of
+  ``ctx`` positions) takes the lower-right causal mask, which flash attention also runs.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ def _groups(context_lens: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def pads_value(q: torch.Tensor) -> bool:
+    """Whether q, k and v take one head dim (the widest): flash attention's requirement.
+    CUDA has no flash kernel in fp32; its memory-efficient one takes unequal dims, as
+    transformers calls it."""
+    return q.device.type != "cuda" or q.dtype != torch.float32
+
+
 def mla_prefill(
     q_nope: torch.Tensor,  # [T_p, H, nope]
     q_rope: torch.Tensor,  # [T_p, H, rope]
@@ -77,7 +84,8 @@ def mla_prefill(
 ) -> torch.Tensor:  # [T_p, H, v]
     num_tokens, heads, nope = q_nope.shape
     qk = nope + q_rope.shape[-1]
-    width = max(qk, v_dim)  # one head dim for q, k and v (flash attention's requirement)
+    pad = pads_value(q_nope)
+    width = max(qk, v_dim) if pad else qk
     out = torch.empty((num_tokens, heads, v_dim), dtype=q_nope.dtype, device=q_nope.device)
     starts = meta.prefill_cu_seqlens_q.tolist()
     context_lens = meta.prefill_context_lens.tolist()
@@ -93,7 +101,7 @@ def mla_prefill(
         k = torch.cat((k_nope, rows[:, None, latent_dim:].expand(-1, heads, -1)), dim=-1)
         if width > qk:
             k = F.pad(k, (0, width - qk))
-        if width > v_dim:
+        if pad and width > v_dim:
             v = F.pad(v, (0, width - v_dim))
         c0, s = 0, a
         while s < b:
