@@ -18,8 +18,11 @@ then causal attention per sequence.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from pdserve.common.model.attention import AttentionMetadata
@@ -66,9 +69,10 @@ def _groups(context_lens: list[int]) -> list[tuple[int, int]]:
 
 
 def pads_value(q: torch.Tensor) -> bool:
-    """Whether q, k and v take one head dim (the widest): flash attention's requirement.
-    CUDA has no flash kernel in fp32; its memory-efficient one takes unequal dims, as
-    transformers calls it."""
+    """Whether q, k and v take one head dim (the widest), for flash attention. Not on CUDA
+    in fp32, which has no flash kernel and runs for exactness (the GPU tests' greedy
+    identity with transformers' fp32 on CPU): SDPA's math path there, as before, on
+    unpadded 4-D views."""
     return q.device.type != "cuda" or q.dtype != torch.float32
 
 
@@ -92,40 +96,56 @@ def mla_prefill(
     q = torch.cat((q_nope, q_rope), dim=-1)  # [T_p, H, qk]
     if width > qk:
         q = F.pad(q, (0, width - qk))
-    for a, b in _groups(context_lens):
-        rows = gather_rows(
-            layer_cache, meta.prefill_block_tables[a:b], context_lens[a:b], latent_dim, q.dtype
-        )  # [n, latent + rope]
-        kv = kv_b_proj(rows[:, :latent_dim]).view(-1, heads, nope + v_dim)
-        k_nope, v = kv.split([nope, v_dim], dim=-1)
-        k = torch.cat((k_nope, rows[:, None, latent_dim:].expand(-1, heads, -1)), dim=-1)
-        if width > qk:
-            k = F.pad(k, (0, width - qk))
-        if pad and width > v_dim:
-            v = F.pad(v, (0, width - v_dim))
-        c0, s = 0, a
-        while s < b:
-            lo, hi, ctx = starts[s], starts[s + 1], context_lens[s]
-            # a run of n sequences of ctx tokens and no cached prefix: one batched call on
-            # views (their queries and their K/V lie one after another)
-            n = 1
-            while (
-                hi - lo == ctx
-                and s + n < b
-                and context_lens[s + n] == ctx
-                and starts[s + n + 1] - starts[s + n] == ctx
-            ):
-                n += 1
-            if hi > lo:
-                q_s = q[lo : lo + n * (hi - lo)].unflatten(0, (n, -1)).transpose(1, 2)
-                k_s = k[c0 : c0 + n * ctx].unflatten(0, (n, -1)).transpose(1, 2)
-                v_s = v[c0 : c0 + n * ctx].unflatten(0, (n, -1)).transpose(1, 2)
-                if hi - lo == ctx:  # [n, H, ctx, width], no cached prefix
-                    o = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)
-                else:  # one sequence whose queries are the last hi - lo of ctx positions
-                    mask = causal_lower_right(hi - lo, ctx)
-                    o = F.scaled_dot_product_attention(q_s, k_s, v_s, mask, scale=scale)
-                out[lo : lo + n * (hi - lo)] = o[..., :v_dim].transpose(1, 2).flatten(0, 1)
-            c0 += n * ctx
-            s += n
+    with contextlib.nullcontext() if pad else sdpa_kernel(SDPBackend.MATH):
+        for a, b in _groups(context_lens):
+            rows = gather_rows(
+                layer_cache, meta.prefill_block_tables[a:b], context_lens[a:b], latent_dim, q.dtype
+            )  # [n, latent + rope]
+            kv = kv_b_proj(rows[:, :latent_dim]).view(-1, heads, nope + v_dim)
+            k_nope, v = kv.split([nope, v_dim], dim=-1)
+            k = torch.cat((k_nope, rows[:, None, latent_dim:].expand(-1, heads, -1)), dim=-1)
+            if width > qk:
+                k = F.pad(k, (0, width - qk))
+            if pad and width > v_dim:
+                v = F.pad(v, (0, width - v_dim))
+            _attend_group(q, k, v, out, starts, context_lens, a, b, scale)
     return out
+
+
+def _attend_group(
+    q: torch.Tensor,  # [T_p, H, width]
+    k: torch.Tensor,  # [sum of the group's contexts, H, width]
+    v: torch.Tensor,  # [sum of the group's contexts, H, v (or width)]
+    out: torch.Tensor,  # [T_p, H, v]
+    starts: list[int],  # prefill_cu_seqlens_q
+    context_lens: list[int],
+    a: int,  # the group: sequences a .. b - 1
+    b: int,
+    scale: float,
+) -> None:
+    v_dim = out.shape[-1]
+    c0, s = 0, a
+    while s < b:
+        lo, hi, ctx = starts[s], starts[s + 1], context_lens[s]
+        # a run of n sequences of ctx tokens and no cached prefix: one batched call on views
+        # (their queries and their K/V lie one after another)
+        n = 1
+        while (
+            hi - lo == ctx
+            and s + n < b
+            and context_lens[s + n] == ctx
+            and starts[s + n + 1] - starts[s + n] == ctx
+        ):
+            n += 1
+        if hi > lo:
+            q_s = q[lo : lo + n * (hi - lo)].unflatten(0, (n, -1)).transpose(1, 2)
+            k_s = k[c0 : c0 + n * ctx].unflatten(0, (n, -1)).transpose(1, 2)
+            v_s = v[c0 : c0 + n * ctx].unflatten(0, (n, -1)).transpose(1, 2)
+            if hi - lo == ctx:  # [n, H, ctx, width], no cached prefix
+                o = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)
+            else:  # one sequence whose queries are the last hi - lo of ctx positions
+                mask = causal_lower_right(hi - lo, ctx)
+                o = F.scaled_dot_product_attention(q_s, k_s, v_s, mask, scale=scale)
+            out[lo : lo + n * (hi - lo)] = o[..., :v_dim].transpose(1, 2).flatten(0, 1)
+        c0 += n * ctx
+        s += n
