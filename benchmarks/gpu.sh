@@ -14,6 +14,9 @@
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
 #   mla           MLA: its GPU tests (Triton latent kernels, the engine vs HF), bench engine and
 #                 bench transfer at the DeepSeek-V3 attention shape (--shape dsv3)
+#   mla-speed     MLA speed (#15): the MLA GPU tests, the decode kernel alone by cache dtype and
+#                 tile (benchmarks/mla_decode.py --sweep), one layer's prefill against HF
+#                 (benchmarks/mla_prefill.py), bench engine --shape dsv3 auto and fp8 with HF
 #   moe           MoE: the grouped expert kernel's GPU tests, bench engine at the 30b-a3b shape
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
@@ -29,7 +32,7 @@
 # from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -149,6 +152,24 @@ suite_mla() {
     return $rc
 }
 
+suite_mla-speed() {
+    timeout 300 python3 -m pytest -q -m gpu tests/test_mla_kernels.py tests/test_mla.py \
+        -p no:cacheprovider --durations=5 > "$OUT/mla_gpu_tests.txt" 2>&1
+    local rc=$?; tail -8 "$OUT/mla_gpu_tests.txt"
+    timeout 200 python3 benchmarks/mla_decode.py --sweep > "$OUT/mla_decode_h200.txt" 2>&1
+    cat "$OUT/mla_decode_h200.txt"
+    timeout 200 python3 benchmarks/mla_prefill.py --device cuda --dtype bfloat16 --hidden 7168 \
+        --heads 128 --q-lora 1536 --seqs 1,16 --tokens 2048 > "$OUT/mla_prefill_h200.txt" 2>&1
+    cat "$OUT/mla_prefill_h200.txt"
+    for kv in auto fp8; do
+        timeout 300 python3 -m pdserve bench engine --shape dsv3 --tokenizer /tmp/tokmodel \
+            --device cuda --dtype bfloat16 --prompt-len 2048 --gen-len 32 --batch-sizes 1,64 \
+            --repeats 2 --kv-cache-dtype $kv --json "$OUT/engine_dsv3_${kv}_h200.json" \
+            2>"$OUT/engine_dsv3_${kv}_err.txt" | tail -10
+    done
+    return $rc
+}
+
 SELF_SPEC='{"method": "draft_model", "model": "self", "num_speculative_tokens": 5}'
 NGRAM_SPEC='{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 suite_spec() {
@@ -171,7 +192,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, moe, gpu-tests, spec, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

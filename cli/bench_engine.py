@@ -68,9 +68,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=("1b", "8b", "dsv3", "30b-a3b"),
+        choices=("1b", "8b", "dsv3", "dsv3-mini", "30b-a3b"),
         help="a random bf16 model of this shape (1B: Llama 3.2's, 8B: Llama 3.1's, dsv3: "
-        "DeepSeek-V3's MLA attention on 4 dense layers, 30b-a3b: Qwen3-30B-A3B's MoE layer, "
+        "DeepSeek-V3's MLA attention on 4 dense layers, dsv3-mini: its per-head sizes at 16 heads, "
+        "hidden 1024, 2 layers (CPU profiling), 30b-a3b: Qwen3-30B-A3B's MoE layer, "
         "4 layers), written once into the model cache, instead of --model",
     )
     p.add_argument(

@@ -17,8 +17,10 @@ that pass the same ``num_splits`` agree bit for bit.
 
 fp8 caches (``--kv-cache-dtype fp8``): uint8, each token one fp8_ds_mla record (fp8 latent,
 one fp32 scale per 128 values, bf16 rope; kernels/triton_mla_fp8.py). The write quantizes
-each row into its record; the decode kernel (DS_MLA) loads the records, dequantizes them in
-fp32 and computes in q's dtype, which then is not cast to the cache's.
+each row into its record; the decode kernel (DS_MLA) loads each key tile's records once
+(their scales as one [BLOCK_N, LATENT / 128] load), dequantizes the tile into q's dtype
+(bf16 for a bf16 model) and uses it for both the score and the value dot; q then is not
+cast to the cache's dtype. Tile sizes and warps: ``decode_launch``.
 
 Constraints: LATENT and ROPE powers of two >= 16 (DeepSeek: 512 and 64), block_size a
 power of two >= 16. Under Triton's interpreter (``TRITON_INTERPRET=1``) operands are
@@ -136,10 +138,9 @@ def _mla_decode_kernel(
             offs = sub * BLOCK_N + offs_n  # [N] offsets in the block
             k_ok = j * BLOCK_SIZE + offs < ctx
             rows = block_base + offs[:, None] * stride_cb
-            if DS_MLA:  # dequantized in fp32, then q's dtype for the dots
-                c, r = load_ds_mla(rows, k_ok, LATENT, ROPE, TILE)
-                c = c.to(q_lat.dtype)
-                r = r.to(q_lat.dtype)
+            if DS_MLA:  # dequantized once into q's dtype, used by both dots
+                c, r = load_ds_mla(block_base + offs * stride_cb, k_ok, LATENT, ROPE, TILE,
+                                   q_lat.dtype)  # fmt: skip
             else:
                 c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
                 r = tl.load(
@@ -265,6 +266,22 @@ def write_latent(
         )
 
 
+def decode_launch(ds_mla: bool, q_dtype: torch.dtype, block_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode kernel. Shared memory at DeepSeek-V3's shape
+    (LATENT 512, ROPE 64, BLOCK_H 16), from Triton's compiler for sm90
+    (tests/test_mla_kernels.py checks it against sm90's 227 KB; fp32 records at BLOCK_N 32
+    took 300 KB before the scales were loaded per tile, a launch failure):
+
+    - auto caches: BLOCK_N 32, 4 warps (bf16 54 KB; fp32 182 KB);
+    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 32 keys
+      and 8 warps (83 KB, two programs an SM; at 4 warps ptxas spills 2.5 times as much);
+    - fp8_ds_mla, fp32 q (exact checks, not speed): 16 keys, 8 warps (73 KB).
+    """
+    if not ds_mla:
+        return min(block_size, 32), 4
+    return min(block_size, 16 if q_dtype == torch.float32 else 32), 8
+
+
 def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device) -> int:
     """Programs per (sequence, head tile): about two programs per SM, 1 once the batch
     fills the GPU (as triton_ops.decode_splits)."""
@@ -307,6 +324,7 @@ def mla_decode_attention(
     part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     stride_cn, _, _, stride_cb, stride_cd = layer_cache.stride()
     tiles = triton.cdiv(num_heads, BLOCK_H)
+    block_n, num_warps = decode_launch(ds_mla, q.dtype, block_size)
     with _device_guard(q):
         _mla_decode_kernel[(num_seqs, tiles, splits)](
             out,
@@ -330,11 +348,12 @@ def mla_decode_attention(
             ROPE=rope,
             BLOCK_H=BLOCK_H,
             BLOCK_SIZE=block_size,
-            BLOCK_N=min(block_size, 32),
+            BLOCK_N=block_n,
             SPLITS=splits,
             UPCAST=_INTERPRETED,
             DS_MLA=ds_mla,
             TILE=fp8_ds_mla.TILE,
+            num_warps=num_warps,
         )
         if splits > 1:
             _mla_reduce_kernel[(num_seqs, tiles)](

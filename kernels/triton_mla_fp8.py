@@ -61,23 +61,31 @@ def _write_ds_mla_kernel(
 
 @triton.jit
 def load_ds_mla(
-    rows,  # [N, 1] uint8 pointers: each key's record
+    rows,  # [N] uint8 pointers: each key's record
     k_ok,  # [N] the key exists (the rest are not loaded: 0)
     LATENT: tl.constexpr,
     ROPE: tl.constexpr,
     TILE: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
-    """(latent [N, LATENT], rope [N, ROPE]) of the records, dequantized, in fp32."""
-    dl = tl.arange(0, LATENT)
+    """(latent [N, LATENT], rope [N, ROPE]) of the records, dequantized into DTYPE.
+
+    Each record's LATENT / TILE scales are loaded once, as an [N, LATENT / TILE] tile, and
+    multiply the fp8 values seen as [N, LATENT / TILE, TILE] (each tile row its scale),
+    which then are flattened back into [N, LATENT]: no load per value."""
+    NT: tl.constexpr = LATENT // TILE
+    t = tl.arange(0, NT)
+    d = tl.arange(0, TILE)
+    offs = (t[:, None] * TILE + d[None, :])[None, :, :]  # [1, NT, TILE]
+    raw = tl.load(rows[:, None, None] + offs, mask=k_ok[:, None, None], other=0)  # uint8
+    scale_ptrs = (rows + LATENT).to(tl.pointer_type(tl.float32))[:, None] + t[None, :]
+    scales = tl.load(scale_ptrs, mask=k_ok[:, None], other=0.0)  # [N, NT]
+    values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales[:, :, None]
+    latent = tl.reshape(values.to(DTYPE), (values.shape[0], LATENT))
     dr = tl.arange(0, ROPE)
-    raw = tl.load(rows + dl[None, :], mask=k_ok[:, None], other=0)  # [N, LATENT] uint8
-    values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    # each value's tile scale: four distinct addresses a row, served from cache
-    scale_ptrs = (rows + LATENT).to(tl.pointer_type(tl.float32)) + (dl // TILE)[None, :]
-    scales = tl.load(scale_ptrs, mask=k_ok[:, None], other=0.0)
-    rope_ptrs = (rows + LATENT + 4 * (LATENT // TILE)).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptrs + dr[None, :], mask=k_ok[:, None], other=0.0)
-    return values * scales, rope.to(tl.float32)
+    rope_ptrs = (rows + LATENT + 4 * NT).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptrs[:, None] + dr[None, :], mask=k_ok[:, None], other=0.0)
+    return latent, rope.to(DTYPE)
 
 
 def record_rope(layer_cache: torch.Tensor, latent_dim: int) -> int:

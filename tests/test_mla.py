@@ -209,6 +209,56 @@ def test_absorbed_decode_reference_equals_expanded_attention() -> None:
         torch.testing.assert_close(got[s], want[:, 0])
 
 
+@pytest.mark.parametrize("v_dim", [12, 40], ids=["v-narrower", "v-wider"])
+@pytest.mark.parametrize(
+    ("expand_tokens", "pad"), [(8192, True), (10, True), (8192, False)],
+    ids=["one-group", "groups", "unpadded"],
+)  # fmt: skip
+def test_prefill_equals_attention_of_each_sequence(
+    monkeypatch: pytest.MonkeyPatch, v_dim: int, expand_tokens: int, pad: bool
+) -> None:
+    """common/model/mla_prefill.py: sequences without a cached prefix (two of one length,
+    attended in one batched call), one whose queries follow a cached prefix, one alone, with
+    v padded to the q/k width, q/k to v's or neither, in one or several expansion groups,
+    against causal attention over per-head K/V expanded by kv_b_proj, sequence by sequence."""
+    from pdserve.common.model import mla_prefill
+    from pdserve.common.model.attention import AttentionMetadata
+
+    monkeypatch.setattr(mla_prefill, "EXPAND_TOKENS", expand_tokens)
+    monkeypatch.setattr(mla_prefill, "pads_value", lambda q: pad)  # unpadded: CUDA fp32's
+    gen = torch.Generator().manual_seed(1)
+    heads, latent, rope, nope, block = 4, 32, 16, 8, 16
+    q_lens, ctxs = [5, 5, 3, 7], [5, 5, 21, 7]
+    kv_b = torch.nn.Linear(latent, heads * (nope + v_dim), bias=False).double()
+    tables = torch.tensor([[3, 0], [7, 0], [2, 9], [5, 0]], dtype=torch.int32)
+    cache = torch.full((12, 1, 1, block, latent + rope), float("nan"), dtype=torch.float64)
+    rows = [torch.randn(n, latent + rope, generator=gen, dtype=torch.float64) for n in ctxs]
+    for s, r in enumerate(rows):
+        pos = torch.arange(len(r))
+        mla_reference.write_latent(cache, r, tables[s, pos // block].long() * block + pos % block)
+    q = torch.randn(sum(q_lens), heads, nope + rope, generator=gen, dtype=torch.float64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        num_decode_tokens=0,
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=torch.zeros((0, 2), dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.tensor([0, 5, 10, 13, 20], dtype=torch.int32),
+        prefill_context_lens=torch.tensor(ctxs, dtype=torch.int32),
+        prefill_block_tables=tables,
+    )
+    got = mla_prefill.mla_prefill(q[..., :nope], q[..., nope:], cache, meta, kv_b, latent,
+                                  v_dim, 0.3)  # fmt: skip
+    start = 0
+    for r, n in zip(rows, q_lens, strict=True):
+        kv = kv_b(r[:, :latent]).view(-1, heads, nope + v_dim).transpose(0, 1)
+        k = torch.cat((kv[..., :nope], r[None, :, latent:].expand(heads, -1, -1)), dim=-1)
+        scores = (q[start : start + n].transpose(0, 1) @ k.transpose(1, 2)) * 0.3
+        visible = torch.arange(len(r))[None, :] <= torch.arange(len(r) - n, len(r))[:, None]
+        want = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ kv[..., nope:]
+        torch.testing.assert_close(got[start : start + n], want.transpose(0, 1))
+        start += n
+
+
 @pytest.mark.parametrize(
     "name", ["v3-yarn", "v3-no-q-lora", pytest.param("v2", marks=pytest.mark.slow)]
 )

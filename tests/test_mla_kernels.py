@@ -30,10 +30,11 @@ CASES = {
     "heads20": (20, 64, 16, 32, [33, 5, 64, 100]),
     "v3": (128, 512, 64, 64, [1, 700, 2048, 64, 129]),
 }
-INTERP_CASES = ("small", "heads20", "fp8-small")
+INTERP_CASES = ("small", "heads20", "fp8-small", "fp8-4tiles")
 # fp8_ds_mla caches (kv_lora_rank a multiple of 128)
 FP8_CASES = {
     "fp8-small": (4, 128, 16, 16, [1, 17, 40]),
+    "fp8-4tiles": (4, 512, 16, 16, [3, 20]),  # four scales a record, as DeepSeek-V3's
     "fp8-v3": (128, 512, 64, 64, [1, 700, 2048, 64, 129]),
 }
 
@@ -149,6 +150,7 @@ def test_fp8_ds_mla_write_and_decode_match_reference(ops, device, gen, name, dty
     # tiles of different magnitudes (each its own scale), plus a padding row (slot -1)
     magnitude = torch.tensor([0.05, 1.0, 20.0, 3.0]).repeat_interleave(32)[:latent]
     magnitude = magnitude.repeat(latent // magnitude.numel())
+    magnitude *= torch.tensor([1.0, 8.0, 0.25, 3.0]).repeat_interleave(128)[:latent]  # by tile
     new = torch.cat(rows + [torch.ones(1, latent + rope, dtype=dtype)])
     new[:, :latent] = (new[:, :latent].float() * magnitude).to(dtype)
     slots = torch.cat((slots, torch.tensor([-1])))
@@ -214,3 +216,41 @@ def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() ->
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in decode.arg_names}
     ptx = triton.compile(ASTSource(decode, sig, consts), target=target).asm["ptx"]
     assert "e4m3" in ptx  # the records' fp8 values converted in the kernel
+
+
+SM90_SHARED = 232448  # bytes of shared memory one program may take on sm90 (227 KB)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ds_mla"),
+    [("bf16", False), ("bf16", True), ("fp32", True)],  # fp32 auto: 182 KB, 30 s to compile
+    ids=["bf16-auto", "bf16-fp8", "fp32-fp8"],
+)
+def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(dtype: str, ds_mla: bool) -> None:
+    """Without a GPU: the decode kernel at DeepSeek-V3's shape (LATENT 512, ROPE 64, block
+    64) with the tile and warps ``decode_launch`` picks compiles for sm90 within its shared
+    memory; above it the launch fails (the fp8 fp32 GPU cases did, at 300 KB)."""
+    triton = pytest.importorskip("triton")
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_mla
+
+    q_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    block_n, num_warps = triton_mla.decode_launch(ds_mla, q_dtype, 64)
+    decode = triton_mla._mla_decode_kernel
+    consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=block_n, SPLITS=2,
+                  UPCAST=False, DS_MLA=ds_mla, TILE=128)  # fmt: skip
+    ptrs = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "cache_ptr": "*u8" if ds_mla else
+            f"*{dtype}", "context_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in decode.arg_names}
+    compiled = triton.compile(
+        ASTSource(decode, sig, consts),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
+    )
+    assert compiled.metadata.num_warps == num_warps
+    assert compiled.metadata.shared <= SM90_SHARED, compiled.metadata.shared

@@ -12,8 +12,9 @@ fp8`` that row as its 656-byte fp8_ds_mla record (kernels/fp8_ds_mla.py: fp8 lat
 fp32 scale per 128 values, bf16 rope), quantized by the write and dequantized by the
 reads. Attention:
 
-* prefill expands the cached latent of each sequence into per-head K and V with
-  ``kv_b_proj`` (as transformers does) and runs causal SDPA: cheap at long prompts;
+* prefill expands the cached latent of the sequences into per-head K and V with
+  ``kv_b_proj`` (as transformers does) and runs causal SDPA (common/model/mla_prefill.py:
+  batched expansion, v padded to the q/k width for flash attention): cheap at long prompts;
 * decode uses the absorbed form: each query head's nope part goes into latent space
   through its slice of ``kv_b_proj`` (``W_UK``), attends the latent rows directly
   (``kernels.mla_decode_attention``: one KV head of width kv_lora_rank + rope, the value
@@ -40,10 +41,10 @@ from torch.nn import functional as F
 from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.mla_prefill import mla_prefill
 from pdserve.common.model.norm import RMSNorm
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import q_heads_of
-from pdserve.kernels import mla_reference
 
 # transformers builds q_a_layernorm and kv_a_layernorm without config.rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -156,33 +157,11 @@ class MLAAttention(nn.Module):
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T_p, H, v]
-        """Each sequence's cached latent expanded into per-head K and V, causal SDPA."""
-        out = torch.empty(
-            (q_nope.shape[0], self.num_heads, self.v_dim), dtype=q_nope.dtype, device=q_nope.device
+        """The cached latent expanded into per-head K and V, causal SDPA
+        (common/model/mla_prefill.py)."""
+        return mla_prefill(
+            q_nope, q_rope, layer_cache, meta, self.kv_b_proj, self.latent, self.v_dim, self.scale
         )
-        starts = meta.prefill_cu_seqlens_q.tolist()
-        heads = self.num_heads
-        for s, ctx in enumerate(meta.prefill_context_lens.tolist()):
-            lo, hi = starts[s], starts[s + 1]
-            if hi == lo:
-                continue
-            rows = mla_reference.gather_latent(
-                layer_cache, meta.prefill_block_tables[s], ctx, self.latent, q_nope.dtype
-            ).to(q_nope.dtype)  # [ctx, latent + rope]
-            kv = self.kv_b_proj(rows[:, : self.latent]).view(ctx, heads, self.nope + self.v_dim)
-            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-            k = torch.cat((k_nope, rows[:, None, self.latent :].expand(-1, heads, -1)), dim=-1)
-            q = torch.cat((q_nope[lo:hi], q_rope[lo:hi]), dim=-1)  # [q_len, H, nope + rope]
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-            if hi - lo == ctx:  # no cached prefix: plain causal (SDPA's fused kernels)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            else:
-                q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
-                visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
-                o = F.scaled_dot_product_attention(q, k, v, visible, scale=self.scale)
-            # o: [H, q_len, v]
-            out[lo:hi] = o.transpose(0, 1)
-        return out
 
 
 def attention_shards(

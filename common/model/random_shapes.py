@@ -49,6 +49,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
     ),  # fmt: skip
+    # dsv3's per-head attention (kv_lora 512, rope 64, nope 128, v 128) at 16 heads, hidden
+    # 1024, 2 layers: small enough to profile MLA prefill on a CPU against transformers
+    "dsv3-mini": dict(
+        num_layers=2,
+        hidden_size=1024,
+        num_heads=16,
+        intermediate_size=1024,
+        q_lora_rank=384,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),  # fmt: skip
 }
 # DeepSeek-V3's rope: yarn, factor 40 over 4096 positions, mscale = mscale_all_dim = 1
 DSV3_ROPE = {

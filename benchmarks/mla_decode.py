@@ -1,0 +1,120 @@
+"""The Triton MLA decode kernel (kernels/triton_mla.py) alone at DeepSeek-V3's attention
+shape, auto (bf16 latent) against fp8_ds_mla (656-byte records) caches, on one GPU.
+
+    python benchmarks/mla_decode.py                       # batch 1,64, context 2048
+    python benchmarks/mla_decode.py --sweep               # also each (BLOCK_N, num_warps)
+    TRITON_INTERPRET=1 python benchmarks/mla_decode.py --device cpu --heads 4 --latent 128 \
+        --rope 16 --context 40 --batch-sizes 2 --block-size 16     # a smoke run, no GPU
+
+Per (cache, batch): the kernel's time (triton.testing.do_bench, median), the bytes of
+latent it must read (batch x context x bytes a token) over that time, and the largest
+difference from the torch reference over the same cache (relative to its largest value).
+``--sweep`` overrides ``decode_launch`` to time every (BLOCK_N, num_warps) that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _bench(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: do_bench's median on a GPU, the median of 3 elsewhere."""
+    if device.type == "cuda":
+        import triton
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    from pdserve.kernels import fp8_ds_mla, mla_reference, triton_mla
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--latent", type=int, default=512)
+    ap.add_argument("--rope", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1 only")
+    args = ap.parse_args()
+    dtype, dev, block = getattr(torch, args.dtype), torch.device(args.device), args.block_size
+    width = args.latent + args.rope
+    torch.manual_seed(0)
+    if dev.type == "cpu":  # Triton 3.6's interpreter vs numpy >= 2.4 (tests/test_mla_kernels.py)
+        from triton.runtime import interpreter
+
+        patch = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):  # type: ignore[no-untyped-def]
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        interpreter._patch_lang_tensor = patched
+    launch = triton_mla.decode_launch
+    print(f"heads {args.heads}  latent {args.latent}  rope {args.rope}  context {args.context}  "
+          f"{args.dtype}  {args.device}")  # fmt: skip
+    print("cache  batch  BLOCK_N  warps  us  GB/s  max |diff| / max |ref|")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        per_seq = -(-args.context // block)
+        tables = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), args.context, dtype=torch.int32, device=dev)
+        pos = torch.arange(args.context, device=dev)
+        slots = (tables[:, pos // block].long() * block + pos % block).flatten()
+        rows = torch.randn(batch * args.context, width, device=dev, dtype=dtype)
+        q = torch.randn(batch, args.heads, width, device=dev, dtype=dtype) * 0.1
+        scale = (128 + args.rope) ** -0.5
+        for cache_dtype in ("auto", "fp8"):
+            if cache_dtype == "fp8":
+                record = fp8_ds_mla.record_bytes(args.latent, args.rope)
+                cache = torch.zeros((batch * per_seq, 1, 1, block, record), dtype=torch.uint8)
+                token_bytes = record
+            else:
+                cache = torch.zeros((batch * per_seq, 1, 1, block, width), dtype=dtype)
+                token_bytes = width * cache.element_size()
+            cache = cache.to(dev)
+            triton_mla.write_latent(cache, rows, slots, args.latent)
+            want = mla_reference.mla_decode_attention(
+                q.float(), cache if cache_dtype == "fp8" else cache.float(), lens, tables,
+                scale, args.latent,
+            )  # fmt: skip
+            ds = cache_dtype == "fp8"
+            configs = [launch(ds, dtype, block)]
+            if args.sweep:
+                configs += [(n, w) for n in (16, 32, 64) if n <= block for w in (4, 8)]
+            for block_n, warps in dict.fromkeys(configs):
+                triton_mla.decode_launch = lambda *_, c=(block_n, warps): c  # type: ignore[misc]
+                try:
+                    out = triton_mla.mla_decode_attention(
+                        q, cache, lens, tables, scale, args.latent
+                    )
+                    run = functools.partial(
+                        triton_mla.mla_decode_attention, q, cache, lens, tables, scale, args.latent
+                    )
+                    ms = _bench(run, dev)
+                except Exception as e:  # noqa: BLE001 - a config over the GPU's resources
+                    print(f"{cache_dtype:5s}  {batch:5d}  {block_n:7d}  {warps:5d}  {e!r:.80}")
+                    continue
+                finally:
+                    triton_mla.decode_launch = launch
+                diff = float((out.float() - want).abs().max() / want.abs().max())
+                gbps = batch * args.context * token_bytes / (ms * 1e-3) / 1e9
+                print(f"{cache_dtype:5s}  {batch:5d}  {block_n:7d}  {warps:5d}  {ms * 1e3:8.1f}  "
+                      f"{gbps:6.0f}  {diff:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
