@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -29,34 +29,12 @@ from pdserve.common.runtime.engine_commands import (
 )
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 from pdserve.common.runtime.spec_metrics import SpecDecodeReporter
+from pdserve.services.decode.pending import PendingByProducer, PendingPull, pending_by_producer
 
 if TYPE_CHECKING:
-    from pdserve.common.transfer.kv_pulls import Puller, PullResult
-    from pdserve.services.decode.decode_engine import DecodeEngine
+    from pdserve.common.transfer.kv_pulls import PullResult
 
 log = structlog.get_logger("pdserve.decode")
-
-# Heartbeat targets: producer side channel -> (engine_id, epoch, request ids still waiting,
-# their handles' tokens)
-PendingByProducer = dict[str, tuple[str, int, list[str], list[str]]]
-
-
-@dataclass
-class PendingPull:
-    identity: bytes
-    msg: p.DecodeRequest
-    handle: p.KVHandle
-    arrived: float = field(default_factory=time.monotonic)
-    blocks: list[int] | None = None
-    pulling: bool = False  # READs posted, not all ended
-    aborted: bool = False
-    marks: dict[str, float] = field(
-        default_factory=lambda: {"decode_received": time.time()}
-    )  # common/runtime/ttft.py
-
-    @property
-    def key(self) -> ProducerKey:
-        return self.handle.engine_id, self.handle.epoch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,28 +66,14 @@ class DecodeEngineThread(EngineThread):
     def setup(self) -> None:
         import torch
 
-        from pdserve.common.engine.model_runner import ModelRunner
-        from pdserve.common.transfer.kv_pulls import LocalPuller
-        from pdserve.services.decode.decode_engine import DecodeEngine
-        from pdserve.services.decode.pullers import RankPuller
+        from pdserve.services.decode.pullers import open_engine
 
         ctx = self.ctx
         torch.set_num_threads(ctx.torch_threads)
         engine_cfg = ctx.cfg.engine_for("decode")
         self.tp = ctx.cfg.decode_tp_of(ctx.instance)
         agent_name = f"decode-{ctx.instance}-{time.time_ns()}"
-        self.puller: Puller
-        if self.tp > 1:
-            from pdserve.services.ranks.group import RankGroup
-
-            ranks = RankGroup.decode(engine_cfg, self.tp, agent_name)
-            self.puller = RankPuller(ranks)
-            self.engine: DecodeEngine = DecodeEngine(engine_cfg, runner=ranks)
-        else:
-            self.engine = DecodeEngine(engine_cfg)
-            runner = self.engine.runner
-            assert isinstance(runner, ModelRunner)  # in process: no rank group
-            self.puller = LocalPuller(agent_name, runner)
+        self.engine, self.puller = open_engine(engine_cfg, self.tp, agent_name)
         self.metrics = ctx.metrics
         self.limits = Limits(
             vocab_size=self.engine.model_config.vocab_size,
@@ -138,7 +102,7 @@ class DecodeEngineThread(EngineThread):
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
-        self.pending_by_producer = self._pending_by_producer() if self.pending else {}
+        self.pending_by_producer = pending_by_producer(self.pending) if self.pending else {}
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
         return computing or any(pp.pulling for pp in self.pending.values())
 
@@ -354,19 +318,6 @@ class DecodeEngineThread(EngineThread):
                 token=handle.token,
             )
             self.post(self.ctx.send_side, handle.replicas[index].side_channel, release)
-
-    def _pending_by_producer(self) -> PendingByProducer:
-        """Requests accepted but not yet pulled, by producer side channel (heartbeats)."""
-        out: PendingByProducer = {}
-        for rid, pp in self.pending.items():
-            for replica in pp.handle.replicas:
-                entry = out.setdefault(
-                    replica.side_channel, (pp.handle.engine_id, pp.handle.epoch, [], [])
-                )
-                if rid not in entry[2]:  # several replicas share one side channel
-                    entry[2].append(rid)
-                    entry[3].append(pp.handle.token)
-        return out
 
     # -- decoding ---------------------------------------------------------------------------
 

@@ -25,6 +25,9 @@ from pdserve.common.transfer.kv_transfer import KVTransferError
 from pdserve.services.ranks import messages as m
 
 if TYPE_CHECKING:
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.transfer.kv_pulls import Puller
+    from pdserve.services.decode.decode_engine import DecodeEngine
     from pdserve.services.ranks.group import RankGroup
 
 
@@ -119,3 +122,21 @@ class RankPuller:
 
     def close(self) -> None:
         self.ranks.close()
+
+
+def open_engine(engine_cfg: EngineConfig, tp: int, agent_name: str) -> tuple[DecodeEngine, Puller]:
+    """The decode engine and what pulls into its KV cache: in this process at TP 1, through
+    a rank group's processes (one NIXL agent each) above."""
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.common.transfer.kv_pulls import LocalPuller
+    from pdserve.services.decode.decode_engine import DecodeEngine
+
+    if tp > 1:
+        from pdserve.services.ranks.group import RankGroup
+
+        ranks = RankGroup.decode(engine_cfg, tp, agent_name)
+        return DecodeEngine(engine_cfg, runner=ranks), RankPuller(ranks)
+    engine = DecodeEngine(engine_cfg)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # in process: no rank group
+    return engine, LocalPuller(agent_name, runner)
