@@ -1,0 +1,68 @@
+"""Loading a checkpoint into this rank's model: the weights it holds (its experts, its TP
+shard, no MTP layer), checked against the config's parameters, on its device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.common.engine.kv_groups import layer_slots, page_groups
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.moe import fuse_expert_weights
+from pdserve.common.model.mtp import read_weights
+from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.parallel.context import ParallelContext
+
+# kept in float32 whatever the model dtype (DeepSeek routes on them in float32, as HF does)
+FLOAT32_KEYS = ("e_score_correction_bias",)
+
+
+def load_model(
+    cfg: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelContext | None = None,
+) -> LlamaForCausalLM:
+    par = parallel or ParallelContext()
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, par)
+    model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
+    # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
+    state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
+        state = fuse_expert_weights(state, cfg.moe, par.tp_size, par.tp_rank)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"weights in {model_dir} do not match the config: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}"
+        )
+    state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
+    model.load_state_dict(
+        {k: v.float() if k.endswith(FLOAT32_KEYS) else v.to(dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary buffer was built on meta; rebuild it for real.
+    rotary = model.model.rotary
+    rotary.inv_freq, rotary.attention_scaling = inv_frequencies(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+    )
+    model = model.to(device).eval()
+    if device.type == "cuda":
+        model.pack_weights()
+    return model
