@@ -5,6 +5,7 @@ size's different split of the attention sum cannot flip a near tie."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def test_cuda_mtp_greedy_identical(
     prompts = [[(i * 31 + j * 7) % 40000 + 5 for j in range(n)] for i, n in enumerate([1, 63, 300])]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 
-    def run(k: int | None) -> tuple[list[list[int]], LLMEngine]:
+    def run(k: int | None) -> tuple[list[list[int]], tuple[int, int]]:
         spec = None if k is None else SpeculativeConfig(method="mtp", num_speculative_tokens=k)
         engine = LLMEngine(
             EngineConfig(model=str(model), device="cuda", dtype="float32", cuda_graphs=graphs,
@@ -121,14 +122,20 @@ def test_cuda_mtp_greedy_identical(
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
         if graphs and k is not None:
             assert replays, "no verify step replayed a CUDA graph"
-        return out, engine
+        counts = (0, 0)
+        if k is not None:
+            assert engine.speculator is not None
+            stats = engine.speculator.stats
+            counts = (stats.num_accepted_tokens, stats.num_draft_tokens)
+        # each engine takes its share of the device counting what this process holds:
+        # the last one's KV cache must be gone before the next engine sizes its own
+        del engine, runner_graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out, counts
 
     want, _ = run(None)
     for k in (1, 3):
-        got, engine = run(k)
+        got, (accepted, drafted) = run(k)
         assert got == want, k
-        assert engine.speculator is not None
-        stats = engine.speculator.stats
-        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
-        del engine
-        torch.cuda.empty_cache()
+        assert 0 < accepted <= drafted
