@@ -267,19 +267,24 @@ def write_latent(
 
 
 def decode_launch(ds_mla: bool, q_dtype: torch.dtype, block_size: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the decode kernel. Shared memory at DeepSeek-V3's shape
-    (LATENT 512, ROPE 64, BLOCK_H 16), from Triton's compiler for sm90
-    (tests/test_mla_kernels.py checks it against sm90's 227 KB; fp32 records at BLOCK_N 32
-    took 300 KB before the scales were loaded per tile, a launch failure):
+    """(BLOCK_N, num_warps) of the decode kernel, from `benchmarks/mla_decode.py --sweep` on
+    the H200 at DeepSeek-V3's shape (128 heads, context 2048; benchmarks/results/
+    mla_decode_h200.txt) within the shared memory Triton's compiler gives for sm90
+    (LATENT 512, ROPE 64, BLOCK_H 16; tests/test_mla_kernels.py checks every choice against
+    sm90's 227 KB; fp32 records at BLOCK_N 32 once took 300 KB, a launch failure):
 
-    - auto caches: BLOCK_N 32, 4 warps (bf16 54 KB; fp32 182 KB);
-    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 32 keys
-      and 8 warps (83 KB, two programs an SM; at 4 warps ptxas spills 2.5 times as much);
+    - auto caches, 16-bit q: 64 keys, 8 warps (batch 1: 62 us against 137 at 32 keys and 4
+      warps; batch 64: 287 us against 440);
+    - auto caches, fp32 q: 32 keys, 4 warps (182 KB);
+    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 64 keys
+      and 4 warps (batch 64: 723 us against 1,093 at 32 keys and 8 warps; batch 1 even);
     - fp8_ds_mla, fp32 q (exact checks, not speed): 16 keys, 8 warps (73 KB).
     """
     if not ds_mla:
-        return min(block_size, 32), 4
-    return min(block_size, 16 if q_dtype == torch.float32 else 32), 8
+        return (min(block_size, 64), 8) if q_dtype != torch.float32 else (min(block_size, 32), 4)
+    if q_dtype == torch.float32:
+        return min(block_size, 16), 8
+    return min(block_size, 64), 4
 
 
 def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device) -> int:
