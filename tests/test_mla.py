@@ -376,3 +376,24 @@ def test_tp_shards_split_heads_and_replicate_the_latent(q_lora: int | None) -> N
             assert torch.equal(torch.cat([p[name] for p in parts], dim=1), tensor)
         else:
             assert all(torch.equal(p[name], tensor) for p in parts), name
+
+
+def test_cuda_refuses_mla_sizes_its_kernel_cannot_tile() -> None:
+    """A DeepSeek model whose latent or rope part the Triton MLA decode cannot tile (powers
+    of two >= 16) is refused on CUDA before any weight is read, naming the sizes; CPU runs it."""
+    from pdserve.common.engine.model_loader import check_device_supports
+
+    def cfg(latent: int, rope: int) -> ModelConfig:
+        _, kw = MLA_MODELS["v3-yarn"]
+        hf = transformers.DeepseekV3Config(
+            **{**kw, "kv_lora_rank": latent, "qk_rope_head_dim": rope}
+        )
+        return ModelConfig.from_dict(hf.to_dict())
+
+    with pytest.raises(ModelLoadError, match="qk_rope_head_dim 8") as err:
+        check_device_supports(cfg(16, 8), torch.device("cuda"))
+    assert "kv_lora_rank" not in str(err.value).split("this model has")[1]
+    with pytest.raises(ModelLoadError, match="kv_lora_rank 24"):
+        check_device_supports(cfg(24, 16), torch.device("cuda"))
+    check_device_supports(cfg(16, 8), torch.device("cpu"))
+    check_device_supports(cfg(32, 16), torch.device("cuda"))

@@ -45,17 +45,20 @@ PROMPTS = [[(i * 31 + 7) % 30000 + 100 for i in range(n)] for n in (5, 40)]
 MAX_TOKENS = 16
 
 
-def mtp_checkpoint(root: Path, kind: str, tokenizer_from: Path, echo: bool = False) -> Path:
+def mtp_checkpoint(
+    root: Path, kind: str, tokenizer_from: Path, echo: bool = False, **overrides: Any
+) -> Path:
     """A random DeepSeek-V3 checkpoint (``dense`` or ``moe``) with its MTP layer written in.
     ``echo``: the target's LM head made its embedding plus noise (it repeats its input token
     now and then) and the MTP layer close to copying its input token, so drafts get
-    accepted; otherwise the MTP layer is random (drafts rarely accepted)."""
+    accepted; otherwise the MTP layer is random (drafts rarely accepted). ``overrides``:
+    config keys of the ``moe`` checkpoint over tests/test_moe_deepseek.py's."""
     if kind == "dense":
         model = build_mla(root, "v3-yarn", tokenizer_from=tokenizer_from)
     else:
         model = save_random_model(
             root / "moe", "deepseek_v3", max_position_embeddings=4096, seed=1,
-            tokenizer_from=tokenizer_from, **DEEPSEEK_MODEL,
+            tokenizer_from=tokenizer_from, **{**DEEPSEEK_MODEL, **overrides},
         )  # fmt: skip
     cfg = json.loads((model / "config.json").read_text())
     index, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]

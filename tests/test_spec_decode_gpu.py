@@ -94,8 +94,11 @@ def test_cuda_mtp_greedy_identical(
     from pdserve.common.engine.spec_decode.config import SpeculativeConfig
     from tests.test_mtp_spec import mtp_checkpoint
 
+    # the MoE checkpoint's latent and rope part widened to the Triton MLA kernel's tiles
+    # (powers of two >= 16; model_loader.check_device_supports refuses the CPU test's 16/8)
+    widen = {"kv_lora_rank": 32, "qk_rope_head_dim": 16} if kind == "moe-echo" else {}
     model = mtp_checkpoint(tmp_path_factory.mktemp("mtp-gpu"), kind.split("-")[0], model_dir,
-                           echo=True)  # fmt: skip
+                           echo=True, **widen)  # fmt: skip
     prompts = [[(i * 31 + j * 7) % 40000 + 5 for j in range(n)] for i, n in enumerate([1, 63, 300])]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 

@@ -20,6 +20,21 @@ from pdserve.common.parallel.context import ParallelContext
 FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
+def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
+    """Refuse, before any weight is read, a model the device's kernels cannot run: on CUDA
+    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more."""
+    if device.type != "cuda" or not cfg.is_mla:
+        return
+    sizes = {"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim}
+    bad = {k: v for k, v in sizes.items() if v < 16 or v & (v - 1)}
+    if bad:
+        raise ModelLoadError(
+            "the CUDA MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
+            f">= 16; this model has {', '.join(f'{k} {v}' for k, v in bad.items())} "
+            "(it runs with --device cpu)"
+        )
+
+
 def load_model(
     cfg: ModelConfig,
     model_dir: Path,
@@ -27,6 +42,7 @@ def load_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
 ) -> LlamaForCausalLM:
+    check_device_supports(cfg, device)
     par = parallel or ParallelContext()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
