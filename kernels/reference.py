@@ -87,20 +87,26 @@ def _attend(
     sliding_window: int | None,
     first_pos: int = 0,  # the position of k[:, 0]
 ) -> torch.Tensor:  # [q_len, H_q, D]
+    """One sequence's queries over its keys, on 4-D tensors: SDPA's fused CPU kernel takes
+    only those (3-D ran the math path, a [H, q_len, ctx] score tensor materialised; 2.7x
+    slower at 512 tokens). A whole prompt without a window is plain causal attention and
+    needs no mask at all; a chunk after cached tokens or a window gets the boolean mask."""
     q_len, num_heads, _ = q.shape
     ctx = first_pos + k.shape[1]
     group = num_heads // k.shape[0]
-    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # [q_len, 1]
-    k_pos = torch.arange(first_pos, ctx, device=q.device)[None, :]  # [1, n]
-    visible = k_pos <= q_pos
-    if sliding_window is not None:
-        visible &= k_pos > q_pos - sliding_window
-    k = k.repeat_interleave(group, dim=0)
-    v = v.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).to(k.dtype), k, v, attn_mask=visible, scale=scale
-    )  # [H_q, q_len, D]
-    return out.transpose(0, 1).to(q.dtype)
+    k = k.repeat_interleave(group, dim=0)[None]
+    v = v.repeat_interleave(group, dim=0)[None]
+    q4 = q.transpose(0, 1).to(k.dtype)[None]  # [1, H_q, q_len, D]
+    if sliding_window is None and first_pos == 0 and q_len == ctx:
+        out = F.scaled_dot_product_attention(q4, k, v, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(first_pos, ctx, device=q.device)[None, :]  # [1, n]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(q4, k, v, attn_mask=visible, scale=scale)
+    return out[0].transpose(0, 1).to(q.dtype)  # [q_len, H_q, D]
 
 
 def prefill_attention(
