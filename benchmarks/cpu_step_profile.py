@@ -31,9 +31,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per batch")
+    ap.add_argument("--no-prepack", action="store_true", help="cpu_weight_prepack off (F.linear)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_batched_tokens=8192,
+                                    cpu_weight_prepack=not args.no_prepack,
                                     enable_prefix_caching=False))  # fmt: skip
     rng = random.Random(0)
     for batch in map(int, args.batches.split(",")):

@@ -41,6 +41,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     parallel: ParallelContext | None = None,
+    cpu_weight_prepack: bool = False,
 ) -> LlamaForCausalLM:
     check_device_supports(cfg, device)
     par = parallel or ParallelContext()
@@ -81,4 +82,6 @@ def load_model(
     model = model.to(device).eval()
     if device.type == "cuda":
         model.pack_weights()
+    elif cpu_weight_prepack:  # float32 GEMMs on oneDNN-reordered weights (model/linear.py)
+        model.pack_weights(prepack=True)
     return model

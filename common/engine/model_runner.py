@@ -52,6 +52,7 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         cuda_graphs: bool = True,
         max_model_len: int | None = None,
+        cpu_weight_prepack: bool = False,
     ) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
@@ -70,7 +71,9 @@ class ModelRunner:
         ) or check_ep(self.parallel.tp_size, cfg.moe)
         if reason:
             raise ModelLoadError(f"{model_dir}: {reason}")
-        self.model = load_model(cfg, model_dir, self.dtype, self.device, self.parallel)
+        self.model = load_model(
+            cfg, model_dir, self.dtype, self.device, self.parallel, cpu_weight_prepack
+        )
         self.load_seconds = time.perf_counter() - started
         # MLA with fp8: the latent as fp8_ds_mla records (uint8, 656 bytes a token in V3)
         try:
@@ -183,6 +186,7 @@ class ModelRunner:
             * (1 + _num_speculative(config)),
             cuda_graphs=config.cuda_graphs,
             max_model_len=config.max_model_len,
+            cpu_weight_prepack=config.cpu_weight_prepack,
             **kwargs,
         )
 

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.linear import Linear
 from pdserve.common.model.mla import MLAAttention, attention_shards
 from pdserve.common.model.moe import SparseMoeBlock
 from pdserve.common.model.norm import RMSNorm
@@ -67,10 +68,14 @@ class Attention(nn.Module):
         # Qwen3: [head_dim] weights, the same on every TP rank
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed (pack_weights)
+        # packed (pack_weights): q/k/v as one GEMM, o_proj's (without its bias under TP)
+        self.qkv: Linear | None = None
+        self.o: Linear | None = None
 
-    def pack(self) -> None:
-        self.qkv = _pack([self.q_proj, self.k_proj, self.v_proj])
+    def pack(self, prepack: bool = False) -> None:
+        self.qkv = Linear(*_pack([self.q_proj, self.k_proj, self.v_proj]), prepack)
+        o_bias = self.o_proj.bias if self.par.tp_size == 1 else None
+        self.o = Linear(self.o_proj.weight, o_bias, prepack)
 
     def forward(
         self,
@@ -82,7 +87,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         d = self.head_dim
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split(
+            q, k, v = self.qkv(x).split(
                 [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
             )
         else:
@@ -97,9 +102,10 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         if self.par.tp_size == 1:
-            return self.o_proj(out)
+            return self.o(out) if self.o is not None else self.o_proj(out)
         # row-parallel: partial sums reduced, the bias added once after
-        out = self.par.all_reduce_tp(F.linear(out, self.o_proj.weight))
+        out = self.o(out) if self.o is not None else F.linear(out, self.o_proj.weight)
+        out = self.par.all_reduce_tp(out)
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
@@ -112,22 +118,25 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, size, bias=bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = (
-            None  # packed (pack_weights)
-        )
+        # packed (pack_weights): gate/up as one GEMM, down_proj's (without its bias under TP)
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
 
-    def pack(self) -> None:
-        self.gate_up = _pack([self.gate_proj, self.up_proj])
+    def pack(self, prepack: bool = False) -> None:
+        self.gate_up = Linear(*_pack([self.gate_proj, self.up_proj]), prepack)
+        down_bias = self.down_proj.bias if self.par.tp_size == 1 else None
+        self.down = Linear(self.down_proj.weight, down_bias, prepack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            h = kernels.silu_and_mul(F.linear(x, *self.gate_up))
+            h = kernels.silu_and_mul(self.gate_up(x))
         else:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.par.tp_size == 1:
-            return self.down_proj(h)
+            return self.down(h) if self.down is not None else self.down_proj(h)
         # row-parallel: partial sums reduced, the bias added once after
-        out = self.par.all_reduce_tp(F.linear(h, self.down_proj.weight))
+        out = self.down(h) if self.down is not None else F.linear(h, self.down_proj.weight)
+        out = self.par.all_reduce_tp(out)
         return out if self.down_proj.bias is None else out + self.down_proj.bias
 
 
@@ -195,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         # leaves the final hidden states before the final norm of its logits rows here
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None  # [S, hidden]
+        self.head: Linear | None = None  # lm_head's GEMM, prepacked (pack_weights)
 
     def _layers(
         self,
@@ -227,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
             x, pre = self.model.norm.add(x[logits_indices], residual[logits_indices])
         if self.keep_hidden:
             self.hidden = pre
-        return self.lm_head(x).float()
+        return (self.head(x) if self.head is not None else self.lm_head(x)).float()
 
     def hidden_states(
         self,
@@ -247,13 +257,18 @@ class LlamaForCausalLM(nn.Module):
             return kernels.mla_decode_splits(num_seqs, heads, device)
         return kernels.decode_splits(num_seqs, num_kv_heads, device)
 
-    def pack_weights(self) -> None:
-        """Pack q/k/v and gate/up of every layer (CUDA: fewer, larger GEMMs)."""
+    def pack_weights(self, prepack: bool = False) -> None:
+        """Pack q/k/v and gate/up of every layer: fewer, larger GEMMs. ``prepack`` (CPU,
+        float32): every GEMM of the GQA layers and the LM head over oneDNN-reordered copies
+        of its weights (common/model/linear.py)."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.pack()
+            if isinstance(layer.self_attn, Attention):
+                layer.self_attn.pack(prepack)
             if isinstance(layer.mlp, MLP):
-                layer.mlp.pack()
+                layer.mlp.pack(prepack)
+        if prepack:
+            self.head = Linear(self.lm_head.weight, None, prepack)
 
 
 def shard_state_dict(
