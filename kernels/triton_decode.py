@@ -153,35 +153,31 @@ def _decode_reduce_kernel(
     stride_ms,
     stride_mh,
     stride_mp,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # SPLITS rounded up to a power of two
 ):
-    # One program per (sequence, kv head): the splits' partial softmaxes merged in split
-    # order, each rescaled to their common max.
+    # One program per (sequence, query head): every split's partial softmax loaded as one
+    # [SPLITS, D] tile and merged at their common max. (One program per KV head looping over
+    # the splits left a batch of 1 eight programs of 32 dependent loads: 11 us a layer on
+    # the H200, three times the decode kernel it follows.)
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    heads = kv_head * GROUP + g  # [G]
+    head = tl.program_id(1).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < SPLITS
     d = tl.arange(0, HEAD_DIM)
-    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
-    ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh
-    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    for p in range(SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptrs + p * stride_mp, mask=g_ok, other=-1.0e30))
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    for p in range(SPLITS):
-        alpha = tl.exp2(tl.load(ml_ptrs + p * stride_mp, mask=g_ok, other=-1.0e30) - m)  # [G]
-        total += alpha * tl.load(ml_ptrs + p * stride_mp + 1, mask=g_ok, other=0.0)
-        acc += alpha[:, None] * tl.load(acc_ptrs + p * stride_ap, mask=g_ok[:, None], other=0.0)
-    # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
-    total = tl.where(total == 0.0, 1.0, total)
-    out = acc / total[:, None]
-    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    ml_ptrs = part_ml_ptr + seq * stride_ms + head * stride_mh + p * stride_mp
+    m_p = tl.load(ml_ptrs, mask=p_ok, other=-1.0e30)  # [P] each split's max (log2 units)
+    l_p = tl.load(ml_ptrs + 1, mask=p_ok, other=0.0)  # [P] each split's sum
+    alpha = tl.exp2(m_p - tl.max(m_p, axis=0))
+    total = tl.sum(alpha * l_p, axis=0)
+    acc_ptrs = part_acc_ptr + seq * stride_as + head * stride_ah + p[:, None] * stride_ap
+    acc = tl.load(acc_ptrs + d[None, :], mask=p_ok[:, None], other=0.0)  # [P, D]
+    out = tl.sum(alpha[:, None] * acc, axis=0)
+    # A context of 0 sees nothing: its splits sum to 0 and it keeps acc = 0.
+    out = out / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty))  # fmt: skip
 
 
 MAX_DECODE_SPLITS = 32
@@ -258,15 +254,16 @@ def _decode_into(
             UPCAST=_INTERPRETED,
         )
         if splits > 1:
-            _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+            _decode_reduce_kernel[(num_seqs, q.shape[1])](
                 out,
                 part_acc,
                 part_ml,
                 *out.stride(),
                 *part_acc.stride()[:3],
                 *part_ml.stride()[:3],
-                **rows,
+                HEAD_DIM=head_dim,
                 SPLITS=splits,
+                BLOCK_P=triton.next_power_of_2(splits),
             )
 
 
