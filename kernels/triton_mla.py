@@ -41,6 +41,13 @@ from pdserve.kernels.triton_mla_fp8 import load_ds_mla, record_rope, write_ds_ml
 BLOCK_H = 16  # query heads per program: the rows of tl.dot (>= 16)
 
 
+def untileable_sizes(latent_dim: int, rope_dim: int) -> dict[str, int]:
+    """The MLA sizes these kernels cannot tile (``tl.arange`` spans: powers of two >= 16),
+    by their config names; empty when both are fine."""
+    sizes = {"kv_lora_rank": latent_dim, "qk_rope_head_dim": rope_dim}
+    return {name: n for name, n in sizes.items() if not (_is_pow2(n) and n >= 16)}
+
+
 @triton.jit
 def _write_latent_kernel(
     cache_ptr,  # [N, 1, 1, B, D]
@@ -310,7 +317,7 @@ def mla_decode_attention(
     ds_mla = fp8_ds_mla.is_ds_mla(layer_cache.dtype)
     rope = record_rope(layer_cache, latent_dim) if ds_mla else width - latent_dim
     width = latent_dim + rope  # of q
-    assert _is_pow2(latent_dim) and latent_dim >= 16 and _is_pow2(rope) and rope >= 16, (
+    assert not untileable_sizes(latent_dim, rope), (
         f"the triton MLA kernel needs kv_lora_rank and the rope part to be powers of two "
         f">= 16, got {latent_dim} and {rope}"
     )

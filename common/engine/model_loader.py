@@ -25,8 +25,9 @@ def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
     the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more."""
     if device.type != "cuda" or not cfg.is_mla:
         return
-    sizes = {"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim}
-    bad = {k: v for k, v in sizes.items() if v < 16 or v & (v - 1)}
+    from pdserve.kernels.triton_mla import untileable_sizes  # CUDA machines have Triton
+
+    bad = untileable_sizes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     if bad:
         raise ModelLoadError(
             "the CUDA MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
