@@ -15,6 +15,7 @@ from pdserve import kernels
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.group_meta import with_groups, with_groups_pcp
+from pdserve.common.engine.host_malloc import keep_freed_buffers
 from pdserve.common.engine.kv_cache import new_cache
 from pdserve.common.engine.kv_groups import page_groups, page_layers
 from pdserve.common.engine.kv_layout import KVLayout
@@ -62,6 +63,8 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext()
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
+        if self.device.type == "cpu":
+            keep_freed_buffers()  # a CPU step's MB-sized buffers stay in the heap
         started = time.perf_counter()
         reason = check_tp(
             self.parallel.tp_size,
