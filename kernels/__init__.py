@@ -5,7 +5,9 @@
 :mod:`pdserve.kernels.fp8`); ``rms_norm``, ``rotary`` and ``silu_and_mul`` those of
 :mod:`pdserve.kernels.pointwise_ref` (Triton: :mod:`pdserve.kernels.triton_pointwise`). By default, CUDA tensors go to the Triton kernels
 (:mod:`pdserve.kernels.triton_ops`) when triton imports, everything else to the torch
-reference. ``PDSERVE_KERNELS=torch|triton`` forces one; Triton on CPU tensors runs only
+reference, whose decode attention on float32 CPU tensors runs the compiled kernel of
+:mod:`pdserve.kernels.cpu_native` where it builds. ``PDSERVE_KERNELS=torch|triton`` forces
+one (``torch``: the reference alone, no compiled kernel); Triton on CPU tensors runs only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported).
 
 triton is imported lazily, on the first call that picks it, so this package imports
@@ -43,7 +45,14 @@ if __name__ == "kernels":
 
 import torch  # noqa: E402
 
-from pdserve.kernels import mla_reference, moe_ref, pointwise_ref, reference  # noqa: E402
+from pdserve.kernels import (  # noqa: E402
+    cpu_native,
+    mla_reference,
+    moe_ref,
+    pointwise_ref,
+    reference,
+)
+from pdserve.kernels.fp8 import is_fp8  # noqa: E402
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
@@ -55,6 +64,7 @@ __all__ = [
     "decode_splits",
     "mla_decode_attention",
     "mla_decode_splits",
+    "prepare_cpu",
     "moe_experts",
     "prefill_attention",
     "rms_norm",
@@ -197,7 +207,14 @@ def decode_attention(
     k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [S, H_q, D]
-    return _impl(q.device).decode_attention(
+    impl = _impl(q.device)
+    if impl is reference and not is_fp8(layer_cache.dtype) and _native_allowed():
+        out = cpu_native.decode_attention(
+            q, layer_cache, context_lens, block_tables, scale, sliding_window
+        )
+        if out is not None:
+            return out
+    return impl.decode_attention(
         q,
         layer_cache,
         context_lens,
@@ -208,6 +225,18 @@ def decode_attention(
         k_scale,
         v_scale,
     )
+
+
+def _native_allowed() -> bool:
+    """CPU decode attention may take the compiled kernel (kernels/cpu_native.py) unless
+    ``PDSERVE_KERNELS=torch`` asks for the reference alone."""
+    return os.environ.get(ENV_VAR, "").strip().lower() != "torch"
+
+
+def prepare_cpu() -> bool:
+    """Build (or load) the compiled CPU kernels now, before the first step needs them: True
+    when they are in use."""
+    return _native_allowed() and cpu_native.load() is not None
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:

@@ -65,6 +65,7 @@ class ModelRunner:
         self.dtype = getattr(torch, dtype)
         if self.device.type == "cpu":
             keep_freed_buffers()  # a CPU step's MB-sized buffers stay in the heap
+            kernels.prepare_cpu()  # the compiled decode attention, built once per machine
         started = time.perf_counter()
         reason = check_tp(
             self.parallel.tp_size,

@@ -1,0 +1,103 @@
+"""kernels/cpu_native.py: the compiled CPU decode attention against the torch reference
+(float64) on NaN-poisoned paged caches, its errors, and the dispatch around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import cpu_native, reference
+from tests.kernel_tools import (  # noqa: F401 (gen_fixture: the gen fixture)
+    Paged,
+    cpu64,
+    gen_fixture,
+    random_q,
+    rel_err,
+)
+
+CASES = {  # ctx_lens, H_q, H_kv, D, block size
+    "ragged-gqa4": ([1, 15, 16, 17, 90, 700], 8, 2, 64, 16),
+    "smollm-shape": ([540, 577, 64, 1], 9, 3, 64, 64),
+    "mha-d16": ([33, 2, 129], 4, 4, 16, 16),
+    "batch64": ([(37 * i) % 600 + 1 for i in range(64)], 9, 3, 64, 64),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_native.load() is not None, "the CPU kernel did not build (see the log line)"
+
+
+@pytest.mark.parametrize("window", [None, 24, 100], ids=["full", "win24", "win100"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference(gen, case, window):
+    ctx_lens, num_heads, num_kv_heads, head_dim, block = CASES[case]
+    paged = Paged(ctx_lens, num_kv_heads, head_dim, block, torch.float32, "cpu", gen)
+    q = random_q(len(ctx_lens), num_heads, num_kv_heads, head_dim, torch.float32, "cpu", gen)
+    args = (paged.layer, paged.context_lens, paged.block_tables, head_dim**-0.5, window)
+    out = cpu_native.decode_attention(q, *args)
+    assert out is not None and out.dtype == torch.float32
+    assert not out.isnan().any(), "a NaN slot of the cache was read"
+    ref = reference.decode_attention(*map(cpu64, (q, *args)))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_blocks_behind_a_window_are_never_read(gen):
+    """Blocks wholly behind the window may be back in the pool (NULL_BLOCK, -1)."""
+    paged = Paged([300, 70], 2, 64, 16, torch.float32, "cpu", gen)
+    q = random_q(2, 4, 2, 64, torch.float32, "cpu", gen)
+    window = 40
+    tables = paged.block_tables.clone()
+    for s, ctx in enumerate([300, 70]):
+        tables[s, : max(ctx - window, 0) // 16] = -1
+    out = cpu_native.decode_attention(q, paged.layer, paged.context_lens, tables, 0.125, window)
+    ref = reference.decode_attention(
+        *map(cpu64, (q, paged.layer, paged.context_lens, paged.block_tables, 0.125, window))
+    )
+    assert out is not None and rel_err(out, ref) < 1e-5
+
+
+def test_a_block_outside_the_cache_is_an_error_not_a_crash(gen):
+    paged = Paged([40], 2, 64, 16, torch.float32, "cpu", gen)
+    q = random_q(1, 4, 2, 64, torch.float32, "cpu", gen)
+    tables = paged.block_tables.clone()
+    tables[0, 1] = paged.layer.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        cpu_native.decode_attention(q, paged.layer, paged.context_lens, tables, 0.125, None)
+    short = paged.block_tables[:, :1]  # 40 tokens need 3 blocks
+    with pytest.raises(RuntimeError, match="more tokens than its block table"):
+        cpu_native.decode_attention(q, paged.layer, paged.context_lens, short, 0.125, None)
+
+
+def test_dispatch(monkeypatch, gen):
+    """float32 on CPU takes the kernel; PDSERVE_KERNELS=torch, bf16 and an unbuildable kernel
+    take the reference, bit for bit."""
+    paged = Paged([9, 200], 1, 16, 16, torch.float32, "cpu", gen)
+    q = torch.randn(2, 2, 16, generator=gen)
+    args = (q, paged.layer, paged.context_lens, paged.block_tables, 0.25)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    ref = reference.decode_attention(*args)
+    native = kernels.decode_attention(*args)
+    assert torch.equal(native, cpu_native.decode_attention(*args, None))
+    assert rel_err(native, ref) < 1e-5
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    assert torch.equal(kernels.decode_attention(*args), ref)
+    assert kernels.prepare_cpu() is False
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert cpu_native.decode_attention(q.bfloat16(), *args[1:], None) is None
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    assert torch.equal(kernels.decode_attention(*args), ref)
+
+
+def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(ext, "load", no_compiler)
+    assert cpu_native.load.__wrapped__() is None
+    err = capsys.readouterr()
+    assert "cpu_attention_kernel_unavailable" in err.out + err.err
+    assert "c++: command not found" in err.out + err.err
