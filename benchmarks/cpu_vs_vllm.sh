@@ -25,9 +25,11 @@ mkdir -p "$OUT"
 LOG="$OUT/cpu_vs_vllm_vllm.log"
 
 echo "model $MODEL; vLLM log $LOG" >&2
-VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
+# from another folder: with this one as the working directory, transformers' probe for Hugging
+# Face's `kernels` package would import this repository's kernels/ folder instead
+(cd /tmp && exec env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL" --dtype float32 --max-model-len 2048 --gpu-memory-utilization 0.3 \
-    --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
+    --host 127.0.0.1 --port "$PORT") >"$LOG" 2>&1 &
 VLLM_PID=$!
 trap 'kill "$VLLM_PID" 2>/dev/null || true; wait "$VLLM_PID" 2>/dev/null || true' EXIT
 

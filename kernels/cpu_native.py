@@ -25,7 +25,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
@@ -67,6 +66,8 @@ def _ninja_on_path() -> None:
 def load() -> Any | None:
     """The compiled module, built on first use; None (and the reason logged once) when it
     cannot be built here."""
+    import structlog  # here: the kernels import with torch alone
+
     log = structlog.get_logger("pdserve.kernels")
     try:
         from torch.utils.cpp_extension import load as build
