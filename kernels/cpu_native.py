@@ -9,17 +9,21 @@ at 16 sequences of ~540 tokens 0.87 -> 0.51 ms, at 64 sequences 17 -> 2 ms
 (benchmarks/README.md, "CPU decode attention").
 
 The source is built once per machine with torch's C++ extension builder (a C++ compiler,
-Python's headers and ninja, which pip installs with pdserve; ~15 s on 2 cores) into torch's extensions folder (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), under a name that hashes the source, the flags and
-the CPU's feature flags (it is built with ``-march=native``). When it cannot be built, the
-reason is logged once and the torch reference serves. ``PDSERVE_KERNELS=torch`` uses the
+Python's headers and ninja, which pip installs with pdserve; ~15 s on 2 cores) into the
+``pdserve/`` folder of torch's extensions folder (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), under a name that hashes the source, the flags and the
+CPU's feature flags (it is built with ``-march=native``); later processes import the built
+library directly. When it cannot be built, the reason is logged once and the torch
+reference serves. ``PDSERVE_KERNELS=torch`` uses the
 reference only (the oracle the tests compare this kernel with).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -62,6 +66,48 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
+def build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / "pdserve" / name
+
+
+def _import(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_or_build(name: str) -> Any:
+    """A build finished earlier (its ``built`` mark written last) is imported straight, with
+    no lock and no ninja run. Otherwise one process builds, under an flock that the kernel
+    drops if that process dies (torch's own lock file, which a killed builder leaves behind
+    and every later process would wait on forever, is removed under it first)."""
+    folder = build_dir(name)
+    library = folder / f"{name}.so"
+    if not (folder / "built").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "pdserve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / "built").exists():
+                from torch.utils.cpp_extension import load as build
+
+                (folder / "lock").unlink(missing_ok=True)
+                _ninja_on_path()
+                module = build(
+                    name,
+                    [str(SOURCE)],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS,
+                    build_directory=str(folder),
+                )
+                (folder / "built").write_text(str(library) + "\n")
+                return module
+    return _import(library, name)
+
+
 @functools.cache
 def load() -> Any | None:
     """The compiled module, built on first use; None (and the reason logged once) when it
@@ -69,11 +115,9 @@ def load() -> Any | None:
     import structlog  # here: the kernels import with torch alone
 
     log = structlog.get_logger("pdserve.kernels")
+    name = _name()
     try:
-        from torch.utils.cpp_extension import load as build
-
-        _ninja_on_path()
-        module = build(_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+        module = _load_or_build(name)
     except Exception as exc:  # no compiler, no ninja, no Python headers: the reference serves
         lines = str(exc).strip().splitlines() or [""]
         log.warning(
@@ -82,7 +126,7 @@ def load() -> Any | None:
             fallback="torch reference (gather + SDPA)",
         )
         return None
-    log.info("cpu_attention_kernel_loaded", name=_name())
+    log.info("cpu_attention_kernel_loaded", name=name)
     return module
 
 

@@ -90,8 +90,10 @@ def test_dispatch(monkeypatch, gen):
     assert torch.equal(kernels.decode_attention(*args), ref)
 
 
-def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys):
+def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys, tmp_path):
     import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there
 
     def no_compiler(*a, **k):
         raise RuntimeError("Error building extension\nc++: command not found")
@@ -101,3 +103,28 @@ def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys):
     err = capsys.readouterr()
     assert "cpu_attention_kernel_unavailable" in err.out + err.err
     assert "c++: command not found" in err.out + err.err
+
+
+def test_one_builder_a_stale_torch_lock_removed_and_built_libraries_imported(monkeypatch, tmp_path):
+    """A builder killed mid-build leaves torch's lock file, on which torch's builder would
+    wait forever: the next build removes it under its own flock. Once the ``built`` mark is
+    there, processes import the library with no build at all."""
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpu_native.build_dir("k")
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # left by a killed builder
+    builds = []
+
+    def fake_build(name, sources, **kwargs):
+        assert not (folder / "lock").exists()
+        builds.append(kwargs["build_directory"])
+        return "built-module"
+
+    monkeypatch.setattr(ext, "load", fake_build)
+    monkeypatch.setattr(cpu_native, "_import", lambda path, name: ("imported", path.name))
+    assert cpu_native._load_or_build("k") == "built-module"
+    assert builds == [str(folder)] and (folder / "built").exists()
+    assert cpu_native._load_or_build("k") == ("imported", "k.so")
+    assert len(builds) == 1
