@@ -1,5 +1,6 @@
-"""services/ranks/process.py: a rank process ends when its service is killed, even while it
-is stuck before its serving loop (a real spawn child of a real process, SIGKILLed)."""
+"""common/runtime/parent_watch.py: a child process (a rank, the router's tokenising worker)
+ends when the process that started it is killed, even while it is stuck where it never
+hears from it (a real spawn child of a real process, SIGKILLed)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +27,22 @@ if __name__ == "__main__":
 """
 
 
+ROUTER = f"""
+import asyncio, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from pdserve.common.model.files import resolve_model
+from pdserve.services.router.tokenize_pool import TokenizePool
+if __name__ == "__main__":
+    pool = TokenizePool(resolve_model(None))
+    asyncio.run(pool.start())
+    print(next(iter(pool._pool._processes)), flush=True)
+    time.sleep(600)
+"""
+
+
 def stuck_rank() -> None:
     """A rank that never reaches its loop (as one waiting in gloo's rendezvous)."""
-    from pdserve.services.ranks.process import exit_with_parent
+    from pdserve.common.runtime.parent_watch import exit_with_parent
 
     exit_with_parent(period=0.1)
     time.sleep(600)
@@ -41,8 +57,9 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_a_rank_ends_when_its_service_is_killed() -> None:
-    service = subprocess.Popen([sys.executable, "-c", SERVICE], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("script", [SERVICE, ROUTER], ids=["rank", "tokenize-worker"])
+def test_a_child_ends_when_its_parent_is_killed(script: str, model_dir: Path) -> None:
+    service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert service.stdout is not None
         rank = int(service.stdout.readline())
@@ -53,6 +70,6 @@ def test_a_rank_ends_when_its_service_is_killed() -> None:
         deadline = time.monotonic() + 10
         while _alive(rank) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(rank), "the rank outlived its killed service"
+        assert not _alive(rank), "the child outlived its killed parent"
     finally:
         service.kill()

@@ -11,8 +11,6 @@ rank never hides a completion: every release and every pull result is reported.
 from __future__ import annotations
 
 import os
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,23 +19,8 @@ import msgspec
 
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import FaultHooks
+from pdserve.common.runtime.parent_watch import exit_with_parent
 from pdserve.services.ranks import messages as m
-
-
-def exit_with_parent(period: float = 0.5) -> None:
-    """End this process when the one that started it is gone (SIGKILL included). The pipe
-    tells a serving rank its service has died, but not one still loading the model or
-    waiting in gloo's rendezvous for ranks that will never come: such a rank outlived a
-    killed service by the rendezvous timeout (30 minutes), holding memory and ports."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(period)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="pdserve-parent-watch", daemon=True).start()
 
 
 def rank_main(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.runtime.parent_watch import exit_with_parent
 
 T = TypeVar("T")
 
@@ -39,6 +40,7 @@ _core: _WorkerCore | None = None
 
 def _init(model_dir: str) -> None:
     global _core
+    exit_with_parent()  # a killed router's worker would wait on its queue forever
     _core = _WorkerCore(Tokenizer.from_dir(model_dir))
 
 
