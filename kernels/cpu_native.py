@@ -5,8 +5,8 @@ gathers every sequence's K and V into one padded tensor and then runs SDPA over 
 step reads the KV twice and writes it once. ``cpu_attention.cpp`` reads each K and V row
 once, where it lies, for all the query heads of a KV head (online softmax over blocks,
 torch's threads over (sequence, KV head) pairs): on the embedded model's shape, one layer
-at 16 sequences of ~540 tokens 0.87 -> 0.51 ms, at 64 sequences 17 -> 2 ms
-(benchmarks/README.md, "CPU decode attention").
+at 16 sequences of ~540 tokens 0.84 -> 0.59 ms, at 64 sequences 16.8 -> 2.2 ms
+(`benchmarks/cpu_decode_attention.py`; benchmarks/README.md, "CPU decode attention, malloc").
 
 The source is built once per machine with torch's C++ extension builder (a C++ compiler,
 Python's headers and ninja, which pip installs with pdserve; ~15 s on 2 cores) into the
