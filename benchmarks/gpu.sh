@@ -20,6 +20,7 @@
 #   moe           MoE: the grouped expert kernel's GPU tests, bench engine at the 30b-a3b shape
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
+#   async         bench engine at the 1B and 8B shapes, asynchronous scheduling off then on
 #   gpu-tests     every gpu-marked test of tests/ in one pytest run
 #   spec          speculative decoding: its GPU test, then decode tok/s with and without it
 #                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
@@ -92,6 +93,19 @@ suite_engine-8b() {
         --json "$OUT/engine_8b_h200.json" 2>"$OUT/engine_8b_err.txt" | tail -12
     timeout 200 "${ENGINE[@]}" --prompt-len 8192 --batch-sizes 1,16 --repeats 3 --no-hf \
         --json "$OUT/engine_1b_8k_h200.json" 2>"$OUT/engine_1b_8k_err.txt" | tail -5
+}
+suite_async() {  # asynchronous scheduling (common/engine/async_steps.py): off, then on
+    for shape in 1b 8b; do
+        local len=1024; [ $shape = 8b ] && len=2048
+        for mode in sync async; do
+            local flag=""; [ $mode = sync ] && flag="--no-async-scheduling"
+            # shellcheck disable=SC2086
+            timeout 200 python3 -m pdserve bench engine --shape $shape --tokenizer /tmp/tokmodel \
+                --device cuda --dtype bfloat16 --prompt-len $len --gen-len 64 --batch-sizes 1,16,64 \
+                --repeats 3 --no-hf $flag --json "$OUT/engine_${shape}_${mode}_h200.json" \
+                2>"$OUT/engine_${shape}_${mode}_err.txt" | tail -6
+        done
+    done
 }
 suite_profile() {
     for args in "--shape 1b --batch 64 --context 1024 --kernels" "--shape 1b --batch 1 --context 1024 --kernels" "--shape 8b --batch 1 --context 2048 --kernels"; do

@@ -116,6 +116,12 @@ def add_parser(sub: Any) -> None:
         help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)",
     )
     p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="each step waits for the last one's tokens (the before of "
+        "common/engine/async_steps.py)",
+    )
+    p.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -165,6 +171,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=max_batch * (args.prompt_len + extra),
         enable_prefix_caching=False,
         cuda_graphs=not args.no_cuda_graphs,
+        async_scheduling=False if args.no_async_scheduling else None,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=spec,
     )
@@ -250,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     config = bench_config(args, engine, load_at_start)
     config["ceilings"] = asdict(ceilings)
     config["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
+    config["async_scheduling"] = engine.is_async_scheduling
     print(
         f"model {config['model_dir']}  device {config['device']} ({config['device_name']})  "
         f"dtype {config['dtype']}  prompt_len {args.prompt_len}  gen_len {args.gen_len}  "

@@ -114,13 +114,28 @@ class EngineBench:
         blocks = self.moe_blocks
         touched = torch.zeros((), dtype=torch.int64, device=runner.device) if blocks else None
 
-        def timed_execute(plan):  # noqa: ANN001, ANN202
+        # With asynchronous scheduling the host must not wait for a forward (that would
+        # undo the overlap): CUDA events time it on the device instead.
+        overlapped = runner.device.type == "cuda" and self.engine.is_async_scheduling
+        marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+        def timed_execute(plan, *args):  # noqa: ANN001, ANN002, ANN202
             nonlocal model_s
             for block in blocks:  # device ops, no sync: which experts this step reads
                 assert block.touched is not None
                 block.touched.zero_()
+            if overlapped:
+                begin, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                begin.record()
+                logits = execute(plan, *args)
+                end.record()
+                marks.append((begin, end))
+                return logits
             start = time.perf_counter()
-            logits = execute(plan)
+            logits = execute(plan, *args)
             self.sync()  # sampling syncs right after anyway: this moves the wait, adds none
             model_s += time.perf_counter() - start
             if touched is not None:
@@ -134,11 +149,12 @@ class EngineBench:
             tokens = steps = 0
             while self.engine.has_unfinished:
                 tokens += sum(len(out.new_token_ids) for out in self.engine.step())
-                steps += 1
+                steps += self.engine.last_step_launched  # not a call that only read tokens
             self.sync()
         finally:
             del runner.execute  # the bound method again
         elapsed = time.perf_counter() - start
+        model_s += sum(begin.elapsed_time(end) for begin, end in marks) / 1e3
         mean_touched = None if touched is None else touched.item() / max(1, steps)
         return elapsed, tokens, steps, model_s, mean_touched
 

@@ -5,6 +5,10 @@ A full block whose tokens are known gets a chained hash (``hash(parent, tokens)`
 stays findable after it is freed, until its slot is needed again (LRU eviction). Free
 blocks without a hash are handed out lowest id first, so a request's blocks tend to be
 contiguous runs -- what makes KV transfers few, large descriptors.
+
+With asynchronous scheduling a step may still run on the device when the host frees
+blocks it reads or writes; while ``fence`` is set, frees are held under it and take
+effect in ``unfence`` (common/engine/async_steps.py).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -53,6 +57,37 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # hashed free ids, LRU first
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
+        # The serial of the newest step that may still run on the device (None: none);
+        # frees made meanwhile wait in ``_fenced`` under it.
+        self.fence: int | None = None
+        self._fenced: list[tuple[int, list[int]]] = []
+        # Waits until no step runs on the device (set by the engine that fences; None:
+        # the device runs each step to its end before the host goes on, as the CPU does)
+        self.wait_idle: Callable[[], None] | None = None
+
+    @property
+    def num_fenced(self) -> int:
+        """Block references freed while a step may still use them (upper bound of the
+        blocks ``unfence`` returns)."""
+        return sum(len(blocks) for _, blocks in self._fenced)
+
+    def unfence(self, upto: int | None = None) -> None:
+        """Apply the frees held for steps up to serial ``upto`` (all: None), now known done."""
+        keep = []
+        for serial, blocks in self._fenced:
+            if upto is None or serial <= upto:
+                self._free_now(blocks)
+            else:
+                keep.append((serial, blocks))
+        self._fenced = keep
+
+    def settle(self) -> None:
+        """Wait for the device and apply every held free (the scheduler is short of blocks
+        that fenced frees would give)."""
+        if self._fenced:
+            if self.wait_idle is not None:
+                self.wait_idle()
+            self.unfence()
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,6 +113,12 @@ class BlockPool:
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; the last reference returns it to the pool.
         Freed in reverse so the tail of a sequence is evicted before its shared prefix."""
+        if self.fence is not None:
+            self._fenced.append((self.fence, list(blocks)))
+            return
+        self._free_now(blocks)
+
+    def _free_now(self, blocks: Sequence[int]) -> None:
         for block in reversed(blocks):
             count = self._ref_counts[block]
             if count <= 0:

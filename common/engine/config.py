@@ -39,6 +39,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # that oneDNN reordered at load (common/model/linear.py): 1.2-1.7x faster GEMMs at decode
     # batch sizes, twice the memory of those weights; false keeps plain F.linear
     cpu_weight_prepack: bool = True
+    # Schedule and launch each step before the last one's tokens reach the host
+    # (common/engine/async_steps.py); None: on for CUDA, off on CPU (where the host's work
+    # and the forward share the cores)
+    async_scheduling: bool | None = None
     # Speculative decoding of decode steps (common/engine/spec_decode/); prefill ignores it.
     speculative_config: SpeculativeConfig | None = None
 
@@ -63,6 +67,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise PdserveError(f"kv_order must be auto, head or block, got {self.kv_order!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise PdserveError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self.device == "cuda"
+        return self.async_scheduling
 
     @property
     def torch_dtype_name(self) -> str:

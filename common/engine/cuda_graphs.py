@@ -25,6 +25,7 @@ import time
 import structlog
 import torch
 
+from pdserve.common.engine.async_steps import Carry
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.llama import LlamaForCausalLM
@@ -120,9 +121,10 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - started
         log.info("cuda_graphs_captured", sizes=self.sizes, seconds=round(self.capture_seconds, 2))
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode step (valid until the next replay); None when the
-        step is not one the graphs can run (see module doc)."""
+        step is not one the graphs can run (see module doc). ``carry``: token ids the step
+        in flight sampled, read on the device (common/engine/async_steps.py)."""
         n = len(plan.seqs)
         if n > self.sizes[-1] or not is_decode_step(plan):
             return None
@@ -146,8 +148,11 @@ class DecodeGraphs:
         tables = torch.tensor(
             [s.block_ids + [0] * (width - len(s.block_ids)) for s in plan.seqs], dtype=torch.int32
         )
-        self._inputs[:, :size].copy_(host, non_blocking=True)
-        self._tables[:n, :width].copy_(tables, non_blocking=True)
+        # pinned: the copies queue behind the step in flight instead of waiting for it
+        self._inputs[:, :size].copy_(host.pin_memory(), non_blocking=True)
+        self._tables[:n, :width].copy_(tables.pin_memory(), non_blocking=True)
+        if carry is not None:
+            carry.apply(self._inputs[0], list(range(n)))
         for g in range(1, self.num_groups):
             rows = [s.table(g) for s in plan.seqs]
             group_slots = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions, strict=True)]

@@ -12,6 +12,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import structlog
 import torch
 
+from pdserve.common.engine.async_steps import NAN_MESSAGE, InFlight, is_plain, launch_greedy
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_groups import page_groups
@@ -51,6 +52,7 @@ class EngineCore(Generic[OutputT]):
     hands the request over with its blocks pinned (``PrefillEngine``)."""
 
     holds_output = True  # the KV of generated tokens lives here too (not so on prefill)
+    supports_async = False  # whether ``_resolved`` is implemented (async_steps.py)
 
     def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
         """``runner`` replaces the in-process ModelRunner (prefill's PCP rank group)."""
@@ -100,6 +102,22 @@ class EngineCore(Generic[OutputT]):
         self.last_step_tokens = 0  # tokens the last step computed; 0: it had nothing to run
         self.failures: list[tuple[str, str]] = []  # take_failures()
         self._arrivals = itertools.count()
+        # Asynchronous scheduling (async_steps.py): the in-process runner carries tokens
+        self._async_runner: ModelRunner | None = None
+        if (
+            config.is_async_scheduling
+            and self.supports_async
+            and self.speculator is None
+            and isinstance(self.runner, ModelRunner)
+        ):
+            self._async_runner = self.runner
+            device = self.runner.device
+            self.pool.wait_idle = (
+                (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+            )
+        self._in_flight: InFlight | None = None
+        self._serials = itertools.count(1)
+        self.last_step_launched = False  # the last step() launched a step
 
     # -- requests -------------------------------------------------------------------------
 
@@ -161,24 +179,75 @@ class EngineCore(Generic[OutputT]):
         return self._output(req, [], "", "abort")
 
     @property
+    def is_async_scheduling(self) -> bool:
+        """Whether steps overlap the host's work (common/engine/async_steps.py)."""
+        return self._async_runner is not None
+
+    @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[OutputT]:
+        """Run one step. With asynchronous scheduling the outputs returned are those of
+        the step launched by the previous call (common/engine/async_steps.py)."""
+        try:
+            return self._step()
+        except BaseException as exc:
+            self._abandon_in_flight(exc)
+            raise
+
+    def _step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
-        self.last_step_tokens = plan.num_tokens
+        in_flight, self._in_flight = self._in_flight, None
+        self.last_step_launched = bool(plan.seqs)
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
-            return []
-        if self.speculator is not None:
+            self.last_step_tokens = in_flight.num_tokens if in_flight else 0
+            outputs = self._finish_in_flight(in_flight) if in_flight else []
+            self.pool.fence = None
+            self.pool.unfence()
+            return outputs
+        self.last_step_tokens = plan.num_tokens
+        if self.speculator is not None:  # never asynchronous (async_steps.py)
             return self._speculative_step(plan, reqs)
-        logits = self.runner.execute(plan)
+        carry = in_flight.carry(reqs) if in_flight else None
+        if self._async_runner is not None:
+            self.pool.fence = next(self._serials)
+            logits = self._async_runner.execute(plan, carry)
+        else:
+            logits = self.runner.execute(plan)
         for request_id, entries in self.runner.last_prompt_logprobs.items():
             if request_id in self._requests:
                 self._requests[request_id][0].prompt_scores.update(entries)
-        self.scheduler.on_step_done(reqs, plan)
         sampled = [req for req, seq in zip(reqs, plan.seqs, strict=True) if seq.sample]
+        launched = None
+        if self._async_runner is not None and all(is_plain(r.sampling) for r in sampled):
+            assert self.pool.fence is not None
+            launched = launch_greedy(logits, self.pool.fence, plan.num_tokens)
+        # the previous step's tokens: some requests of this step may end there
+        outputs = self._finish_in_flight(in_flight) if in_flight else []
+        rows = list(range(len(sampled)))  # of the logits
+        if any(req.is_finished for req in reqs):  # their rows were computed for nothing
+            alive = [i for i, req in enumerate(reqs) if not req.is_finished]
+            rows = [j for j in rows if not sampled[j].is_finished]
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            plan = StepPlan([plan.seqs[i] for i in alive])
+            reqs = [reqs[i] for i in alive]
+            sampled = [sampled[j] for j in rows]
+        self.scheduler.on_step_done(reqs, plan)
+        if launched is not None:
+            for row, req in zip(rows, sampled, strict=True):
+                launched.add(row, req)
+            self._in_flight = launched
+            return outputs
+        outputs += self._sample(logits, sampled)
+        self.pool.fence = None  # the sampler read the tokens: the step is done
+        self.pool.unfence()
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> list[OutputT]:
+        """Sample on the host: every row with its own parameters (sampling.py)."""
         tokens = self.sampler(
             logits,
             [r.sampling for r in sampled],
@@ -208,6 +277,39 @@ class EngineCore(Generic[OutputT]):
         if self.sampler.grammars is not None and self.sampler.grammars.num_matchers:
             self.sampler.grammars.prune(self._requests)
         return outputs
+
+    def _finish_in_flight(self, in_flight: InFlight) -> list[OutputT]:
+        """The launched step's tokens in place of its placeholders, through the stop rules."""
+        tokens, nan = in_flight.wait()
+        self.pool.unfence(upto=in_flight.serial)
+        outputs: list[OutputT] = []
+        for entry, token, bad in zip(in_flight.rows, tokens, nan, strict=True):
+            if entry is None:
+                continue
+            req, slot = entry
+            if req.is_finished:  # aborted, or failed, while the step ran
+                continue
+            if bad:
+                self._fail_request(req, NAN_MESSAGE)
+                continue
+            req.output_token_ids[slot] = token
+            outputs.append(self._resolved(req, token))
+        return outputs
+
+    def _abandon_in_flight(self, exc: BaseException) -> None:
+        """A step failed: the requests whose token was on the device fail with it (their
+        state cannot be trusted); every held free takes effect once the device is idle."""
+        in_flight, self._in_flight = self._in_flight, None
+        if self.pool.wait_idle is not None:
+            try:
+                self.pool.wait_idle()
+            except Exception:  # the device itself failed: the frees are moot
+                log.warning("device_wait_failed_after_step_error", exc_info=True)
+        self.pool.fence = None
+        self.pool.unfence()
+        for entry in in_flight.rows if in_flight else []:
+            if entry is not None and not entry[0].is_finished:
+                self._fail_request(entry[0], f"a step failed: {exc}")
 
     def _fail_request(self, req: Request, why: str) -> None:
         self._requests.pop(req.request_id, None)
@@ -253,12 +355,21 @@ class EngineCore(Generic[OutputT]):
         """The hook: ``req`` sampled ``token_id`` (not yet appended to its output)."""
         raise NotImplementedError
 
+    def _resolved(self, req: Request, token_id: int) -> OutputT:
+        """The hook of asynchronous steps: ``token_id`` took its placeholder in the output."""
+        raise NotImplementedError(f"{type(self).__name__} does not schedule asynchronously")
+
 
 class LLMEngine(EngineCore[RequestOutput]):
     """The monolithic engine: every sampled token streamed, requests end on stop rules."""
 
+    supports_async = True
+
     def _advance(self, req: Request, token_id: int) -> RequestOutput:
         req.output_token_ids.append(token_id)
+        return self._emit(req, token_id)
+
+    def _resolved(self, req: Request, token_id: int) -> RequestOutput:
         return self._emit(req, token_id)
 
     def _advance_many(

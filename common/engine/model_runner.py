@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import structlog
 import torch
 
 from pdserve import kernels
+from pdserve.common.engine.async_steps import Carry
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.group_meta import with_groups, with_groups_pcp
@@ -211,20 +213,24 @@ class ModelRunner:
         return num
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor:
         """Run one step; returns the logits [S_sampled, vocab] of sequences with ``sample``
         (``1 + num_drafts`` rows for a verify sequence; leaves the prompt logprobs of scored
-        sequences in ``last_prompt_logprobs``)."""
+        sequences in ``last_prompt_logprobs``). ``carry``: tokens of the plan that the
+        step in flight sampled, read on the device (common/engine/async_steps.py)."""
         self.last_prompt_logprobs = {}
         plan = as_decode_rows(plan) or plan
         scored = any(s.score_next_ids for s in plan.seqs)
         if self.graphs is not None and not scored:
-            logits = self.graphs.run(plan)
+            logits = self.graphs.run(plan, carry)
             if logits is not None:
                 return logits
         prepare = self.prepare_pcp if self.parallel.is_parallel else self.prepare
         self._score_rows = []
         input_ids, positions, meta, logits_indices = prepare(plan)
+        if carry is not None:
+            offsets = list(itertools.accumulate((len(s.token_ids) for s in plan.seqs), initial=0))
+            carry.apply(input_ids, offsets)
         if not self._score_rows:
             return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
         rows = torch.tensor(

@@ -8,6 +8,10 @@ from pdserve.common.engine.block_pool import BlockHash
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.sampling_params import TokenLogprobs
 
+# The newest output token of a request whose step is still on the device (asynchronous
+# scheduling, common/engine/async_steps.py): the next step reads the real one there.
+PENDING_TOKEN = -2
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -104,6 +108,11 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def has_pending_token(self) -> bool:
+        """Its newest token is still on the device (common/engine/async_steps.py)."""
+        return self.output_token_ids[-1:] == [PENDING_TOKEN]
 
     @property
     def is_finished(self) -> bool:

@@ -80,6 +80,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.has_pending_token and self._ends_at_pending(req):
+                continue  # its token on the device is its last (async_steps.py)
             req.num_drafts = self._num_drafts(req, budget)
             num = min(req.num_pending_tokens + req.num_drafts, budget)
             if not self._grow(req, num, chosen):
@@ -89,11 +91,15 @@ class Scheduler:
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.has_pending_token:
+                break  # preempted while its newest token was on the device: not yet known
             req.num_drafts = 0
             if not req.block_ids:
                 self._take_cached_prefix(req)
             num = min(req.num_pending_tokens, budget)
             needed = self._blocks_needed(req, num)
+            if needed > self.pool.num_free_blocks and self.pool.num_fenced:
+                self.pool.settle()
             if needed > self.pool.num_free_blocks:
                 # A waiting request holds no blocks, so running ones can always grow.
                 self._release_blocks(req)
@@ -109,6 +115,13 @@ class Scheduler:
         chosen.sort(key=lambda item: item[1] != 1)
         plan = StepPlan([self._scheduled(req, num) for req, num in chosen])
         return plan, [req for req, _ in chosen]
+
+    def _ends_at_pending(self, req: Request) -> bool:
+        """Whether the token still on the device ends ``req`` by length: computing after
+        it would be for nothing, and past max_model_len."""
+        if len(req.output_token_ids) >= req.sampling.max_tokens:
+            return True
+        return self.max_model_len is not None and req.num_tokens >= self.max_model_len
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """Draft slots for ``req`` this step: k for a decoding request, fewer near its end."""
@@ -149,6 +162,8 @@ class Scheduler:
     def _grow(self, req: Request, num: int, chosen: list[tuple[Request, int]]) -> bool:
         """Give ``req`` the blocks for ``num`` more tokens, preempting later arrivals."""
         needed = self._blocks_needed(req, num)
+        if needed > self.pool.num_free_blocks and self.pool.num_fenced:
+            self.pool.settle()  # blocks freed while the last step ran, before preempting
         while needed > self.pool.num_free_blocks:
             victim = max(
                 (r for r in self.running if r.status is Status.RUNNING),
