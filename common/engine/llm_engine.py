@@ -200,7 +200,7 @@ class EngineCore(Generic[OutputT]):
 
     def _step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight  # cleared once its tokens are read (_abandon_in_flight)
         self.last_step_launched = bool(plan.seqs)
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)
             self.last_step_tokens = in_flight.num_tokens if in_flight else 0
@@ -258,7 +258,7 @@ class EngineCore(Generic[OutputT]):
         if self.sampler.failed_rows:  # those requests end here, the others go on
             keep = [i for i in range(len(sampled)) if i not in self.sampler.failed_rows]
             for row, why in self.sampler.failed_rows.items():
-                self._fail_request(sampled[row], why)
+                self._fail_request(sampled[row], f"sampling failed: {why}")
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
             sampled = [sampled[i] for i in keep]
             tokens = [tokens[i] for i in keep]
@@ -281,6 +281,7 @@ class EngineCore(Generic[OutputT]):
     def _finish_in_flight(self, in_flight: InFlight) -> list[OutputT]:
         """The launched step's tokens in place of its placeholders, through the stop rules."""
         tokens, nan = in_flight.wait()
+        self._in_flight = None
         self.pool.unfence(upto=in_flight.serial)
         outputs: list[OutputT] = []
         for entry, token, bad in zip(in_flight.rows, tokens, nan, strict=True):
@@ -290,7 +291,7 @@ class EngineCore(Generic[OutputT]):
             if req.is_finished:  # aborted, or failed, while the step ran
                 continue
             if bad:
-                self._fail_request(req, NAN_MESSAGE)
+                self._fail_request(req, f"sampling failed: {NAN_MESSAGE}")
                 continue
             req.output_token_ids[slot] = token
             outputs.append(self._resolved(req, token))
@@ -314,7 +315,7 @@ class EngineCore(Generic[OutputT]):
     def _fail_request(self, req: Request, why: str) -> None:
         self._requests.pop(req.request_id, None)
         self.scheduler.finish(req, "abort")
-        self.failures.append((req.request_id, f"sampling failed: {why}"))
+        self.failures.append((req.request_id, why))
 
     def take_failures(self) -> list[tuple[str, str]]:
         """Requests the last steps ended because they alone failed (request id, why)."""
