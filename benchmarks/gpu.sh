@@ -111,7 +111,7 @@ suite_profile() {
     for args in "--shape 1b --batch 64 --context 1024 --kernels" "--shape 1b --batch 1 --context 1024 --kernels" "--shape 8b --batch 1 --context 2048 --kernels"; do
         # shellcheck disable=SC2086
         timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
-            --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" | head -48
+            --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" | head -75
     done
 }
 suite_serve-8b() {

@@ -2,6 +2,7 @@
 next to the GPU time of the forward (CUDA events), at one batch size.
 
     python benchmarks/profile_step.py --shape 1b --batch 64 --context 1024 [--tokenizer DIR]
+        [--kernels]   (also the GPU time by kernel of one decode step and of the prefill)
 
 Prints the step and forward times and the functions with the most host time (tottime).
 """
@@ -53,16 +54,20 @@ def main() -> None:
         engine.add_request(
             f"r{i}", prompt, SamplingParams(max_tokens=args.steps + 16, ignore_eos=True)
         )
-    for _ in range(6):  # prefill, then warm decode steps
-        engine.step()
     runner = engine.runner
     execute = runner.execute
+    prefills: list[tuple] = []  # the prefill step's plan (kernel table below)
+    runner.execute = lambda plan, *rest: prefills.append((plan, *rest)) or execute(plan, *rest)
+    engine.step()
+    del runner.execute
+    for _ in range(5):  # warm decode steps
+        engine.step()
     gpu_ms: list[float] = []
 
-    def timed(plan):  # noqa: ANN001, ANN202
+    def timed(plan, *rest):  # noqa: ANN001, ANN002, ANN202
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = execute(plan)
+        out = execute(plan, *rest)
         end.record()
         gpu_ms.append((start, end))
         return out
@@ -86,25 +91,28 @@ def main() -> None:
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
     print(out.getvalue())
     if args.kernels:
-        kernel_table(engine, runner, execute)
+        captured = []
+        runner.execute = lambda plan, *rest: (
+            captured.append((plan, *rest)) or execute(*captured[-1])
+        )
+        engine.step()
+        kernel_table("decode", runner, execute, captured[-1])
+        kernel_table(f"prefill of {args.batch} x {args.context}", runner, execute, prefills[0])
 
 
-def kernel_table(engine: LLMEngine, runner, execute) -> None:  # noqa: ANN001
-    """One decode step's forward run eagerly (graphs off) under torch.profiler: GPU time by
-    kernel, grouped into GEMMs, attention, pointwise and the rest."""
+def kernel_table(what: str, runner, execute, call: tuple) -> None:  # noqa: ANN001
+    """One step's forward (``call``: its plan and carry) run eagerly (graphs off) under
+    torch.profiler: GPU time by kernel, grouped into GEMMs, attention, pointwise and the
+    rest."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, runner.graphs = runner.graphs, None
-    captured = []
-    runner.execute = lambda plan: captured.append(plan) or execute(plan)
-    engine.step()
-    plan = captured[-1]
     for _ in range(3):
-        execute(plan)
+        execute(*call)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            execute(plan)
+            execute(*call)
         torch.cuda.synchronize()
     runner.graphs = graphs
     groups: dict[str, float] = {}
@@ -123,7 +131,7 @@ def kernel_table(engine: LLMEngine, runner, execute) -> None:  # noqa: ANN001
         groups[kind] = groups.get(kind, 0.0) + us
         rows.append((us, name[:90]))
     total = sum(groups.values())
-    print(f"eager forward, GPU time by kind: {total / 1e3:.3f} ms in all")
+    print(f"{what}: eager forward, GPU time by kind: {total / 1e3:.3f} ms in all")
     for kind, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:10s} {us / 1e3:8.3f} ms  {us / total:6.1%}")
     for us, name in sorted(rows, reverse=True)[:12]:
