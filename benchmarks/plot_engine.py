@@ -24,6 +24,8 @@ def main(dst: str, *sources: str) -> None:
         cfg = payload["config"]
         commits.add(str(cfg.get("git_commit", "?"))[:10])
         name = cfg.get("shape") or Path(cfg["model_dir"]).name
+        if "async_scheduling" in cfg:  # bench engine JSONs from session 28 on
+            name += " async" if cfg["async_scheduling"] else " sync"
         for row in payload["rows"]:
             labels.append(f"{name} {cfg['prompt_len'] // 1024}k\nbatch {row['batch']}")
             step.append(row["engine_step_over_floor"])
