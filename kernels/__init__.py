@@ -145,6 +145,10 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, hidden], added to x first
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normalised, x + residual or None)
+    if _native_pointwise(x.device):
+        out = cpu_native.rms_norm(x, weight, eps, residual)
+        if out is not None:
+            return out
     return _pointwise(x.device).rms_norm(x, weight, eps, residual)
 
 
@@ -154,10 +158,18 @@ def rotary(
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,  # [T, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (Triton: in place)
+    if _native_pointwise(q.device):
+        out = cpu_native.rotary(q, k, cos, sin)
+        if out is not None:
+            return out
     return _pointwise(q.device).rotary(q, k, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    if _native_pointwise(gate_up.device):
+        out = cpu_native.silu_and_mul(gate_up)
+        if out is not None:
+            return out
     return _pointwise(gate_up.device).silu_and_mul(gate_up)
 
 
@@ -183,7 +195,14 @@ def prefill_attention(
     k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H_q, D]
-    return _impl(q.device).prefill_attention(
+    impl = _impl(q.device)
+    if impl is reference and not is_fp8(layer_cache.dtype) and _native_allowed():
+        out = cpu_native.prefill_attention(
+            q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
+        )
+        if out is not None:
+            return out
+    return impl.prefill_attention(
         q,
         layer_cache,
         cu_seqlens_q,
@@ -225,6 +244,12 @@ def decode_attention(
         k_scale,
         v_scale,
     )
+
+
+def _native_pointwise(device: torch.device) -> bool:
+    """Pointwise ops take the compiled CPU ones (kernels/cpu_native.py) where the torch
+    reference would serve them and ``PDSERVE_KERNELS`` is not ``torch``."""
+    return device.type == "cpu" and backend_name(device) == "torch" and _native_allowed()
 
 
 def _native_allowed() -> bool:

@@ -1,6 +1,7 @@
-// pdserve: decode attention over the paged KV cache on CPU (kernels/cpu_native.py builds it).
+// pdserve: decode and prefill attention over the paged KV cache on CPU (kernels/cpu_native.py
+// builds it).
 //
-// One query token per sequence, float32. q [S, H_q, D]; layer_cache [N, 2, H_kv, B, D], one
+// Decode: one query token per sequence, float32. q [S, H_q, D]; layer_cache [N, 2, H_kv, B, D], one
 // layer's strided view of the cache (rows of D contiguous); context_lens [S]; block_tables
 // [S, M]. Work items are (sequence, KV head) pairs over torch's threads; each reads its K and
 // V rows once, in place (no gather), for all the query heads of its group, with an online
@@ -98,9 +99,192 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
   });
   return out;
 }
+// Prefill attention over the paged cache, which already holds the new tokens' K/V.
+//
+// q [T, H_q, D] holds the query tokens of S sequences back to back (cu_seqlens [S + 1]); the
+// queries of sequence s are its last q_len positions, ctx - q_len .. ctx - 1, and position p
+// sees keys max(p - window + 1, 0) .. p (0 .. p without a window). Work items are (sequence,
+// KV head, tile of QT query tokens): the G query heads of the KV head over the tile, QT * G
+// rows, attend block by block over the keys any of them sees, flash style (online softmax),
+// reading K and V where they lie, once per tile; GQA needs no repeated K/V, and only blocks
+// that hold a visible key are read. Within a block, QK^T runs as RB rows x 16 keys of
+// register accumulators over a transposed copy of the K block (D x B, in L1), and PV as RB
+// rows x 16 dims over the V rows; these are GCC/Clang vector types, one AVX-512 register
+// each where the CPU has it (RB 8 measured best of 4, 6, 8, 16 on this project's 2-core
+// AVX-512 machine: 236 GFLOP/s of causal attention against 74 for the reference's SDPA).
+// Items are dealt round robin over torch's threads, the costliest first. D is a multiple
+// of 16 (the caller checks).
+namespace {
+
+constexpr int64_t QT = 32;  // query tokens per tile
+constexpr int64_t VW = 16;  // floats per vector
+constexpr int64_t RB = 8;   // query rows per register block
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+
+inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(vf)); return v; }
+inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
+
+struct Item { int64_t s, h, t0, t1, cost; };
+
+}  // namespace
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor cu_seqlens,
+                            torch::Tensor lens, torch::Tensor tables, double scale,
+                            int64_t window) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && cache.dtype() == torch::kFloat, "float32 only");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && tables.dim() == 2, "bad ranks");
+  TORCH_CHECK(q.size(1) % cache.size(2) == 0 && q.size(2) == cache.size(4), "head shapes differ");
+  TORCH_CHECK(q.size(2) % VW == 0 && q.size(2) <= 512, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(cache.stride(4) == 1, "cache rows must be contiguous");
+  const int64_t Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = cache.size(2), B = cache.size(3), N = cache.size(0);
+  const int64_t G = Hq / Hkv, R = QT * G, DC = D / VW, Bp = (B + VW - 1) / VW * VW;
+  auto out = torch::empty_like(q);
+  auto qc = q.contiguous();
+  auto cu = cu_seqlens.to(torch::kLong).contiguous();
+  auto lens64 = lens.to(torch::kLong).contiguous();
+  auto tab = tables.to(torch::kLong).contiguous();
+  const int64_t S = lens64.size(0), M = tab.size(1);
+  TORCH_CHECK(cu.size(0) == S + 1 && tab.size(0) == S, "cu_seqlens, context_lens and block_tables disagree");
+  const int64_t* cup = cu.data_ptr<int64_t>();
+  const int64_t* lp = lens64.data_ptr<int64_t>();
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  TORCH_CHECK(cup[S] == q.size(0), "cu_seqlens does not end at the number of query tokens");
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  const int64_t sN = cache.stride(0), sKV = cache.stride(1), sH = cache.stride(2), sB = cache.stride(3);
+  const float fscale = (float)scale;
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = cup[s + 1] - cup[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lp[s], "sequence ", s, " has more queries than context");
+    for (int64_t t0 = 0; t0 < q_len; t0 += QT) {
+      const int64_t t1 = std::min(t0 + QT, q_len);
+      const int64_t last = lp[s] - q_len + t1 - 1;  // the tile's last position
+      const int64_t span = window > 0 ? std::min(last + 1, window + QT) : last + 1;
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, t0, t1, span * (t1 - t0)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    std::vector<float> qt(R * D), acc(R * D), kt(D * Bp), sc(R * Bp), m(R), l(R);
+    std::vector<int64_t> lo(R), hi(R);
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      for (size_t it = lane; it < items.size(); it += lanes) {
+        const Item& w = items[it];
+        const int64_t ctx = lp[w.s], q_len = cup[w.s + 1] - cup[w.s];
+        const int64_t rows = (w.t1 - w.t0) * G;
+        // rows are (token, head) pairs, token-major; each with its visible key range
+        for (int64_t t = w.t0; t < w.t1; ++t) {
+          const int64_t pos = ctx - q_len + t;
+          const float* src = qp + ((cup[w.s] + t) * Hq + w.h * G) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = (t - w.t0) * G + g;
+            for (int64_t d = 0; d < D; ++d) qt[r * D + d] = src[g * D + d] * fscale;
+            lo[r] = window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
+            hi[r] = pos + 1;
+          }
+        }
+        std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+        std::fill(m.begin(), m.begin() + rows, -FLT_MAX);
+        std::fill(l.begin(), l.begin() + rows, 0.f);
+        const int64_t key_lo = lo[0], key_hi = hi[rows - 1];
+        for (int64_t b = key_lo / B; b * B < key_hi; ++b) {
+          TORCH_CHECK(b < M, "sequence ", w.s, " has more tokens than its block table holds");
+          const int64_t blk = tp[w.s * M + b];
+          TORCH_CHECK(blk >= 0 && blk < N, "block ", blk, " of sequence ", w.s, " is not in the cache");
+          const float* kb = cp + blk * sN + w.h * sH;
+          const float* vb = kb + sKV;
+          const int64_t j0 = std::max<int64_t>(key_lo - b * B, 0);
+          const int64_t j1 = std::min<int64_t>(key_hi - b * B, B);
+          const int64_t nj = j1 - j0, njc = (nj + VW - 1) / VW, njp = njc * VW;
+          // K block transposed: kt[d * njp + j], zero past nj
+          for (int64_t d = 0; d < D; ++d) {
+            float* row = kt.data() + d * njp;
+            for (int64_t j = 0; j < nj; ++j) row[j] = kb[(j0 + j) * sB + d];
+            for (int64_t j = nj; j < njp; ++j) row[j] = 0.f;
+          }
+          // scores: RB rows x 16 keys at a time
+          for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const float* qr[RB];
+            for (int64_t i = 0; i < RB; ++i) qr[i] = qt.data() + std::min(r0 + i, rows - 1) * D;
+            for (int64_t jc = 0; jc < njc; ++jc) {
+              vf a[RB] = {};
+              for (int64_t d = 0; d < D; ++d) {
+                const vf k = vload(kt.data() + d * njp + jc * VW);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < RB; ++i) a[i] += qr[i][d] * k;
+              }
+              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) vstore(sc.data() + (r0 + i) * Bp + jc * VW, a[i]);
+            }
+          }
+          // online softmax per row over the keys it sees in this block; others weigh 0
+          for (int64_t r = 0; r < rows; ++r) {
+            float* sr = sc.data() + r * Bp;
+            const int64_t a = std::max<int64_t>(lo[r] - b * B, j0) - j0;
+            const int64_t e = std::min<int64_t>(hi[r] - b * B, j1) - j0;
+            if (e <= a) { std::fill(sr, sr + njp, 0.f); continue; }
+            float mx = m[r];
+            for (int64_t j = a; j < e; ++j) mx = std::max(mx, sr[j]);
+            const float corr = std::exp(m[r] - mx);
+            float lsum = 0.f;
+            for (int64_t j = 0; j < a; ++j) sr[j] = 0.f;
+#pragma omp simd reduction(+:lsum)
+            for (int64_t j = a; j < e; ++j) { sr[j] = std::exp(sr[j] - mx); lsum += sr[j]; }
+            for (int64_t j = e; j < njp; ++j) sr[j] = 0.f;
+            l[r] = l[r] * corr + lsum;
+            m[r] = mx;
+            float* ar = acc.data() + r * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+          }
+          // acc += P V: RB rows x 16 dims at a time
+          for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const float* pr[RB];
+            for (int64_t i = 0; i < RB; ++i) pr[i] = sc.data() + std::min(r0 + i, rows - 1) * Bp;
+            for (int64_t dc = 0; dc < DC; ++dc) {
+              vf a[RB];
+              for (int64_t i = 0; i < RB; ++i) a[i] = vload(acc.data() + std::min(r0 + i, rows - 1) * D + dc * VW);
+              for (int64_t j = 0; j < nj; ++j) {
+                const vf v = vload(vb + (j0 + j) * sB + dc * VW);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < RB; ++i) a[i] += pr[i][j] * v;
+              }
+              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) vstore(acc.data() + (r0 + i) * D + dc * VW, a[i]);
+            }
+          }
+        }
+        for (int64_t t = w.t0; t < w.t1; ++t) {
+          float* dst = op + ((cup[w.s] + t) * Hq + w.h * G) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = (t - w.t0) * G + g;
+            const float inv = 1.f / l[r];
+            for (int64_t d = 0; d < D; ++d) dst[g * D + d] = acc[r * D + d] * inv;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The GIL is released while it runs, as torch releases it in its own ops: the service's
 // event loop keeps serving (pulls, heartbeats) during a decode step.
+// cpu_pointwise.cpp
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual);
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill", &paged_prefill, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &rotary, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
 }
 

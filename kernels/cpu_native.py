@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_pointwise.cpp"))
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
@@ -48,7 +48,12 @@ def _cpu_flags() -> str:
 
 def _name() -> str:
     key = "\n".join(
-        [SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), _cpu_flags(), torch.__version__]
+        [
+            *(s.read_text() for s in SOURCES),
+            " ".join(CFLAGS + LDFLAGS),
+            _cpu_flags(),
+            torch.__version__,
+        ]
     )
     return "pdserve_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -98,7 +103,7 @@ def _load_or_build(name: str) -> Any:
                 _ninja_on_path()
                 module = build(
                     name,
-                    [str(SOURCE)],
+                    [str(s) for s in SOURCES],
                     extra_cflags=CFLAGS,
                     extra_ldflags=LDFLAGS,
                     build_directory=str(folder),
@@ -154,4 +159,86 @@ def decode_attention(
     out: torch.Tensor = module.paged_decode(
         q, layer_cache, context_lens, block_tables, scale, sliding_window or 0
     )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H_q, D], sequences back to back
+    layer_cache: torch.Tensor,  # [N, 2, H_kv, B, D], already holding the new K/V
+    cu_seqlens_q: torch.Tensor,  # [S + 1]
+    context_lens: torch.Tensor,  # [S], incl. the new tokens
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
+    """The compiled prefill kernel's result (causal, over the paged cache in place, GQA
+    without repeated K/V), or None where it does not apply (not float32 on CPU, a head_dim
+    that is not a multiple of 16, no queries) or is not built: the caller then uses the
+    reference."""
+    if (
+        q.device.type != "cpu"
+        or q.dtype != torch.float32
+        or layer_cache.dtype != torch.float32
+        or layer_cache.stride(-1) != 1
+        or q.shape[0] == 0
+        or q.shape[-1] % 16
+        or q.shape[-1] > 512
+    ):
+        return None
+    module = load()
+    if module is None:
+        return None
+    out: torch.Tensor = module.paged_prefill(
+        q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window or 0
+    )
+    return out
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight * normalise(x + residual), x + residual) in one pass, or None where the
+    compiled op does not apply (not float32 rows on CPU) or is not built."""
+    extra = () if residual is None else (residual,)
+    if x.dim() != 2 or not _rows_ok(x, weight, *extra) or not weight.is_contiguous():
+        return None
+    module = load()
+    if module is None:
+        return None
+    outs = module.rms_norm(x, weight, eps, residual)
+    return outs[0], (outs[1] if residual is not None else None)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q and k rotated in place (views into one qkv row are fine), or None where the compiled
+    op does not apply or is not built."""
+    if q.dim() != 3 or not _rows_ok(q, k) or cos.dtype != torch.float32:
+        return None
+    module = load()
+    if module is None:
+        return None
+    module.rotary(q, k, cos, sin)
+    return q, k
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one pass, or None where the compiled op does not apply or is not
+    built."""
+    if gate_up.dim() != 2 or not _rows_ok(gate_up):
+        return None
+    module = load()
+    if module is None:
+        return None
+    out: torch.Tensor = module.silu_and_mul(gate_up)
     return out

@@ -1,5 +1,6 @@
-"""kernels/cpu_native.py: the compiled CPU decode attention against the torch reference
-(float64) on NaN-poisoned paged caches, its errors, and the dispatch around it."""
+"""kernels/cpu_native.py: the compiled CPU decode and prefill attention against the torch
+reference (float64) on NaN-poisoned paged caches, their errors, and the dispatch around
+them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_native, reference
+from pdserve.kernels import cpu_native, pointwise_ref, reference
 from tests.kernel_tools import (  # noqa: F401 (gen_fixture: the gen fixture)
     Paged,
     cpu64,
@@ -41,6 +42,64 @@ def test_matches_the_reference(gen, case, window):
     assert not out.isnan().any(), "a NaN slot of the cache was read"
     ref = reference.decode_attention(*map(cpu64, (q, *args)))
     assert rel_err(out, ref) < 1e-5
+
+
+PREFILL_CASES = {  # (context, new query tokens) per sequence, H_q, H_kv, D, block size
+    "whole-prompts-gqa3": ([(512, 512), (37, 37), (1, 1)], 9, 3, 64, 64),
+    "after-a-prefix": ([(700, 90), (64, 64), (129, 1), (40, 33)], 8, 2, 64, 16),
+    "mha-d16-ragged-tiles": ([(33, 33), (100, 67), (2, 2)], 4, 4, 16, 16),
+    "d128-gqa8-block24": ([(300, 300), (95, 31)], 16, 2, 128, 24),
+}
+
+
+@pytest.mark.parametrize("window", [None, 24, 100], ids=["full", "win24", "win100"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_matches_the_reference(gen, case, window):
+    seqs, num_heads, num_kv_heads, head_dim, block = PREFILL_CASES[case]
+    paged = Paged([c for c, _ in seqs], num_kv_heads, head_dim, block, torch.float32, "cpu", gen)
+    q_lens = torch.tensor([n for _, n in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+    q = random_q(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, torch.float32, "cpu", gen)
+    args = (paged.layer, cu, paged.context_lens, paged.block_tables, head_dim**-0.5, window)
+    out = cpu_native.prefill_attention(q, *args)
+    assert out is not None and out.dtype == torch.float32 and out.shape == q.shape
+    assert not out.isnan().any(), "a NaN slot of the cache was read"
+    ref = reference.prefill_attention(*map(cpu64, (q, *args)))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_prefill_never_reads_blocks_behind_a_window(gen):
+    """Blocks behind every query's window may be back in the pool (NULL_BLOCK, -1)."""
+    window, block = 40, 16
+    paged = Paged([300, 70], 2, 64, block, torch.float32, "cpu", gen)
+    cu = torch.tensor([0, 20, 23], dtype=torch.int32)  # the last 20 and 3 tokens
+    q = random_q(23, 4, 2, 64, torch.float32, "cpu", gen)
+    tables = paged.block_tables.clone()
+    for s, (ctx, q_len) in enumerate([(300, 20), (70, 3)]):
+        tables[s, : max(ctx - q_len - window + 1, 0) // block] = -1
+    args = (paged.context_lens, tables, 0.125, window)
+    out = cpu_native.prefill_attention(q, paged.layer, cu, *args)
+    ref = reference.prefill_attention(
+        *map(cpu64, (q, paged.layer, cu, paged.context_lens, paged.block_tables, 0.125, window))
+    )
+    assert out is not None and rel_err(out, ref) < 1e-5
+
+
+def test_prefill_errors_name_the_problem(gen):
+    paged = Paged([40], 2, 64, 16, torch.float32, "cpu", gen)
+    q = random_q(40, 2, 2, 64, torch.float32, "cpu", gen)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    tables = paged.block_tables.clone()
+    tables[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="block 10000 of sequence 0 is not in the cache"):
+        cpu_native.prefill_attention(q, paged.layer, cu, paged.context_lens, tables, 0.1, None)
+    with pytest.raises(RuntimeError, match="more queries than context"):
+        cpu_native.prefill_attention(
+            q, paged.layer, cu, torch.tensor([39]), paged.block_tables, 0.1, None
+        )
+    odd = random_q(40, 2, 2, 24, torch.float32, "cpu", gen)  # head_dim 24: the reference's
+    assert cpu_native.prefill_attention(odd, paged.layer, cu, paged.context_lens,
+                                        paged.block_tables, 0.1, None) is None  # fmt: skip
 
 
 def test_blocks_behind_a_window_are_never_read(gen):
@@ -90,6 +149,25 @@ def test_dispatch(monkeypatch, gen):
     assert torch.equal(kernels.decode_attention(*args), ref)
 
 
+def test_prefill_dispatch(monkeypatch, gen):
+    """Prefill likewise: the kernel for float32 on CPU, the reference bit for bit otherwise."""
+    paged = Paged([9, 200], 1, 16, 16, torch.float32, "cpu", gen)
+    q = torch.randn(9 + 50, 2, 16, generator=gen)
+    cu = torch.tensor([0, 9, 59], dtype=torch.int32)
+    args = (q, paged.layer, cu, paged.context_lens, paged.block_tables, 0.25)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    ref = reference.prefill_attention(*args)
+    native = kernels.prefill_attention(*args)
+    assert torch.equal(native, cpu_native.prefill_attention(*args, None))
+    assert rel_err(native, ref) < 1e-5
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    assert torch.equal(kernels.prefill_attention(*args), ref)
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert cpu_native.prefill_attention(q.bfloat16(), *args[1:], None) is None
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    assert torch.equal(kernels.prefill_attention(*args), ref)
+
+
 def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys, tmp_path):
     import torch.utils.cpp_extension as ext
 
@@ -128,3 +206,48 @@ def test_one_builder_a_stale_torch_lock_removed_and_built_libraries_imported(mon
     assert builds == [str(folder)] and (folder / "built").exists()
     assert cpu_native._load_or_build("k") == ("imported", "k.so")
     assert len(builds) == 1
+
+
+def test_pointwise_ops_match_the_reference(gen):
+    """RMSNorm (with and without the residual add), rotary in place on views into one packed
+    qkv row, and SiLU-and-mul, against the torch reference in float64."""
+    x, residual = torch.randn(2, 37, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    out, total = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    ref, ref_total = pointwise_ref.rms_norm(x.double(), weight.double(), 1e-5, residual.double())
+    assert rel_err(out, ref) < 1e-6 and torch.equal(total, x + residual)
+    alone = cpu_native.rms_norm(x, weight, 1e-6)
+    assert alone[1] is None
+    assert rel_err(alone[0], pointwise_ref.rms_norm(x.double(), weight.double(), 1e-6)[0]) < 1e-6
+
+    qkv = torch.randn(37, 9 + 2 * 3, 64, generator=gen)
+    before = qkv.clone()
+    cos, sin = torch.randn(2, 37, 64, generator=gen)
+    q, k = qkv[:, :9], qkv[:, 9:12]
+    ref_q, ref_k = pointwise_ref.rotary(q.double(), k.double(), cos.double(), sin.double())
+    assert cpu_native.rotary(q, k, cos, sin) == (q, k)  # in place, as the Triton op
+    assert rel_err(qkv[:, :9], ref_q) < 1e-6 and rel_err(qkv[:, 9:12], ref_k) < 1e-6
+    assert torch.equal(qkv[:, 12:], before[:, 12:]), "v was touched"
+
+    gate_up = torch.randn(37, 2 * 1536, generator=gen) * 4
+    got = cpu_native.silu_and_mul(gate_up)
+    assert got is not None and rel_err(got, pointwise_ref.silu_and_mul(gate_up.double())) < 1e-6
+
+
+def test_pointwise_dispatch(monkeypatch, gen):
+    """kernels.* take the compiled ops on CPU float32 rows, the reference under
+    PDSERVE_KERNELS=torch, for other dtypes and where the module is not built."""
+    x = torch.randn(5, 64, generator=gen)
+    weight = torch.randn(64, generator=gen)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    native = kernels.rms_norm(x, weight, 1e-5)[0]
+    assert torch.equal(native, cpu_native.rms_norm(x, weight, 1e-5)[0])
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    assert torch.equal(
+        kernels.rms_norm(x, weight, 1e-5)[0], pointwise_ref.rms_norm(x, weight, 1e-5)[0]
+    )
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert cpu_native.silu_and_mul(x.bfloat16()) is None
+    assert cpu_native.rms_norm(x.t(), weight, 1e-5) is None  # rows not contiguous
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    assert torch.equal(kernels.silu_and_mul(x), pointwise_ref.silu_and_mul(x))
