@@ -67,7 +67,7 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
       for (int64_t i = 0; i < H; ++i) orow[i] = wp[i] * (src[i] * inv);
     }
   });
-  if (tp) return {out, total};
+  if (residual.has_value()) return {out, total};  // tp is null when there are no rows
   return {out};
 }
 

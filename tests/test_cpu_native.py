@@ -251,3 +251,13 @@ def test_pointwise_dispatch(monkeypatch, gen):
     assert cpu_native.rms_norm(x.t(), weight, 1e-5) is None  # rows not contiguous
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     assert torch.equal(kernels.silu_and_mul(x), pointwise_ref.silu_and_mul(x))
+
+
+def test_pointwise_ops_take_no_rows():
+    """A context-parallel rank with no piece of a step runs its layers on zero tokens."""
+    x = torch.empty(0, 64)
+    out, total = cpu_native.rms_norm(x, torch.ones(64), 1e-5, torch.empty(0, 64))
+    assert out.shape == total.shape == (0, 64)
+    q, k = torch.empty(0, 2, 64), torch.empty(0, 1, 64)
+    assert cpu_native.rotary(q, k, torch.empty(0, 64), torch.empty(0, 64)) == (q, k)
+    assert cpu_native.silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
