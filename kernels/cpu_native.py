@@ -144,13 +144,15 @@ def decode_attention(
     sliding_window: int | None,
 ) -> torch.Tensor | None:
     """The compiled kernel's result, or None where it does not apply (not float32 on CPU,
-    rows not contiguous, no batch) or is not built: the caller then uses the reference."""
+    rows not contiguous, no batch, a head_dim that is not a multiple of 16) or is not built:
+    the caller then uses the reference."""
     if (
         q.device.type != "cpu"
         or q.dtype != torch.float32
         or layer_cache.dtype != torch.float32
         or layer_cache.stride(-1) != 1
         or q.shape[0] == 0
+        or q.shape[-1] % 16
     ):
         return None
     module = load()

@@ -1,7 +1,8 @@
 """What the fault suite's files (tests/test_faults.py, test_faults_prefill_rank.py) share:
 its short liveness settings and the bounds that follow from them, the fault table
 (``fault_report``, one per session, registered in conftest.py), and the helpers that read
-a deployment's health, blocks and failures.
+a deployment's health, blocks and failures, and its prefill and decode peers (a handle
+from one, a decode fed a handle).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import Any
 import pytest
 
 from pdserve.cli.deployment import Deployment
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
 from tests.fault_tools import (
     FaultReport,
+    Peer,
     report_path,
     service_metrics,
 )
@@ -122,3 +126,56 @@ def decode_waiting(dep: Deployment) -> bool:
         ]
         >= 1
     )
+
+
+# -- one deployment's peers: a prefill's handle, a decode fed a handle ---------------------
+
+
+def restart(dep: Deployment, name: str, **env: str) -> float:
+    started = time.monotonic()
+    dep.restart(name, env)
+    dep.wait_ready(READY_TIMEOUT)
+    return time.monotonic() - started
+
+
+def prefill_peer(dep: Deployment) -> Peer:
+    return Peer(dep.cfg.prefill_addresses[0].address, "prefill")
+
+
+def decode_peer(dep: Deployment) -> Peer:
+    return Peer(dep.cfg.decode_addresses[0].address, "decode")
+
+
+def handle_for(dep: Deployment, rid: str, ids: list[int], max_tokens: int = 6) -> p.PrefillDone:
+    with prefill_peer(dep) as peer:
+        done = peer.ask(
+            p.PrefillRequest(
+                request_id=rid,
+                trace_id=rid,
+                prompt_token_ids=ids,
+                sampling=SamplingParams(max_tokens=max_tokens),
+            )
+        )[-1]
+    assert isinstance(done, p.PrefillDone), done
+    return done
+
+
+def decode_with(
+    dep: Deployment, done: p.PrefillDone, ids: list[int], handle: p.KVHandle, max_tokens: int = 6
+) -> list[Any]:
+    msg = p.DecodeRequest(
+        request_id=done.request_id,
+        trace_id=done.trace_id,
+        prompt_token_ids=ids,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        first_token=done.first_token,
+        handle=handle,
+    )
+    with decode_peer(dep) as peer:
+        return peer.ask(msg)
+
+
+def transfer_failures(dep: Deployment) -> float:
+    return service_metrics(dep.cfg.decode_addresses[0].address, "decode")[
+        "pdserve:kv_transfer_failures"
+    ]

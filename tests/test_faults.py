@@ -22,7 +22,6 @@ import msgspec
 import pytest
 
 from pdserve.cli.deployment import Deployment
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from tests.e2e import deployment
@@ -33,19 +32,22 @@ from tests.fault_suite import (
     LEASE,
     LEASE_BOUND,
     PROMPT,
-    READY_TIMEOUT,
     addresses,
     client,
     decode_waiting,
+    decode_with,
     failure_of,
+    handle_for,
     health,
     in_background,
     leaked,
+    prefill_peer,
+    restart,
+    transfer_failures,
 )
 from tests.fault_tools import (
     FaultReport,
     FaultRow,
-    Peer,
     pools_full,
     service_metrics,
     wait_until,
@@ -84,56 +86,6 @@ def dep(
         tmp_path_factory.mktemp("faults"), model_dir, env={HOLD_PULLS_ENV: str(hold_path)}, **FAST
     ) as d:
         yield d
-
-
-def restart(dep: Deployment, name: str, **env: str) -> float:
-    started = time.monotonic()
-    dep.restart(name, env)
-    dep.wait_ready(READY_TIMEOUT)
-    return time.monotonic() - started
-
-
-def prefill_peer(dep: Deployment) -> Peer:
-    return Peer(dep.cfg.prefill_addresses[0].address, "prefill")
-
-
-def decode_peer(dep: Deployment) -> Peer:
-    return Peer(dep.cfg.decode_addresses[0].address, "decode")
-
-
-def handle_for(dep: Deployment, rid: str, ids: list[int], max_tokens: int = 6) -> p.PrefillDone:
-    with prefill_peer(dep) as peer:
-        done = peer.ask(
-            p.PrefillRequest(
-                request_id=rid,
-                trace_id=rid,
-                prompt_token_ids=ids,
-                sampling=SamplingParams(max_tokens=max_tokens),
-            )
-        )[-1]
-    assert isinstance(done, p.PrefillDone), done
-    return done
-
-
-def decode_with(
-    dep: Deployment, done: p.PrefillDone, ids: list[int], handle: p.KVHandle, max_tokens: int = 6
-) -> list[Any]:
-    msg = p.DecodeRequest(
-        request_id=done.request_id,
-        trace_id=done.trace_id,
-        prompt_token_ids=ids,
-        sampling=SamplingParams(max_tokens=max_tokens),
-        first_token=done.first_token,
-        handle=handle,
-    )
-    with decode_peer(dep) as peer:
-        return peer.ask(msg)
-
-
-def transfer_failures(dep: Deployment) -> float:
-    return service_metrics(dep.cfg.decode_addresses[0].address, "decode")[
-        "pdserve:kv_transfer_failures"
-    ]
 
 
 def test_wrong_descriptors_fail_the_request_and_are_counted(
