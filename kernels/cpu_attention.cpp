@@ -134,11 +134,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
 // KV head, tile of QT query tokens): the G query heads of the KV head over the tile, QT * G
 // rows, attend block by block over the keys any of them sees, flash style (online softmax),
 // reading K and V where they lie, once per tile; GQA needs no repeated K/V, and only blocks
-// that hold a visible key are read. Within a block, QK^T runs as RB rows x 16 keys of
+// that hold a visible key are read. Within a block, QK^T runs as RB rows x 32 keys of
 // register accumulators over a transposed copy of the K block (D x B, in L1), and PV as RB
-// rows x 16 dims over the V rows; these are GCC/Clang vector types, one AVX-512 register
-// each where the CPU has it (RB 8 measured best of 4, 6, 8, 16 on this project's 2-core
-// AVX-512 machine: 236 GFLOP/s of causal attention against 74 for the reference's SDPA).
+// rows x 32 dims over the V rows; these are GCC/Clang vector types, one AVX-512 register
+// each where the CPU has it (RB 8 measured best of 4, 6, 8, 16, and two vectors a row 1.1x
+// one, on this project's 2-core AVX-512 machine: ~235-280 GFLOP/s of causal attention
+// against 70-135 for the reference's SDPA, benchmarks/cpu_prefill_attention.py).
 // Items are dealt round robin over torch's threads, the costliest first. D is a multiple
 // of 16 (the caller checks).
 
@@ -222,11 +223,25 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
             for (int64_t j = 0; j < nj; ++j) row[j] = kb[(j0 + j) * sB + d];
             for (int64_t j = nj; j < njp; ++j) row[j] = 0.f;
           }
-          // scores: RB rows x 16 keys at a time
+          // scores: RB rows x 32 keys at a time (16 where one vector is left)
           for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const float* qr[RB];
             for (int64_t i = 0; i < RB; ++i) qr[i] = qt.data() + std::min(r0 + i, rows - 1) * D;
-            for (int64_t jc = 0; jc < njc; ++jc) {
+            int64_t jc = 0;
+            for (; jc + 2 <= njc; jc += 2) {
+              vf a[RB] = {}, c[RB] = {};
+              const float* kc = kt.data() + jc * VW;
+              for (int64_t d = 0; d < D; ++d) {
+                const vf k0 = vload(kc + d * njp), k1 = vload(kc + d * njp + VW);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < RB; ++i) { a[i] += qr[i][d] * k0; c[i] += qr[i][d] * k1; }
+              }
+              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) {
+                vstore(sc.data() + (r0 + i) * Bp + jc * VW, a[i]);
+                vstore(sc.data() + (r0 + i) * Bp + jc * VW + VW, c[i]);
+              }
+            }
+            for (; jc < njc; ++jc) {
               vf a[RB] = {};
               for (int64_t d = 0; d < D; ++d) {
                 const vf k = vload(kt.data() + d * njp + jc * VW);
@@ -256,19 +271,35 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
           }
-          // acc += P V: RB rows x 16 dims at a time
+          // acc += P V: RB rows x 32 dims at a time (16 where one vector is left)
           for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const float* pr[RB];
-            for (int64_t i = 0; i < RB; ++i) pr[i] = sc.data() + std::min(r0 + i, rows - 1) * Bp;
-            for (int64_t dc = 0; dc < DC; ++dc) {
+            float* ar[RB];
+            for (int64_t i = 0; i < RB; ++i) {
+              pr[i] = sc.data() + std::min(r0 + i, rows - 1) * Bp;
+              ar[i] = acc.data() + std::min(r0 + i, rows - 1) * D;
+            }
+            int64_t dc = 0;
+            for (; dc + 2 <= DC; dc += 2) {
+              vf a[RB], c[RB];
+              for (int64_t i = 0; i < RB; ++i) { a[i] = vload(ar[i] + dc * VW); c[i] = vload(ar[i] + dc * VW + VW); }
+              for (int64_t j = 0; j < nj; ++j) {
+                const float* vr = vb + (j0 + j) * sB + dc * VW;
+                const vf v0 = vload(vr), v1 = vload(vr + VW);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < RB; ++i) { a[i] += pr[i][j] * v0; c[i] += pr[i][j] * v1; }
+              }
+              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) { vstore(ar[i] + dc * VW, a[i]); vstore(ar[i] + dc * VW + VW, c[i]); }
+            }
+            for (; dc < DC; ++dc) {
               vf a[RB];
-              for (int64_t i = 0; i < RB; ++i) a[i] = vload(acc.data() + std::min(r0 + i, rows - 1) * D + dc * VW);
+              for (int64_t i = 0; i < RB; ++i) a[i] = vload(ar[i] + dc * VW);
               for (int64_t j = 0; j < nj; ++j) {
                 const vf v = vload(vb + (j0 + j) * sB + dc * VW);
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < RB; ++i) a[i] += pr[i][j] * v;
               }
-              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) vstore(acc.data() + (r0 + i) * D + dc * VW, a[i]);
+              for (int64_t i = 0; i < RB && r0 + i < rows; ++i) vstore(ar[i] + dc * VW, a[i]);
             }
           }
         }

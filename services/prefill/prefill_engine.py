@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.common.engine.llm_engine import EngineCore
+from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import TokenLogprobs
 
