@@ -14,8 +14,12 @@ from typing import Any
 
 def make_prompts(n: int, input_len: int, id_range: tuple[int, int], seed: int,
                  stream: str = "prompts") -> list[list[int]]:  # fmt: skip
-    """Seeded random token ids; distinct, so that none can hit the prefix cache."""
-    rng = random.Random(f"{seed}/{stream}")  # a string seed is stable across processes
+    """Seeded random token ids; distinct, so that none can hit the prefix cache. The length
+    is part of the seed: with one seed, the prompts of a longer run would otherwise begin
+    with those of a shorter one (prompt k of 2L tokens = prompts 2k and 2k + 1 of L), and a
+    server that outlives one run (a peer) would serve the next one's prefixes from its
+    cache."""
+    rng = random.Random(f"{seed}/{stream}/{input_len}")  # a string seed: stable across processes
     low, high = id_range
     prompts = [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(n)]
     if len({tuple(p) for p in prompts}) != n:  # only possible with a tiny --input-len

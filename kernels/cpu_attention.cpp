@@ -233,12 +233,15 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
           const int64_t j0 = std::max<int64_t>(key_lo - b * B, 0);
           const int64_t j1 = std::min<int64_t>(key_hi - b * B, B);
           const int64_t nj = j1 - j0, njc = (nj + VW - 1) / VW, njp = njc * VW;
-          // K block transposed: kt[d * njp + j], zero past nj
-          for (int64_t d = 0; d < D; ++d) {
-            float* row = kt.data() + d * njp;
-            for (int64_t j = 0; j < nj; ++j) row[j] = kb[(j0 + j) * sB + d];
-            for (int64_t j = nj; j < njp; ++j) row[j] = 0.f;
+          // K block transposed, kt[d * njp + j] (zero past nj), reading K rows in order; the
+          // V rows, which PV walks a column at a time, are fetched meanwhile
+          for (int64_t j = 0; j < nj; ++j) {
+            const float* kr = kb + (j0 + j) * sB;
+            for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(vb + (j0 + j) * sB + off);
+            for (int64_t d = 0; d < D; ++d) kt[d * njp + j] = kr[d];
           }
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t j = nj; j < njp; ++j) kt[d * njp + j] = 0.f;
           // scores: RB rows x 32 keys at a time (16 where one vector is left)
           for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const float* qr[RB];

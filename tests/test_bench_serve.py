@@ -92,6 +92,10 @@ def test_prompts_are_exact_distinct_and_in_range() -> None:
     assert all(len(p) == 32 and all(1000 <= t < 30000 for t in p) for p in prompts)
     assert len({p[0] for p in prompts}) > 1 and len({tuple(p) for p in prompts}) == 16
     assert make_prompts(1, 32, (1000, 30000), seed=0, stream="warm-up")[0] not in prompts
+    # a longer run with the same seed shares no prefix with a shorter one (a peer server
+    # kept between runs would otherwise serve it from its prefix cache)
+    longer = make_prompts(8, 64, (1000, 30000), seed=0)
+    assert not {tuple(p[:32]) for p in longer} & {tuple(p) for p in prompts}
 
 
 # -- a fake server: every other request fails, the rest stream four tokens -------------
