@@ -6,7 +6,7 @@ gathers every sequence's K and V into one padded tensor and then runs SDPA over 
 step reads the KV twice and writes it once. ``cpu_attention.cpp`` reads each K and V row
 once, where it lies, for all the query heads of a KV head (online softmax over blocks,
 torch's threads over (sequence, KV head) pairs): on the embedded model's shape, one layer
-at 16 sequences of ~540 tokens 0.84 -> 0.50 ms, at 64 sequences 16.8 -> 2.1 ms
+at 16 sequences of ~540 tokens 0.84 -> 0.35-0.41 ms, at 64 sequences 16.8 -> 1.4-1.6 ms
 (`benchmarks/cpu_decode_attention.py`; benchmarks/README.md, "CPU decode attention, malloc").
 Its prefill attention does the same for causal prompts and chunks (flash style, tiles of
 query tokens, register-blocked QK^T and PV, GQA without repeating K/V): one layer, 4
@@ -15,7 +15,7 @@ prompts of 512 tokens 16.9 -> 5.1 ms (`benchmarks/cpu_prefill_attention.py`).
 one pass over memory each where the reference makes three to ten.
 
 The source is built once per machine with torch's C++ extension builder (a C++ compiler,
-Python's headers and ninja, which pip installs with pdserve; ~15 s on 2 cores) into the
+Python's headers and ninja, which pip installs with pdserve; ~20 s on 2 cores) into the
 ``pdserve/`` folder of torch's extensions folder (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), under a name that hashes the source, the flags and the
 CPU's feature flags (it is built with ``-march=native``); later processes import the built
