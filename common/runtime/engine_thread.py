@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from pdserve.common.engine.host_malloc import keep_freed_buffers
 from pdserve.common.errors import FatalError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.boundary import Limits
@@ -74,6 +75,10 @@ class EngineThread(threading.Thread):
 
     def __init__(self, ctx: EngineContext, loop: asyncio.AbstractEventLoop, name: str) -> None:
         super().__init__(name=name, daemon=True)
+        if ctx.cfg.device == "cpu":
+            # before this thread first allocates: glibc would give it an arena of its own,
+            # which the engine's step buffers do not fit (common/engine/host_malloc.py)
+            keep_freed_buffers()
         self.ctx = ctx
         self.loop = loop
         self.inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
