@@ -76,3 +76,27 @@ def test_an_engine_threads_freed_buffers_are_reused_without_page_faults() -> Non
     default, kept = faults("default"), faults("kept")
     assert default > 5_000, default  # the failure this guards against is real here
     assert kept < default // 20, (kept, default)
+
+
+def test_engine_threads_of_cpu_services_apply_the_settings_before_they_start(monkeypatch) -> None:
+    """Applied from inside the engine thread (its ModelRunner), the settings came after the
+    thread had its own arena: the first large steps of a served CPU engine still faulted.
+    So the thread's constructor, which runs on the service's main thread, applies them."""
+    import asyncio
+
+    from pdserve.common.runtime import engine_thread
+    from pdserve.common.runtime.engine_thread import EngineContext, EngineThread
+    from pdserve.common.runtime.metrics import Metrics
+    from pdserve.common.runtime.service_config import DeploymentConfig
+
+    calls: list[str] = []
+    monkeypatch.setattr(engine_thread, "keep_freed_buffers", lambda: calls.append("kept"))
+    loop = asyncio.new_event_loop()
+    try:
+        for device in ("cpu", "cuda"):
+            ctx = EngineContext(cfg=DeploymentConfig(device=device), instance=0, torch_threads=1,
+                                metrics=Metrics("decode", 0), reply=lambda *a: None)  # fmt: skip
+            EngineThread(ctx, loop, f"engine-{device}")  # never started
+            assert calls == ["kept"], device
+    finally:
+        loop.close()
