@@ -8,6 +8,9 @@
 #   engine-eager  the same without CUDA graphs and HF (the before of the graphs)
 #   engine-8b     bench engine at the 8B shape (2k prompts) with HF, and the 1B shape at 8k
 #   profile       host profile of decode steps (benchmarks/profile_step.py), 1B b64 and 8B b1
+#   prefill       the 8B prefill (#13): one layer's attention against torch SDPA
+#                 (benchmarks/gpu_prefill_attention.py), the prefill step by kernel at batch 1 and 16
+#                 (profile_step.py --kernels), bench engine --shape 8b
 #   serve         pdserve bench serve --compare at three loads, with the HF generate reference
 #   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
 #   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
@@ -33,7 +36,7 @@
 # from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -113,6 +116,24 @@ suite_profile() {
         timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
             --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" | head -75
     done
+}
+suite_prefill() {  # .gpu/before: another tree's common/ kernels/ cli/ (git archive REV), timed beside
+    local base=""; [ -f .gpu/triton_ops_before.py ] && base="--baseline .gpu/triton_ops_before.py"
+    # shellcheck disable=SC2086
+    timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/gpu_prefill_attention.py $base \
+        --configs 64x4x2,64x4x3,128x4x2,128x8x1,128x8x2,128x8x3,256x8x2 \
+        --json "$OUT/prefill_attention_h200.json" 2>&1 | grep -v "^20" | tail -12
+    timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py --shape 8b \
+        --batch 1 --context 2048 --steps 10 --kernels --tokenizer /tmp/tokmodel 2>&1 \
+        | grep -v "^20" > "$OUT/profile_8b_b1_h200.txt"; sed -n '/^decode: eager/,$p' "$OUT/profile_8b_b1_h200.txt"
+    local bench=(bench engine --shape 8b --tokenizer /tmp/tokmodel --device cuda --dtype bfloat16
+        --prompt-len 2048 --gen-len 16 --batch-sizes 1,16,64 --repeats 2 --no-hf)
+    timeout 150 python3 -m pdserve "${bench[@]}" --json "$OUT/engine_8b_prefill_h200.json" \
+        2>"$OUT/engine_8b_prefill_err.txt" | tail -6
+    if [ -d .gpu/before ]; then
+        (cd .gpu/before && PDSERVE_GIT_COMMIT=$(cat ../before_commit) timeout 150 python3 -m pdserve "${bench[@]}" \
+            --json "$OUT/engine_8b_prefill_before_h200.json" 2>/dev/null | tail -6)
+    fi
 }
 suite_serve-8b() {
     PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 400 python3 -m pdserve bench serve --compare \

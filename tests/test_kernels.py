@@ -123,6 +123,28 @@ def test_prefill_attention(ops, device, gen, case, dtype, window):
     assert torch.equal(ops.prefill_attention(q, *args), out)
 
 
+@pytest.mark.parametrize("rows,warps", [(16, 4), (64, 4), (128, 8)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("case", ["ragged-gqa3", "prefix-gqa4", "len200-gqa4"])
+def test_prefill_launch_shapes(ops, device, gen, case, window, rows, warps):
+    """Every tile height the prefill kernel can be launched with (rows of (query, head)
+    pairs, kernels/triton_prefill.py) gives the reference's answer; a GQA group of 3 pads
+    to 4 rows a query."""
+    from pdserve.kernels.triton_prefill import PrefillConfig
+
+    seqs, num_heads, num_kv_heads, head_dim, block_size, _ = PREFILL_CASES[case]
+    dtype = torch.float32
+    paged = Paged([c for c, _ in seqs], num_kv_heads, head_dim, block_size, dtype, device, gen)
+    q_lens = torch.tensor([n for _, n in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int().to(device)
+    q = random_q(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype, device, gen)
+    args = (paged.layer, cu, paged.context_lens, paged.block_tables, head_dim**-0.5, window)
+    out = torch.full_like(q, NAN)
+    ops._prefill_into(out, q, *args, config=PrefillConfig(rows, warps, 2))
+    assert not out.isnan().any(), "output elements left unwritten (or NaN read)"
+    assert rel_err(out, reference.prefill_attention(*map(cpu64, (q, *args)))) < TOL[dtype]
+
+
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", DTYPES)
