@@ -11,9 +11,9 @@ from pdserve.common.engine.kv_groups import layer_slots, page_groups
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.mtp import read_weights
-from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 
 # kept in float32 whatever the model dtype (DeepSeek routes on them in float32, as HF does)
@@ -49,7 +49,7 @@ def load_model(
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
-    with torch.device("meta"):
+    with meta_modules():
         model = LlamaForCausalLM(cfg, par)
     model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
     # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
@@ -75,11 +75,6 @@ def load_model(
     )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The rotary buffer was built on meta; rebuild it for real.
-    rotary = model.model.rotary
-    rotary.inv_freq, rotary.attention_scaling = inv_frequencies(
-        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
-    )
     model = model.to(device).eval()
     if device.type == "cuda":
         model.pack_weights()

@@ -23,7 +23,6 @@ import contextlib
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.kernels import fp8_ds_mla
@@ -144,6 +143,9 @@ def _attend_group(
             if hi - lo == ctx:  # [n, H, ctx, width], no cached prefix
                 o = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)
             else:  # one sequence whose queries are the last hi - lo of ctx positions
+                # imported here: the module pulls in torch._dynamo (~0.8 s a process)
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(hi - lo, ctx)
                 o = F.scaled_dot_product_attention(q_s, k_s, v_s, mask, scale=scale)
             out[lo : lo + n * (hi - lo)] = o[..., :v_dim].transpose(1, 2).flatten(0, 1)

@@ -31,6 +31,7 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.llama import DecoderLayer, LlamaForCausalLM
+from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.norm import RMSNorm
 from pdserve.common.parallel.context import ParallelContext
@@ -140,7 +141,7 @@ def load_mtp_layer(
         only = msgspec.structs.replace(layer_cfg.moe, sparse_layers=(index,))
         state = fuse_expert_weights(state, only)
     state = {k[len(prefix) :]: v for k, v in state.items()}
-    with torch.device("meta"):
+    with meta_modules():
         layer = MTPLayer(layer_cfg, ParallelContext(), index)
     expected = set(layer.state_dict())
     missing = expected - set(state) - set(OPTIONAL)

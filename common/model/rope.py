@@ -109,7 +109,12 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
     ) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = inv_frequencies(head_dim, theta, scaling, max_position)
+        # on CPU also inside a meta-device build: a few floats, computed for real (meta ops
+        # would also import torch._dynamo, ~0.8 s of each process's start)
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = inv_frequencies(
+                head_dim, theta, scaling, max_position
+            )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
