@@ -194,9 +194,15 @@ def prefill_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
     v_scale: float = 1.0,
+    max_q_len: int | None = None,  # the longest query run if the host knows it (GPU: no sync)
 ) -> torch.Tensor:  # [T, H_q, D]
     impl = _impl(q.device)
-    if impl is reference and not is_fp8(layer_cache.dtype) and _native_allowed():
+    if impl is not reference:
+        return impl.prefill_attention(
+            q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+            k_scale, v_scale, max_q_len,
+        )  # fmt: skip
+    if not is_fp8(layer_cache.dtype) and _native_allowed():
         out = cpu_native.prefill_attention(
             q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
         )

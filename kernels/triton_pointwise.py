@@ -83,6 +83,23 @@ def rms_norm(
 
 
 @triton.jit
+def _rotate(base, stride_h, num_heads, c1, c2, s1, s2, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    # The heads [BLOCK_H, HALF] x 2 of one token, rotated in place.
+    h = tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF)
+    ptrs = base + h[:, None] * stride_h + i[None, :]
+    ok = (h < num_heads)[:, None]
+    dt = base.dtype.element_ty
+    x1 = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=ok, other=0.0).to(tl.float32)
+    # q * cos + rotate_half(q) * sin, each product and the sum rounded as torch rounds them
+    o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
+    o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+    tl.store(ptrs, o1.to(dt), mask=ok)
+    tl.store(ptrs + HALF, o2.to(dt), mask=ok)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -95,28 +112,20 @@ def _rotary_kernel(
     stride_ct,
     stride_st,
     num_q_heads,
+    num_k_heads,
     HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
 ):
-    # One program per (token, head) over q's heads then k's, rotating in place.
+    # One program per token: its cos / sin loaded once, then all of q's heads and k's.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if h < num_q_heads:
-        base = q_ptr + t * stride_qt + h * stride_qh
-    else:
-        base = k_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
     i = tl.arange(0, HALF)
-    dt = q_ptr.dtype.element_ty
-    x1 = tl.load(base + i).to(tl.float32)
-    x2 = tl.load(base + HALF + i).to(tl.float32)
     c1 = tl.load(cos_ptr + t * stride_ct + i).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + i).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_st + i).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_st + HALF + i).to(tl.float32)
-    # q * cos + rotate_half(q) * sin, each product and the sum rounded as torch rounds them
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(base + i, o1)
-    tl.store(base + HALF + i, o2)
+    _rotate(q_ptr + t * stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2, BLOCK_HQ, HALF)
+    _rotate(k_ptr + t * stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2, BLOCK_HK, HALF)
 
 
 def rotary(
@@ -137,7 +146,7 @@ def rotary(
     if num_tokens == 0:
         return q, k
     with _device_guard(q):
-        _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
+        _rotary_kernel[(num_tokens,)](
             q,
             k,
             cos.to(q.dtype),
@@ -149,7 +158,10 @@ def rotary(
             cos.stride(0),
             sin.stride(0),
             num_q_heads,
+            k.shape[1],
             HALF=head_dim // 2,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         )
     return q, k
 

@@ -37,18 +37,18 @@ class PrefillConfig:
     """Launch shape of the prefill kernel: ``rows`` (query, head) pairs per program (a power
     of two >= 16), ``num_warps`` and ``num_stages`` (Triton's software pipelining)."""
 
-    rows: int = 128
-    num_warps: int = 8
-    num_stages: int = 2
+    rows: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def default_config(head_dim: int, max_q_len: int, group: int) -> PrefillConfig:
-    """The launch shape for a prefill: 128-row tiles (8 warps at head_dim >= 128) when the
-    prompts fill them, smaller tiles for short query runs."""
+def default_config(max_q_len: int, group: int) -> PrefillConfig:
+    """The launch shape for a prefill: 64-row tiles, 4 warps, 3 stages (on the H100 at the 8B
+    shape the fastest of 64/128/256 rows, 4/8 warps, 1-3 stages for 2k-8k prompts:
+    benchmarks/gpu_prefill_attention.py), smaller tiles for short query runs."""
     group_p = triton.next_power_of_2(group)
-    rows = max(16, min(128, group_p * triton.next_power_of_2(max(1, max_q_len))))
-    warps = 8 if rows >= 128 and head_dim >= 128 else 4
-    return PrefillConfig(rows=max(rows, group_p), num_warps=warps, num_stages=2)
+    rows = max(16, min(64, group_p * triton.next_power_of_2(max(1, max_q_len))))
+    return PrefillConfig(rows=max(rows, group_p))
 
 
 @triton.jit
@@ -206,6 +206,7 @@ def _prefill_into(
     sliding_window: int | None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    max_q_len: int | None = None,
     config: PrefillConfig | None = None,
 ) -> None:
     group, num_kv_heads, block_size, head_dim = _check_attention(q, layer_cache, sliding_window)
@@ -216,11 +217,13 @@ def _prefill_into(
     q = q.to(compute_dtype(q, layer_cache))
     cu_seqlens_q = cu_seqlens_q.contiguous()
     context_lens = context_lens.contiguous()
-    # The grid needs the longest query run: one host sync, as in the reference.
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    # The grid needs the longest query run: from the caller, who has it on the host, else
+    # one device-to-host sync (which stalls the GPU's queue in every layer).
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_q_len == 0:
         return
-    config = config or default_config(head_dim, max_q_len, group)
+    config = config or default_config(max_q_len, group)
     group_p = triton.next_power_of_2(group)
     block_t = max(1, config.rows // group_p)
     grid = (triton.cdiv(max_q_len, block_t), num_seqs, num_kv_heads)
@@ -263,10 +266,11 @@ def prefill_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
     v_scale: float = 1.0,
+    max_q_len: int | None = None,  # the longest query run, if the caller knows it (no sync)
 ) -> torch.Tensor:  # [T, H_q, D]
     out = torch.empty_like(q)
     _prefill_into(
         out, q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
-        k_scale, v_scale,
+        k_scale, v_scale, max_q_len,
     )  # fmt: skip
     return out

@@ -279,6 +279,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=as_tensor(cu),
             prefill_context_lens=as_tensor([s.context_len for s in prefills]),
             prefill_block_tables=_block_tables(prefills, dev),
+            prefill_max_q_len=max((len(s.token_ids) for s in prefills), default=0),
             decode_splits=self._decode_splits(padded_batch(len(decodes), self._graph_max_batch)),
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
@@ -347,6 +348,7 @@ class ModelRunner:
             prefill_block_tables=torch.tensor(
                 [b + [0] * (width - len(b)) for _, _, b in pieces], dtype=torch.int32, device=dev
             ).reshape(len(pieces), width),
+            prefill_max_q_len=max((num for num, _, _ in pieces), default=0),
             kv_gather=lambda kv: par.gather_padded(kv, num_own, pad_to),
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,

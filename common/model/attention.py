@@ -23,6 +23,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [S_p + 1] int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor  # [S_p] int32
     prefill_block_tables: torch.Tensor  # [S_p, max_blocks] int32
+    # the longest prefill query run, known on the host (the GPU kernel sizes its grid by it;
+    # None: it reads it from prefill_cu_seqlens_q, a device-to-host sync in every layer)
+    prefill_max_q_len: int | None = None
     # Context parallelism: gathers this rank's new K/V [2, T, H_kv, D] from every rank, in
     # the order ``slot_mapping`` describes; None when one rank computes everything.
     kv_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -73,20 +76,7 @@ def paged_attention(
             meta.k_scale,
             meta.v_scale,
         )
-    out = torch.empty_like(q)
-    if nd:
-        out[:nd] = kernels.decode_attention(
-            q[:nd],
-            layer_cache,
-            meta.decode_context_lens,
-            meta.decode_block_tables,
-            scale,
-            sliding_window,
-            meta.decode_splits,
-            meta.k_scale,
-            meta.v_scale,
-        )
-    out[nd:] = kernels.prefill_attention(
+    prefill = (
         q[nd:],
         layer_cache,
         meta.prefill_cu_seqlens_q,
@@ -96,5 +86,21 @@ def paged_attention(
         sliding_window,
         meta.k_scale,
         meta.v_scale,
+        meta.prefill_max_q_len,
     )
+    if nd == 0:
+        return kernels.prefill_attention(*prefill)
+    out = torch.empty_like(q)
+    out[:nd] = kernels.decode_attention(
+        q[:nd],
+        layer_cache,
+        meta.decode_context_lens,
+        meta.decode_block_tables,
+        scale,
+        sliding_window,
+        meta.decode_splits,
+        meta.k_scale,
+        meta.v_scale,
+    )
+    out[nd:] = kernels.prefill_attention(*prefill)
     return out
