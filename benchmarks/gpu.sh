@@ -121,18 +121,18 @@ suite_prefill() {  # .gpu/before: another tree's common/ kernels/ cli/ (git arch
     local base=""; [ -f .gpu/triton_ops_before.py ] && base="--baseline .gpu/triton_ops_before.py"
     # shellcheck disable=SC2086
     timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/gpu_prefill_attention.py $base \
-        --configs 64x4x2,64x4x3,128x4x2,128x8x1,128x8x2,128x8x3,256x8x2 \
-        --json "$OUT/prefill_attention_h200.json" 2>&1 | grep -v "^20" | tail -12
+        --configs ${PREFILL_CONFIGS:-64x4x2,64x4x3,128x4x2,128x8x1,128x8x2,128x8x3,256x8x2} \
+        --json "$OUT/prefill_attention.json" 2>&1 | grep -v "^20" | tail -12
     timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py --shape 8b \
         --batch 1 --context 2048 --steps 10 --kernels --tokenizer /tmp/tokmodel 2>&1 \
-        | grep -v "^20" > "$OUT/profile_8b_b1_h200.txt"; sed -n '/^decode: eager/,$p' "$OUT/profile_8b_b1_h200.txt"
+        | grep -v "^20" > "$OUT/profile_8b_b1.txt"; sed -n '/^decode: eager/,$p' "$OUT/profile_8b_b1.txt"
     local bench=(bench engine --shape 8b --tokenizer /tmp/tokmodel --device cuda --dtype bfloat16
         --prompt-len 2048 --gen-len 16 --batch-sizes 1,16,64 --repeats 2 --no-hf)
-    timeout 150 python3 -m pdserve "${bench[@]}" --json "$OUT/engine_8b_prefill_h200.json" \
+    timeout 150 python3 -m pdserve "${bench[@]}" --json "$OUT/engine_8b_prefill.json" \
         2>"$OUT/engine_8b_prefill_err.txt" | tail -6
     if [ -d .gpu/before ]; then
         (cd .gpu/before && PDSERVE_GIT_COMMIT=$(cat ../before_commit) timeout 150 python3 -m pdserve "${bench[@]}" \
-            --json "$OUT/engine_8b_prefill_before_h200.json" 2>/dev/null | tail -6)
+            --json "$OUT/engine_8b_prefill_before.json" 2>/dev/null | tail -6)
     fi
 }
 suite_serve-8b() {

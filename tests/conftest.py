@@ -1,8 +1,9 @@
 """Shared fixtures.
 
-model_dir converts the embedded GGUF into the real cache (~/.cache/pdserve/models, or
+real_model_dir converts the embedded GGUF into the real cache (~/.cache/pdserve/models, or
 $PDSERVE_CACHE_DIR), not a per-run temp dir: the ~20 s conversion then happens once
-per machine and later test runs start in milliseconds.
+per machine and later test runs start in milliseconds. model_dir is a tiny random Llama
+with the embedded model's tokenizer, for every test the trained weights add nothing to.
 """
 
 from __future__ import annotations
@@ -19,10 +20,35 @@ from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noq
 
 
 @pytest.fixture(scope="session")
-def model_dir() -> Path:
-    # PDSERVE_TEST_MODEL: a model directory to use instead (the GPU machine, which cannot
-    # carry the embedded model, points it at a small random model with the same tokenizer).
+def real_model_dir() -> Path:
+    """The embedded model (SmolLM2-135M-Instruct), for tests of what trained weights do:
+    answers, EOS, tool calls, the GGUF's own logits, token identity with transformers.
+    PDSERVE_TEST_MODEL: a model directory to use instead (the GPU machine, which cannot
+    carry the embedded model, points it at a small random model with the same tokenizer)."""
     return resolve_model(os.environ.get("PDSERVE_TEST_MODEL") or None)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    """A random Llama of 2 layers (hidden 256, GQA 4:2) with the embedded model's tokenizer
+    and chat template, written once a session: the model of every test where trained weights
+    add nothing (serving, transfers, PCP and TP identity, faults, the API's shapes). Each
+    service process loads and runs it in a fraction of the real model's time (the slow lane:
+    ~710 -> ~510 s on 2 cores). PDSERVE_TEST_MODEL replaces it too."""
+    if os.environ.get("PDSERVE_TEST_MODEL"):
+        return real_model_dir
+    from pdserve.common.model.random import save_random_llama
+
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny") / "llama",
+        num_layers=2,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=8192,
+        tokenizer_from=real_model_dir,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,13 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_generate_prints_only_the_answer(model_dir: Path) -> None:
+def test_generate_prints_only_the_answer(real_model_dir: Path) -> None:
     done = pdserve(
         "generate",
         "--prompt",
         "What is the capital of France?",
         "--model",
-        str(model_dir),
+        str(real_model_dir),
         "--max-tokens",
         "32",
     )
@@ -32,14 +32,14 @@ def test_generate_prints_only_the_answer(model_dir: Path) -> None:
     assert done.stdout.count("\n") <= 3  # the answer alone, no logs
 
 
-def test_raw_generation_continues_the_text(model_dir: Path) -> None:
+def test_raw_generation_continues_the_text(real_model_dir: Path) -> None:
     done = pdserve(
         "generate",
         "--raw",
         "--prompt",
         "Monday, Tuesday, Wednesday,",
         "--model",
-        str(model_dir),
+        str(real_model_dir),
         "--max-tokens",
         "6",
     )
@@ -68,9 +68,11 @@ def test_bad_input_is_one_clear_error_line(args: list[str], message: str) -> Non
     assert message in error_line(pdserve("generate", "--prompt", "hi", *args))
 
 
-def test_prompt_longer_than_the_context_is_refused(model_dir: Path) -> None:
+def test_prompt_longer_than_the_context_is_refused(real_model_dir: Path) -> None:
     prompt = "word " * 9000  # > 8192 tokens
-    line = error_line(pdserve("generate", "--raw", "--prompt", prompt, "--model", str(model_dir)))
+    line = error_line(
+        pdserve("generate", "--raw", "--prompt", prompt, "--model", str(real_model_dir))
+    )
     assert "more than max_model_len 8192" in line
 
 
@@ -80,12 +82,12 @@ def test_unreadable_model_file_is_refused(tmp_path: Path) -> None:
     assert str(bogus) in error_line(pdserve("generate", "--prompt", "hi", "--model", str(bogus)))
 
 
-def test_cuda_without_a_gpu_is_refused(model_dir: Path) -> None:
+def test_cuda_without_a_gpu_is_refused(real_model_dir: Path) -> None:
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert "cuda" in error_line(
-        pdserve("generate", "--prompt", "hi", "--device", "cuda", "--model", str(model_dir))
+        pdserve("generate", "--prompt", "hi", "--device", "cuda", "--model", str(real_model_dir))
     )

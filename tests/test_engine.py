@@ -36,8 +36,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir)))
+def engine(real_model_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(real_model_dir)))
 
 
 @pytest.fixture(autouse=True)
@@ -50,9 +50,11 @@ def pool_returns_to_full(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir: Path) -> torch.nn.Module:
+def hf_model(real_model_dir: Path) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        real_model_dir, dtype=torch.float32
+    ).eval()
 
 
 def prompt_ids(engine: LLMEngine) -> list[list[int]]:
@@ -107,7 +109,7 @@ def test_a_batch_gives_each_request_its_solo_tokens(engine: LLMEngine) -> None:
 
 
 def test_chunked_prefill_and_preemption_give_the_same_tokens(
-    model_dir: Path, engine: LLMEngine
+    real_model_dir: Path, engine: LLMEngine
 ) -> None:
     prompts = prompt_ids(engine)
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -115,7 +117,7 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     # 16-token blocks, 9 of them, 24-token steps: prompts are chunked and the pool runs dry.
     tight = LLMEngine(
         EngineConfig(
-            model=str(model_dir),
+            model=str(real_model_dir),
             block_size=16,
             num_kv_blocks=9,
             max_num_batched_tokens=24,

@@ -92,10 +92,19 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(
         with client(dep) as c:
             for k in range(4):
                 assert c.generate(prompt_token_ids=PROMPT + [k], max_tokens=3).token_ids
+        # a replica's release follows the answer (the decode's ack): wait for all 2 x 4
+        wait_until(
+            lambda: (
+                total(metrics(dep.url), "pdserve:kv_replica_releases_total", "prefill") - before
+                >= 4 * 2
+            ),
+            10,
+            "the survivor's replica releases",
+        )
         after = metrics(dep.url)
         assert (
             total(after, "pdserve:kv_replica_releases_total", "prefill") - before == 4 * 2
-        )  # 2 ranks each
+        )  # 2 ranks each, none twice
         live = [
             (dep.cfg.prefill_addresses[other].address, "prefill"),
             (dep.cfg.decode_addresses[0].address, "decode"),

@@ -94,11 +94,11 @@ def test_fp8_layout_halves_bf16_bytes() -> None:
 
 
 def _runner(
-    model_dir: Path, dtype: str, kv_cache_dtype: str | None, device: str = "cpu"
+    real_model_dir: Path, dtype: str, kv_cache_dtype: str | None, device: str = "cpu"
 ) -> ModelRunner:
     return ModelRunner(
-        ModelConfig.from_dir(model_dir),
-        model_dir,
+        ModelConfig.from_dir(real_model_dir),
+        real_model_dir,
         device=device,
         dtype=dtype,
         block_size=BLOCK,
@@ -186,11 +186,11 @@ def test_fp8_cache_stores_one_byte_per_value(gqa_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_generate_with_fp8_kv_cache(model_dir: Path) -> None:
+def test_generate_with_fp8_kv_cache(real_model_dir: Path) -> None:
     """The embedded model, greedy, on CPU with an fp8 cache: still the right answer."""
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "generate", "--prompt",
-         "What is the capital of France?", "--model", str(model_dir), "--max-tokens", "24",
+         "What is the capital of France?", "--model", str(real_model_dir), "--max-tokens", "24",
          "--kv-cache-dtype", "fp8"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -29,15 +29,15 @@ POEM = "Write a short poem about the sea."
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": 1024},
+def dep(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[Deployment]:
+    with deployment(tmp_path_factory.mktemp("dep"), real_model_dir, engine={"max_model_len": 1024},
                     served_model_name=[NAME]) as d:  # fmt: skip
         yield d
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
+def tok(real_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(real_model_dir)
 
 
 def chat_model(dep: Deployment, **kwargs: Any) -> Any:
@@ -66,7 +66,7 @@ def test_invoke_and_stream(dep: Deployment, tok: Tokenizer) -> None:
     assert whole.usage_metadata["output_tokens"] == usage["output_tokens"]
 
 
-def test_logprobs_equal_transformers(dep: Deployment, tok: Tokenizer, model_dir: Path) -> None:
+def test_logprobs_equal_transformers(dep: Deployment, tok: Tokenizer, real_model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     llm = chat_model(dep, max_tokens=8, logprobs=True, top_logprobs=3,
                      extra_body={"ignore_eos": True})  # fmt: skip
@@ -74,7 +74,9 @@ def test_logprobs_equal_transformers(dep: Deployment, tok: Tokenizer, model_dir:
     content = message.response_metadata["logprobs"]["content"]
     assert "".join(c["token"] for c in content) == message.content
     prompt = tok.encode_chat([{"role": "user", "content": POEM}])
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        real_model_dir, dtype=torch.float32
+    )
     with torch.no_grad():
         output = hf_model.eval().generate(torch.tensor([prompt]), max_new_tokens=8,
                                           do_sample=False, pad_token_id=0)[0, len(prompt) :]  # fmt: skip

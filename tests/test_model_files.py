@@ -61,35 +61,35 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # -- the converted default model ---------------------------------------------------------
 
 
-def test_converted_dir_layout(model_dir: Path) -> None:
-    names = {p.name for p in model_dir.iterdir()}
+def test_converted_dir_layout(real_model_dir: Path) -> None:
+    names = {p.name for p in real_model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert "chat_template.jinja" not in names
     assert (
         "<|im_start|>"
-        in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+        in json.loads((real_model_dir / "tokenizer_config.json").read_text())["chat_template"]
     )
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((real_model_dir / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["dtype"] == config["torch_dtype"] == "float32"
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
-    with safe_open(model_dir / "model.safetensors", "pt") as f:
+    with safe_open(real_model_dir / "model.safetensors", "pt") as f:
         names = set(f.keys())
         assert "lm_head.weight" not in names  # tied to the embedding
         assert f.get_tensor("model.embed_tokens.weight").shape == (49152, 576)
 
 
 @pytest.mark.slow
-def test_converted_dir_gives_the_gguf_logits(model_dir: Path) -> None:
+def test_converted_dir_gives_the_gguf_logits(real_model_dir: Path) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     gguf_path = default_model_path()
     direct = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name
     )
-    converted = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    converted = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir)
     assert getattr(converted.config, "quantization_config", None) is None
-    prompt = Tokenizer.from_dir(model_dir).encode_chat(
+    prompt = Tokenizer.from_dir(real_model_dir).encode_chat(
         [{"role": "user", "content": "What is 2+2?"}]
     )
     ids = torch.tensor([prompt])
@@ -101,19 +101,21 @@ def test_converted_dir_gives_the_gguf_logits(model_dir: Path) -> None:
     torch.testing.assert_close(actual, expected, atol=0, rtol=0)
 
 
-def test_second_resolve_reuses_the_cache(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_resolve_reuses_the_cache(
+    real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def refuse(source: Path, out_dir: Path) -> None:
         raise AssertionError("converted again instead of reusing the cache")
 
     monkeypatch.setattr(model_files, "convert_gguf", refuse)
     start = time.perf_counter()
-    assert resolve_model(None) == model_dir
+    assert resolve_model(None) == real_model_dir
     assert time.perf_counter() - start < 0.5
 
 
-def test_a_model_dir_resolves_to_itself(model_dir: Path) -> None:
-    assert resolve_model(model_dir) == model_dir
-    assert resolve_model(str(model_dir)) == model_dir
+def test_a_model_dir_resolves_to_itself(real_model_dir: Path) -> None:
+    assert resolve_model(real_model_dir) == real_model_dir
+    assert resolve_model(str(real_model_dir)) == real_model_dir
 
 
 def test_default_gguf_is_llama() -> None:
@@ -293,7 +295,7 @@ def test_missing_default_package(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- random checkpoints ------------------------------------------------------------------
 
 
-def test_save_random_llama(tmp_path: Path, model_dir: Path) -> None:
+def test_save_random_llama(tmp_path: Path, real_model_dir: Path) -> None:
     pytest.importorskip("transformers")
     rope = {
         "rope_type": "llama3",
@@ -307,7 +309,7 @@ def test_save_random_llama(tmp_path: Path, model_dir: Path) -> None:
     assert resolve_model(first) == first
     cfg = ModelConfig.from_dir(first)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (1, 128, 4)
-    assert cfg.vocab_size == Tokenizer.from_dir(model_dir).vocab_size
+    assert cfg.vocab_size == Tokenizer.from_dir(real_model_dir).vocab_size
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.model_type == "mistral" and cfg.layer_windows == (64,)
     assert (

@@ -30,8 +30,8 @@ DAYS = "Monday, Tuesday,"
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("dep"), model_dir, engine={"max_model_len": 512},
+def dep(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[Deployment]:
+    with deployment(tmp_path_factory.mktemp("dep"), real_model_dir, engine={"max_model_len": 512},
                     served_model_name=[NAME, "alias"], api_key=KEY) as d:  # fmt: skip
         yield d
 
@@ -42,14 +42,16 @@ def client(dep: Deployment) -> Any:
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
+def tok(real_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(real_model_dir)
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir: Path) -> torch.nn.Module:
+def hf_model(real_model_dir: Path) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        real_model_dir, dtype=torch.float32
+    ).eval()
 
 
 def hf_greedy(hf_model: torch.nn.Module, ids: list[int], num: int, **kwargs: Any) -> list[int]:
@@ -245,13 +247,15 @@ def test_structured_output_validates(client: Any) -> None:
         assert obj.choices[0].message.content.lstrip().startswith("{")
 
 
-def test_colocated_gives_the_same_answers(tmp_path: Path, model_dir: Path, client: Any) -> None:
+def test_colocated_gives_the_same_answers(
+    tmp_path: Path, real_model_dir: Path, client: Any
+) -> None:
     """Decode computing the prompt itself: the same penalties, logprobs and constraints."""
     body = {"model": NAME, "prompt": DAYS, "max_tokens": 10, "temperature": 0, "logprobs": 3,
             "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5,
                            "logit_bias": {"11": 3.0}, "min_tokens": 5}}  # fmt: skip
     want = client.completions.create(**body).choices[0]
-    with deployment(tmp_path, model_dir, engine={"max_model_len": 512}, colocated=True,
+    with deployment(tmp_path, real_model_dir, engine={"max_model_len": 512}, colocated=True,
                     served_model_name=[NAME]) as colocated:  # fmt: skip
         local = openai.OpenAI(base_url=f"{colocated.url}/v1", api_key="x", max_retries=0)
         got = local.completions.create(**body).choices[0]

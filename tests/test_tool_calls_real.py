@@ -23,8 +23,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}]
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
-    with deployment(tmp_path_factory.mktemp("dep"), model_dir,
+def dep(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[Deployment]:
+    with deployment(tmp_path_factory.mktemp("dep"), real_model_dir,
                     engine={"max_model_len": 1024}) as d:  # fmt: skip
         yield d
 
