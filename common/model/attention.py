@@ -64,9 +64,10 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if q.shape[0] == 0:  # a PCP rank with no piece of this step still joins the gather
         return torch.empty_like(q)
-    if meta.num_prefills == 0:
+
+    def decode(q_d: torch.Tensor) -> torch.Tensor:
         return kernels.decode_attention(
-            q,
+            q_d,
             layer_cache,
             meta.decode_context_lens,
             meta.decode_block_tables,
@@ -76,7 +77,10 @@ def paged_attention(
             meta.k_scale,
             meta.v_scale,
         )
-    prefill = (
+
+    if meta.num_prefills == 0:
+        return decode(q)
+    prefill = kernels.prefill_attention(
         q[nd:],
         layer_cache,
         meta.prefill_cu_seqlens_q,
@@ -89,18 +93,8 @@ def paged_attention(
         meta.prefill_max_q_len,
     )
     if nd == 0:
-        return kernels.prefill_attention(*prefill)
+        return prefill
     out = torch.empty_like(q)
-    out[:nd] = kernels.decode_attention(
-        q[:nd],
-        layer_cache,
-        meta.decode_context_lens,
-        meta.decode_block_tables,
-        scale,
-        sliding_window,
-        meta.decode_splits,
-        meta.k_scale,
-        meta.v_scale,
-    )
-    out[nd:] = kernels.prefill_attention(*prefill)
+    out[:nd] = decode(q[:nd])
+    out[nd:] = prefill
     return out
