@@ -45,6 +45,40 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softmax_step(q, k, v, acc, m_i, l_i, visible, qk_scale, MASK: tl.constexpr):
+    # One online-softmax step over one block of keys (base 2, scale folded into qk_scale).
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, B]
+    if MASK:
+        s = tl.where(visible, s, float("-inf"))
+    # m_i starts finite (-1e30): a row with nothing visible yet gets alpha = 1, p = 0.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _load_kv(ptrs, stride_ckv, ok, k_scale, v_scale, dtype, MASK: tl.constexpr,
+             FP8: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    # One cache block's K and V rows [B, D]; masked loads only at the context's end.
+    if MASK:
+        k = tl.load(ptrs, mask=ok[:, None], other=0.0)
+        v = tl.load(ptrs + stride_ckv, mask=ok[:, None], other=0.0)
+    else:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + stride_ckv)
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(dtype)
+        v = (v.to(tl.float32) * v_scale).to(dtype)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _attend_block(
     q,  # [M, D] in the compute dtype (compute_dtype: the cache's, or q's over fp8)
     acc,  # [M, D] fp32, unnormalised output
@@ -60,25 +94,9 @@ def _attend_block(
     FP8: tl.constexpr,  # the cache holds float8_e4m3fn: dequantize into q's dtype
     UPCAST: tl.constexpr,  # interpreter: compute in fp32
 ):
-    # One online-softmax step over one cache block of keys.
-    k = tl.load(kv_ptrs, mask=k_ok[:, None], other=0.0)  # [B, D]
-    v = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)  # [B, D]
-    if FP8:
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, B]
-    s = tl.where(visible, s, float("-inf"))
-    # m_i starts finite (-1e30), so a row with nothing visible yet gets alpha = 1, p = 0
-    # instead of exp2(-inf - -inf) = NaN.
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
-    alpha = tl.exp2(m_i - m_new)  # [M]
-    p = tl.exp2(s - m_new[:, None])  # [M, B]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l_i
+    # One online-softmax step over one cache block of keys, masked.
+    k, v = _load_kv(kv_ptrs, stride_ckv, k_ok, k_scale, v_scale, q.dtype, True, FP8, UPCAST)
+    return _softmax_step(q, k, v, acc, m_i, l_i, visible, qk_scale, True)
 
 
 # True when TRITON_INTERPRET was set as this module was imported (the kernels are then

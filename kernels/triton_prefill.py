@@ -28,6 +28,8 @@ from pdserve.kernels.triton_common import (
     _LOG2E,
     _check_attention,
     _device_guard,
+    _load_kv,
+    _softmax_step,
     compute_dtype,
 )
 
@@ -49,40 +51,6 @@ def default_config(max_q_len: int, group: int) -> PrefillConfig:
     group_p = triton.next_power_of_2(group)
     rows = max(16, min(64, group_p * triton.next_power_of_2(max(1, max_q_len))))
     return PrefillConfig(rows=max(rows, group_p))
-
-
-@triton.jit
-def _softmax_step(q, k, v, acc, m_i, l_i, visible, qk_scale, MASK: tl.constexpr):
-    # One online-softmax step over one block of keys (base 2, scale folded into qk_scale).
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, B]
-    if MASK:
-        s = tl.where(visible, s, float("-inf"))
-    # m_i starts finite (-1e30): a row with nothing visible yet gets alpha = 1, p = 0.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _load_kv(ptrs, stride_ckv, ok, k_scale, v_scale, dtype, MASK: tl.constexpr,
-             FP8: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    # One cache block's K and V rows [B, D]; masked loads only at the context's end.
-    if MASK:
-        k = tl.load(ptrs, mask=ok[:, None], other=0.0)
-        v = tl.load(ptrs + stride_ckv, mask=ok[:, None], other=0.0)
-    else:
-        k = tl.load(ptrs)
-        v = tl.load(ptrs + stride_ckv)
-    if FP8:
-        k = (k.to(tl.float32) * k_scale).to(dtype)
-        v = (v.to(tl.float32) * v_scale).to(dtype)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
 
 
 @triton.jit
