@@ -15,8 +15,20 @@ from typing import Any
 import pytest
 
 from pdserve.common.model.files import resolve_model
+from pdserve.common.runtime import ports
 from tests.fault_suite import fault_report  # noqa: F401 (a session fixture)
 from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noqa: F401 (session fixtures)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (scripts/test.sh runs the slow lane on 2 workers), each worker
+    takes its deployments' ports from its own share of the range below the ephemeral one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        index, count = int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        low, high = ports.default_port_range()
+        share = (high - low) // count
+        ports.set_port_range(low + index * share, low + (index + 1) * share)
 
 
 @pytest.fixture(scope="session")

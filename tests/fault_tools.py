@@ -129,21 +129,29 @@ def is_gone(pid: int) -> bool:
 
 
 def rank_pids(coordinator_pid: int) -> list[int]:
-    """The coordinator's spawned rank processes, oldest (rank 0) first."""
-    pids = []
+    """The coordinator's rank processes, oldest (rank 0) first: the children of the
+    multiprocessing forkserver the coordinator started (services/ranks/group.py)."""
+    servers = [
+        pid
+        for pid, cmdline in _children(coordinator_pid)
+        if b"multiprocessing.forkserver" in cmdline
+    ]
+    return sorted(pid for server in servers for pid, _ in _children(server))
+
+
+def _children(parent: int) -> list[tuple[int, bytes]]:
+    out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         stat = _stat(int(entry.name))
-        if stat is None or int(stat[1]) != coordinator_pid:
+        if stat is None or int(stat[1]) != parent:
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            out.append((int(entry.name), (entry / "cmdline").read_bytes()))
         except OSError:
             continue
-        if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    return out
 
 
 @dataclass

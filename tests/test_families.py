@@ -268,6 +268,7 @@ def test_gguf_of_each_family_runs_as_its_checkpoint(
         num_hidden_layers=2,
         head_dim=128,
         max_position_embeddings=4096,
+        tokenizer_from=model_dir,  # converted once a session, not again in this cache
         **config,
     )
     gguf_file = write_gguf(checkpoint, tmp_path / f"{model_type}.gguf", default_model_path())

@@ -1,6 +1,7 @@
 """common/runtime/parent_watch.py: a child process (a rank, the router's tokenising worker)
 ends when the process that started it is killed, even while it is stuck where it never
-hears from it (a real spawn child of a real process, SIGKILLed)."""
+hears from it (a real child of a real process, SIGKILLed: a rank forked by the service's
+forkserver as services/ranks/group.py starts them, the router's spawned worker)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SERVICE = f"""
-import multiprocessing as mp, sys, time
+import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
+from pdserve.services.ranks.group import rank_context
 from tests.test_rank_parent import stuck_rank
 if __name__ == "__main__":
-    proc = mp.get_context("spawn").Process(target=stuck_rank, daemon=True)
+    proc = rank_context().Process(target=stuck_rank, args=(os.getpid(),), daemon=True)
     proc.start()
     print(proc.pid, flush=True)
     time.sleep(600)
@@ -40,11 +42,11 @@ if __name__ == "__main__":
 """
 
 
-def stuck_rank() -> None:
+def stuck_rank(owner: int) -> None:
     """A rank that never reaches its loop (as one waiting in gloo's rendezvous)."""
     from pdserve.common.runtime.parent_watch import exit_with_parent
 
-    exit_with_parent(period=0.1)
+    exit_with_parent(owner, period=0.1)
     time.sleep(600)
 
 

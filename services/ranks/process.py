@@ -24,9 +24,16 @@ from pdserve.services.ranks import messages as m
 
 
 def rank_main(
-    role: str, rank: int, tp: int, pcp: int, dist_addr: str, setup: bytes, conn: Connection
+    role: str,
+    rank: int,
+    tp: int,
+    pcp: int,
+    dist_addr: str,
+    setup: bytes,
+    conn: Connection,
+    owner: int,
 ) -> None:
-    exit_with_parent()
+    exit_with_parent(owner)  # the service (the forkserver that forked this rank outlives it)
     try:
         _serve(role, rank, tp, pcp, dist_addr, setup, conn)
     except Exception as exc:  # reported to the coordinator, which fails the instance
