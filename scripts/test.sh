@@ -4,7 +4,8 @@
 #
 #   gates: ruff check, ruff format --check (the repo), mypy (common/ and services/)
 #   lanes: the fast lane (not gpu, not slow) first, then the slow one (processes, the
-#          real model); GPU tests run on a CUDA machine (benchmarks/gpu.sh tests).
+#          real model), each on pytest-xdist workers; GPU tests run on a CUDA machine
+#          (benchmarks/gpu.sh tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,10 +16,15 @@ echo "== ruff check" && "$python" -m ruff check .
 echo "== ruff format --check" && "$python" -m ruff format --check .
 echo "== mypy common services" && bash scripts/typecheck.sh
 
+# pytest-xdist: a lane's modules go to workers whole (--dist loadfile: module fixtures stay
+# shared). Three workers on the slow lane: its tests wait on processes and timeouts as much
+# as they compute, and a third worker fills those waits. PDSERVE_TEST_WORKERS="FAST SLOW"
+# changes the counts ("0 0": one process each, as plain pytest).
+read -r fast_workers slow_workers <<< "${PDSERVE_TEST_WORKERS:-2 3}"
 lane() {  # exit code 5: the lane selected no tests (e.g. a -k that matches only one lane)
     local rc=0
-    "$python" -m pytest --durations=15 -m "$1" "${@:2}" || rc=$?
+    "$python" -m pytest --durations=15 -n "$2" --dist loadfile -m "$1" "${@:3}" || rc=$?
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 }
-echo "== fast lane" && lane "not gpu and not slow" "$@"
-echo "== slow lane" && lane "slow and not gpu" "$@"
+echo "== fast lane" && lane "not gpu and not slow" "$fast_workers" "$@"
+echo "== slow lane" && lane "slow and not gpu" "$slow_workers" "$@"

@@ -22,13 +22,19 @@ from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noq
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (scripts/test.sh runs the slow lane on 2 workers), each worker
-    takes its deployments' ports from its own share of the range below the ephemeral one."""
+    takes its deployments' ports from its own share of the range below the ephemeral one,
+    and computes on one thread: with a thread per core in each worker (and the services'
+    processes beside them) torch's OpenMP threads spin waiting for cores the others hold,
+    which made in-process tests take 3 to 7 times their CPU time alone."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         index, count = int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
         low, high = ports.default_port_range()
         share = (high - low) // count
         ports.set_port_range(low + index * share, low + (index + 1) * share)
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

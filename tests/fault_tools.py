@@ -191,4 +191,11 @@ class FaultReport:
 
 
 def report_path(default_dir: Path) -> Path:
-    return Path(os.environ.get("PDSERVE_FAULTS_JSON") or default_dir / "faults.json")
+    """$PDSERVE_FAULTS_JSON, else faults.json in the session's temporary directory (its own
+    for each pytest-xdist worker); under xdist each worker writes its own rows to the named
+    file with the worker's id added to its stem."""
+    named = os.environ.get("PDSERVE_FAULTS_JSON")
+    if not named:
+        return default_dir / "faults.json"
+    path, worker = Path(named), os.environ.get("PYTEST_XDIST_WORKER")
+    return path.with_name(f"{path.stem}-{worker}{path.suffix}") if worker else path

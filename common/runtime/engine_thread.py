@@ -67,11 +67,15 @@ class EngineThread(threading.Thread):
     """Runs ``setup()`` once, then turns until stopped: each turn hands the commands that
     arrived since the last one to their handlers (``handlers``: command type -> method),
     then does one unit of work (``run_once``). When that reports nothing more pending,
-    the thread waits up to ``idle_wait`` for the next command. Every turn kicks the
-    systemd watchdog (when the service set one): a model step that hangs stops the pings.
+    the thread waits up to ``idle_wait`` for the next command; while the engine is
+    ``quiet`` (nothing in flight that only polling notices), that wait doubles each idle
+    turn up to ``idle_wait_max``, so an idle service does not wake 200 times a second (a
+    command still ends the wait at once). Every turn kicks the systemd watchdog (when the
+    service set one): a model step that hangs stops the pings.
     """
 
     idle_wait = 0.005
+    idle_wait_max = 0.05
 
     def __init__(self, ctx: EngineContext, loop: asyncio.AbstractEventLoop, name: str) -> None:
         super().__init__(name=name, daemon=True)
@@ -115,6 +119,11 @@ class EngineThread(threading.Thread):
         """One unit of work; True when there is more work pending."""
         return False
 
+    def quiet(self) -> bool:
+        """Nothing in flight that a turn must poll for (blocks held for a peer, pulls):
+        the idle wait may grow. False keeps it at ``idle_wait``."""
+        return False
+
     def teardown(self) -> None:
         pass
 
@@ -136,16 +145,19 @@ class EngineThread(threading.Thread):
             return
         self.ready.set()
         busy = False
+        wait = self.idle_wait
         try:
             while not self._stop_event.is_set():
                 if self.watchdog is not None:
                     self.watchdog.kick()
-                commands = self._drain(block=not busy)
+                commands = self._drain(None if busy else wait)
                 if self._stop_event.is_set():
                     break
                 for command in commands:
                     self._handle(command)
                 busy = self.run_once()
+                idle = not (commands or busy) and self.quiet()
+                wait = min(2 * wait, self.idle_wait_max) if idle else self.idle_wait
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
             self.failed = exc
             log.error(
@@ -191,11 +203,13 @@ class EngineThread(threading.Thread):
     def forget(self, request_id: str) -> None:
         """Drop what the thread holds of a request that failed in a command."""
 
-    def _drain(self, block: bool) -> list[Command]:
+    def _drain(self, timeout: float | None) -> list[Command]:
+        """The commands waiting; none waiting, the first to come within ``timeout``
+        (None: do not wait)."""
         commands: list[Command | None] = []
-        if block:
+        if timeout is not None:
             try:
-                commands.append(self.inbox.get(timeout=self.idle_wait))
+                commands.append(self.inbox.get(timeout=timeout))
             except queue.Empty:
                 return []
         while True:

@@ -106,6 +106,9 @@ class DecodeEngineThread(EngineThread):
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
         return computing or any(pp.pulling for pp in self.pending.values())
 
+    def quiet(self) -> bool:
+        return not self.pending and not self.engine.has_unfinished
+
     # -- commands ---------------------------------------------------------------------------
 
     def _on_decode(self, cmd: Decode) -> None:

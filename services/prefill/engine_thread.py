@@ -137,6 +137,10 @@ class PrefillEngineThread(EngineThread):
         # must not spin the loop.
         return self.engine.has_unfinished and self.engine.last_step_tokens > 0
 
+    def quiet(self) -> bool:
+        # Releases come only for leased blocks, and expiry only ends leases.
+        return not self.engine.has_unfinished and len(self.leases) == 0
+
     def _releases(self) -> list[tuple[int, p.Release]]:
         """Releases received by every rank's NIXL agent, each with its rank."""
         if self.ranks is not None:

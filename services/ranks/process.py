@@ -22,6 +22,11 @@ from pdserve.common.runtime.fault_hooks import FaultHooks
 from pdserve.common.runtime.parent_watch import exit_with_parent
 from pdserve.services.ranks import messages as m
 
+# How long an idle rank waits for a command before it polls its NIXL agent again: 5 ms,
+# doubling while nothing comes, up to 20 ms (a release is reported at most that late).
+IDLE_WAIT = 0.005
+IDLE_WAIT_MAX = 0.02
+
 
 def rank_main(
     role: str,
@@ -69,9 +74,11 @@ def _serve(
     par = runner.parallel
     agent: _Role = (_Producer if role == "prefill" else _Consumer)(spec["agent"], rank, par, runner)
     conn.send_bytes(m.encode(m.Ready(agent.handshake, runner.layout)))
+    wait = IDLE_WAIT
     try:
         while True:
-            if conn.poll(0.001 if agent.busy else 0.005):
+            heard = conn.poll(0.001 if agent.busy else wait)
+            if heard:
                 cmd = m.to_rank.decode(conn.recv_bytes())
                 if isinstance(cmd, m.Stop):
                     break
@@ -82,8 +89,11 @@ def _serve(
                 )
                 if reply is not None:
                     conn.send_bytes(m.encode(reply))
-            for event in agent.poll():
+            events = agent.poll()
+            for event in events:
                 conn.send_bytes(m.encode(event))
+            # A quiet rank polls its agent less often (a command still wakes it at once).
+            wait = IDLE_WAIT if heard or events else min(2 * wait, IDLE_WAIT_MAX)
     finally:
         agent.close()
     dist.destroy_process_group()
