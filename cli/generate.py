@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
     configure_logging(args.log_level)
+    # Flags are checked before torch is imported or the model loaded: a bad one fails fast.
     from pdserve.common.engine.config import EngineConfig
-    from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.engine.sampling_params import SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    sampling.validate()  # before loading the model: a bad flag fails fast
+    sampling.validate()
     from pdserve.common.engine.spec_decode.config import parse_speculative_config
 
     spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=spec,
     )
+    from pdserve.common.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(config)
     tok = engine.tokenizer
     if args.raw:

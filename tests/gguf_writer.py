@@ -4,10 +4,27 @@ fields of the embedded model's GGUF. Tests use it to make GGUF files without a n
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file
+
+
+@functools.cache
+def _tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
+    """The tokenizer.* fields of a GGUF file: (key, value, type, array element type).
+    Read once a session (parsing the embedded model's 49k-token arrays takes seconds)."""
+    import gguf
+
+    out = []
+    for key, field in gguf.GGUFReader(str(path)).fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            out.append((key, field.contents(), vtype, sub))
+    return out
 
 
 def write_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path) -> Path:
@@ -33,12 +50,8 @@ def write_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path) -> Path:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub)
+    for key, value, vtype, sub in _tokenizer_fields(tokenizer_gguf):
+        writer.add_key_value(key, value, vtype, sub)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))

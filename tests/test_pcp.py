@@ -7,12 +7,15 @@ equal KV replica; every replica rank is released (or expires) on its own.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from pdserve.cli.deployment import Deployment
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.model_runner import ModelRunner
@@ -75,73 +78,94 @@ def test_replicas_equal_and_logits_match_one_rank(model_dir: Path, num_ranks: in
         group.close()
 
 
-@pytest.mark.parametrize("pcp, pull_from", [(2, "first"), (2, "striped"), (4, "striped")])
-def test_pcp_serving_matches_the_monolithic_engine(
-    tmp_path: Path, model_dir: Path, mono: LLMEngine, pcp: int, pull_from: str
-) -> None:
+@pytest.fixture(scope="module")
+def pcp_dep(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[Deployment]:
+    """A PCP deployment (``request.param``: pcp, pull_from) that the tests of this layout
+    share: each checks the counters' growth over its own requests."""
+    pcp, pull_from = request.param
+    with deployment(
+        tmp_path_factory.mktemp(f"pcp{pcp}-{pull_from}"),
+        model_dir,
+        pcp=pcp,
+        pull_from=pull_from,
+        engine={"max_num_batched_tokens": 1024},
+    ) as dep:
+        yield dep
+
+
+def releases(snap: dict[str, float], rank: int, kind: str = "replica_releases") -> float:
+    return snap.get(f"pdserve:kv_{kind}_total{{service=prefill,instance=0,rank={rank}}}", 0)
+
+
+def wait_for_releases(dep: Deployment, before: dict[str, float], num: int) -> dict[str, float]:
+    """The counters once every replica rank counts ``num`` more releases than ``before``
+    (a release follows its answer: the decode acknowledges after the pull), or after 30 s."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        snap = metrics(dep.url)
+        grown = [releases(snap, r) - releases(before, r) for r in range(dep.cfg.pcp)]
+        if min(grown) >= num or time.monotonic() > deadline:
+            return snap
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "pcp_dep", [(2, "first"), (2, "striped"), (4, "striped")], indirect=True, ids=str
+)
+def test_pcp_serving_matches_the_monolithic_engine(pcp_dep: Deployment, mono: LLMEngine) -> None:
     from pdserve.services.router.client import AsyncClient
 
+    dep, pcp = pcp_dep, pcp_dep.cfg.pcp
     cases = prompts(mono)
     want = [c.token_ids for c in mono.generate(cases, SamplingParams(max_tokens=8))]
-    with deployment(
-        tmp_path, model_dir, pcp=pcp, pull_from=pull_from, engine={"max_num_batched_tokens": 1024}
-    ) as dep:
+    before = metrics(dep.url)
 
-        async def run() -> list[list[int]]:
-            async with AsyncClient(dep.cfg.front_address) as client:
-                results = await asyncio.gather(
-                    *(
-                        client.generate(prompt_token_ids=c, max_tokens=8, temperature=0.0)
-                        for c in cases
-                    )
-                )
-            return [r.token_ids for r in results]
+    async def run() -> list[list[int]]:
+        async with AsyncClient(dep.cfg.front_address) as client:
+            results = await asyncio.gather(
+                *(client.generate(prompt_token_ids=c, max_tokens=8, temperature=0.0) for c in cases)
+            )
+        return [r.token_ids for r in results]
 
-        assert asyncio.run(run()) == want
-        snap = metrics(dep.url)
-        for rank in range(pcp):
-            assert snap[
-                f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"
-            ] == len(cases)
-        assert_pools_full(dep.url)
+    assert asyncio.run(run()) == want
+    snap = wait_for_releases(dep, before, len(cases))
+    for rank in range(pcp):
+        assert releases(snap, rank) - releases(before, rank) == len(cases)
+    assert_pools_full(dep.url)
 
 
-@pytest.mark.parametrize("pcp", [2, 4])
-def test_64_concurrent_requests_release_every_replica(
-    tmp_path: Path, model_dir: Path, pcp: int
-) -> None:
+@pytest.mark.parametrize("pcp_dep", [(2, "striped"), (4, "striped")], indirect=True, ids=str)
+def test_64_concurrent_requests_release_every_replica(pcp_dep: Deployment) -> None:
     from pdserve.services.router.client import AsyncClient
 
-    with deployment(tmp_path, model_dir, pcp=pcp) as dep:
+    dep, pcp = pcp_dep, pcp_dep.cfg.pcp
+    before = metrics(dep.url)
 
-        async def run() -> list[str]:
-            async with AsyncClient(dep.cfg.front_address, timeout=600) as client:
-                results = await asyncio.gather(
-                    *(
-                        client.generate(
-                            prompt_token_ids=[
-                                (i * 11 + j) % 30000 + 100 for j in range(1 + (i * 29) % 200)
-                            ],
-                            max_tokens=2 + i % 5,
-                        )
-                        for i in range(64)
+    async def run() -> list[str]:
+        async with AsyncClient(dep.cfg.front_address, timeout=600) as client:
+            results = await asyncio.gather(
+                *(
+                    client.generate(
+                        prompt_token_ids=[
+                            (i * 11 + j) % 30000 + 100 for j in range(1 + (i * 29) % 200)
+                        ],
+                        max_tokens=2 + i % 5,
                     )
+                    for i in range(64)
                 )
-            return [r.finish_reason for r in results]
+            )
+        return [r.finish_reason for r in results]
 
-        assert len(asyncio.run(run())) == 64
-        snap = metrics(dep.url)
-        for rank in range(pcp):
-            assert (
-                snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"]
-                == 64
-            )
-            assert (
-                snap[f"pdserve:kv_expired_requests_total{{service=prefill,instance=0,rank={rank}}}"]
-                == 0
-            )
-        assert total(snap, "pdserve:kv_transfers_total") == 64
-        assert_pools_full(dep.url)
+    assert len(asyncio.run(run())) == 64
+    snap = wait_for_releases(dep, before, 64)
+    for rank in range(pcp):
+        assert releases(snap, rank) - releases(before, rank) == 64
+        assert releases(snap, rank, "expired_requests") == 0
+    grew = total(snap, "pdserve:kv_transfers_total") - total(before, "pdserve:kv_transfers_total")
+    assert grew == 64
+    assert_pools_full(dep.url)
 
 
 def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model_dir: Path) -> None:
@@ -162,8 +186,6 @@ def test_a_lost_release_on_one_rank_expires_that_rank_only(tmp_path: Path, model
                     prompt_token_ids=list(range(500 + i, 600 + i)), max_tokens=3
                 ).token_ids
         deadline = 30.0
-        import time
-
         start = time.monotonic()
         while time.monotonic() - start < deadline:
             snap = metrics(dep.url)
