@@ -21,7 +21,7 @@ from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noq
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (scripts/test.sh runs the slow lane on 2 workers), each worker
+    """Under pytest-xdist (scripts/test.sh runs each lane on workers), each worker
     takes its deployments' ports from its own share of the range below the ephemeral one,
     and computes on one thread: with a thread per core in each worker (and the services'
     processes beside them) torch's OpenMP threads spin waiting for cores the others hold,
