@@ -1,7 +1,8 @@
 """Start router, prefill and decode as separate OS processes and watch them.
 
 Used by ``pdserve up``, ``pdserve demo`` and the end-to-end tests: the same code path a
-user runs. Each child's command line names its role; logs go to one file per process.
+user runs. Each process runs ``pdserve ROLE --config FILE`` forked from a zygote that
+imported the service code once (cli/zygote.py); logs go to one file per process.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
+from pdserve.cli.service_process import zygote_for
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime.service_config import DeploymentConfig
 
@@ -28,6 +29,23 @@ RESTART_BACKOFF_S = 0.5  # the second restart of a process waits this long, then
 RESTART_BACKOFF_MAX_S = 30.0
 START_LIMIT_BURST = 5  # restarts of one process within START_LIMIT_INTERVAL_S, at most
 START_LIMIT_INTERVAL_S = 120.0
+
+
+class ServiceHandle(Protocol):
+    """A running service process: a zygote's child (cli/zygote.py) or a Popen."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def restart_delay(num_recent: int) -> float:
@@ -46,7 +64,7 @@ class Deployment:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.log_dir / "deployment.json"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, ServiceHandle] = {}
         self.num_restarts: dict[str, int] = {}
         self.restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
         self.exited_at: dict[str, float] = {}  # name -> when its exit was first seen
@@ -100,15 +118,9 @@ class Deployment:
             self._spawn(name, args, env, "wb")
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str], log_mode: str) -> None:
-        log = open(self.log_dir / f"{name}.log", log_mode)
-        cmd = [sys.executable, "-m", "pdserve", *args, "--config", str(self.config_path)]
-        self.procs[name] = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+        log = self.log_dir / f"{name}.log"
+        self.procs[name] = zygote_for(env).spawn(
+            name, [*args, "--config", str(self.config_path)], env, str(log), log_mode == "ab"
         )
 
     def kill(self, name: str) -> int:
@@ -219,17 +231,6 @@ class Deployment:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, so a killed ``pdserve
-    up`` (or test run) never leaves services behind (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def local_config(**flags: Any) -> DeploymentConfig:

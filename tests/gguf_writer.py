@@ -1,10 +1,9 @@
 """Write a float32 GGUF of a Hugging Face checkpoint, as llama.cpp's converter would for the
-qwen2/qwen3 architectures (no q/k permutation: that is llama's only), with the tokenizer
-fields of the embedded model's GGUF. Tests use it to make GGUF files without a network."""
+qwen2/qwen3 architectures (no q/k permutation: that is llama's only), with the checkpoint's
+tokenizer cut to its vocabulary. Tests use it to make GGUF files without a network."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -12,22 +11,38 @@ from typing import Any
 from safetensors.torch import load_file
 
 
-@functools.cache
-def _tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
-    """The tokenizer.* fields of a GGUF file: (key, value, type, array element type).
-    Read once a session (parsing the embedded model's 49k-token arrays takes seconds)."""
-    import gguf
+def _tokenizer(model_dir: Path, vocab_size: int) -> dict[str, Any]:
+    """The checkpoint's byte-level BPE tokenizer (tokenizer.json) as llama.cpp's converter
+    writes a gpt2-type vocabulary, cut to the model's ``vocab_size`` first ids: the tokens
+    below it, and the merges whose two parts and result are among them."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    if tok["model"]["type"] != "BPE":
+        raise ValueError(f"only a BPE tokenizer is written: {tok['model']['type']}")
+    ids = {t: i for t, i in tok["model"]["vocab"].items() if i < vocab_size}
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    ids.update({a["content"]: a["id"] for a in tok["added_tokens"] if a["id"] < vocab_size})
+    tokens = sorted(ids, key=ids.__getitem__)
+    if [ids[t] for t in tokens] != list(range(vocab_size)):
+        raise ValueError(f"the tokenizer has no token for some ids below {vocab_size}")
+    merges = [
+        " ".join(pair)
+        for pair in (m if isinstance(m, list) else m.split(" ") for m in tok["model"]["merges"])
+        if pair[0] in ids and pair[1] in ids and "".join(pair) in ids
+    ]
+    config = json.loads((model_dir / "config.json").read_text())
+    template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    return {
+        "tokens": tokens,
+        "types": [3 if t in special else 1 for t in tokens],  # CONTROL, NORMAL
+        "merges": merges,
+        "bos": config.get("bos_token_id"),
+        "eos": config.get("eos_token_id"),
+        "pad": config.get("pad_token_id"),
+        "chat_template": template,
+    }
 
-    out = []
-    for key, field in gguf.GGUFReader(str(path)).fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            out.append((key, field.contents(), vtype, sub))
-    return out
 
-
-def write_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path) -> Path:
+def write_gguf(model_dir: Path, out: Path) -> Path:
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -50,8 +65,19 @@ def write_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path) -> Path:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, value, vtype, sub in _tokenizer_fields(tokenizer_gguf):
-        writer.add_key_value(key, value, vtype, sub)
+    tok = _tokenizer(model_dir, cfg["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_add_bos_token(False)
+    writer.add_add_space_prefix(False)
+    for name in ("bos", "eos", "pad"):
+        if tok[name] is not None:
+            getattr(writer, f"add_{name}_token_id")(tok[name])
+    if tok["chat_template"]:
+        writer.add_chat_template(tok["chat_template"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
