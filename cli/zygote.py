@@ -40,11 +40,13 @@ import traceback
 from pdserve.cli.service_process import Exited, Spawn, SpawnFailed, Started, decode_spawn, encode
 
 # What a service imports before it serves (measured with python -X importtime): torch and
-# the model code (prefill, decode), the HTTP stack and the tokenizer (router). Nothing here
-# may read the environment, start a thread or open a socket at import (see above); nixl is
-# left out (its libraries read UCX_* when they load).
+# the model code (prefill, decode), the HTTP stack and the tokenizer (router), and NIXL's
+# UCX plugin (common/transfer/nixl_libs.py: UCX's libraries read only their process-wide
+# settings when they load). Nothing here may start a thread, open a socket or read the
+# environment at import, but for those UCX settings.
 PRELOAD = [
     "torch",
+    "pdserve.common.transfer.nixl_libs",
     "uvloop",
     "safetensors",
     "aiohttp.web",

@@ -119,9 +119,10 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     real_model_dir: Path, engine: LLMEngine
 ) -> None:
     prompts = prompt_ids(engine)
-    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     expected = [c.token_ids for c in engine.generate(prompts, sampling)]
-    # 16-token blocks, 9 of them, 24-token steps: prompts are chunked and the pool runs dry.
+    # 16-token blocks, 9 of them, 24-token steps: prompts (9-41 tokens) are chunked and the
+    # pool (144 tokens for 8 sequences of up to 65) runs dry: 4 preemptions.
     tight = LLMEngine(
         EngineConfig(
             model=str(real_model_dir),

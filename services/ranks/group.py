@@ -39,15 +39,17 @@ STEP_TIMEOUT = 600.0
 R = TypeVar("R", bound=m.RankMessage)
 
 
-# What every rank imports before it loads a shard (torch, the model code): the rank
-# processes fork from a server that imported these once (multiprocessing's forkserver),
-# instead of each importing them again (~1.3 s of CPU a rank). The server is started
+# What every rank imports before it loads a shard (torch, the model code, NIXL's UCX
+# plugin: common/transfer/nixl_libs.py): the rank processes fork from a server that
+# imported these once (multiprocessing's forkserver), instead of each importing them again
+# (~1.3 s of CPU a rank, and ~0.4 s for its first NIXL agent). The server is started
 # fresh by this process and holds no threads, CUDA context, sockets or agents. It lives
 # while any rank it forked does, so each rank watches this process's pid instead
 # (common/runtime/parent_watch.py); the server ends after its last rank.
 RANK_PRELOAD = [
     "torch",
     "torch.distributed",
+    "pdserve.common.transfer.nixl_libs",
     "pdserve.services.ranks.process",
     "pdserve.common.engine.model_runner",
     "pdserve.common.model.files",
