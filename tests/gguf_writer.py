@@ -1,6 +1,7 @@
-"""Write a float32 GGUF of a Hugging Face checkpoint, as llama.cpp's converter would for the
-qwen2/qwen3 architectures (no q/k permutation: that is llama's only), with the checkpoint's
-tokenizer cut to its vocabulary. Tests use it to make GGUF files without a network."""
+"""Write a GGUF of a Hugging Face checkpoint as llama.cpp's converter would (llama: q/k
+rows permuted as it does; qwen2/qwen3: as they are), float32 or quantized as the embedded
+model is (Q4_1 matrices, a Q8_0 embedding, float32 norms), with the checkpoint's tokenizer
+cut to its vocabulary. Tests use it to make GGUF files without a network."""
 
 from __future__ import annotations
 
@@ -42,13 +43,34 @@ def _tokenizer(model_dir: Path, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def write_gguf(model_dir: Path, out: Path) -> Path:
+def _permute(weight: Any, num_heads: int) -> Any:
+    """llama.cpp's q/k row order for a llama checkpoint (the two rotary halves of each
+    head interleaved); transformers' GGUF reader undoes it."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _tensor_type(gguf: Any, hf_name: str, weight: Any, quantize: bool) -> Any:
+    """The embedded model's choice: Q8_0 embedding, Q4_1 matrices, float32 norms."""
+    if not quantize or weight.ndim != 2 or weight.shape[-1] % 32:
+        return gguf.GGMLQuantizationType.F32
+    if hf_name == "model.embed_tokens.weight":
+        return gguf.GGMLQuantizationType.Q8_0
+    return gguf.GGMLQuantizationType.Q4_1
+
+
+def write_gguf(model_dir: Path, out: Path, quantize: bool = False) -> Path:
     import gguf
+    from gguf import quants
 
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg["model_type"]
-    if arch not in ("qwen2", "qwen3"):
-        raise ValueError(f"only qwen2/qwen3 are written without llama's q/k permutation: {arch}")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"only llama, qwen2 and qwen3 checkpoints are written: {arch}")
     num_layers = cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
@@ -64,7 +86,7 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if quantize else gguf.LlamaFileType.ALL_F32)
     tok = _tokenizer(model_dir, cfg["vocab_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -83,7 +105,15 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name}")
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        weight = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            weight = _permute(weight, heads)
+        qtype = _tensor_type(gguf, name, weight, quantize)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, weight)
+        else:
+            writer.add_tensor(gguf_name, quants.quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

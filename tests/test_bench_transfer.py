@@ -1,4 +1,4 @@
-"""``pdserve bench transfer`` end to end at its smallest: two spawned processes, the real
+"""``pdserve bench transfer`` end to end at its smallest: two peer processes, the real
 KVProducer / KVConsumer, one 1k-token pull per pattern. No speed is checked (a shared CI
 machine says nothing about it); the bytes, descriptors and releases are."""
 
