@@ -4,7 +4,7 @@ children, and handle each child as a ``subprocess.Popen`` (:class:`ServiceProces
 The zygote reaps its children and reports their exit codes on the control socket (a
 ``SOCK_SEQPACKET`` pair: one msgpack message a packet); the launcher reads them when it
 polls or waits. A zygote serves only children whose environment differs from its own in
-``PDSERVE_*`` variables: :func:`zygote_for` starts one per distinct rest.
+variables read at run time (``PDSERVE_*``): :func:`zygote_for` starts one per distinct rest.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 
 import msgspec
 
@@ -194,6 +195,11 @@ class Zygote:
                 child.returncode = LOST
                 del self._children[pid]
 
+    def busy(self) -> bool:
+        """Whether a child of this zygote may still be running."""
+        self.pump(0.0)
+        return bool(self._children)
+
     def close(self) -> None:
         """End the zygote (children still running get SIGTERM)."""
         with self._lock:
@@ -207,14 +213,27 @@ class Zygote:
             self.proc.wait()
 
 
-_zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
+# What a zygote's environment may differ in from a child's: variables read only at run time,
+# never while the preloaded modules load. pytest sets PYTEST_CURRENT_TEST at every test
+# phase (else each test would start a zygote of its own), torch sets
+# TORCHINDUCTOR_CACHE_DIR to its default once something in the process compiled.
+RUN_TIME_PREFIXES = ("PDSERVE_",)
+RUN_TIME_NAMES = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+KEEP_ZYGOTES = 2  # idle zygotes of other environments kept for reuse, the least recent ended
+
+_zygotes: OrderedDict[tuple[tuple[str, str], ...], Zygote] = OrderedDict()
 _zygotes_lock = threading.Lock()
 
 
 def zygote_for(env: dict[str, str]) -> Zygote:
     """This process's zygote for children with environment ``env``: one per distinct
-    environment outside ``PDSERVE_*``, started on first use, ended at exit."""
-    base = {k: v for k, v in env.items() if not k.startswith("PDSERVE_")}
+    environment outside the run-time variables above, started on first use, ended at exit
+    (or once KEEP_ZYGOTES more recently used ones exist and it has no child left)."""
+    base = {
+        k: v
+        for k, v in env.items()
+        if not k.startswith(RUN_TIME_PREFIXES) and k not in RUN_TIME_NAMES
+    }
     key = tuple(sorted(base.items()))
     with _zygotes_lock:
         zyg = _zygotes.get(key)
@@ -222,6 +241,11 @@ def zygote_for(env: dict[str, str]) -> Zygote:
             if not _zygotes:
                 atexit.register(_close_all)
             zyg = _zygotes[key] = Zygote(base)
+        _zygotes.move_to_end(key)
+        for old_key, old in list(_zygotes.items())[: -1 - KEEP_ZYGOTES]:
+            if not old.busy():
+                old.close()
+                del _zygotes[old_key]
         return zyg
 
 

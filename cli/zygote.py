@@ -21,8 +21,9 @@ preloaded modules did at import. They read no environment at import (a child's
 environment is set after the fork), start no thread, open no socket or NIXL agent and
 touch no GPU. Variables read when a process starts (glibc's ``MALLOC_*``, OpenMP's,
 ``PYTHON*``, ``LD_*``) take the zygote's values, so a zygote serves only children whose
-environment differs from its own in ``PDSERVE_*`` variables, which pdserve reads at run
-time (:func:`zygote_for` keys zygotes by the rest). The string-hash seed is the zygote's.
+environment differs from its own in variables read only at run time (``PDSERVE_*``,
+pytest's ``PYTEST_CURRENT_TEST``; cli/service_process.py's ``zygote_for`` keys zygotes by
+the rest). The string-hash seed is the zygote's.
 """
 
 from __future__ import annotations

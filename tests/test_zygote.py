@@ -33,6 +33,8 @@ def gone(pid: int) -> bool:
 def test_exit_codes_and_logs_read_as_popen(tmp_path: Path) -> None:
     env = dict(os.environ)
     zyg = zygote_for(env)
+    # variables read only at run time need no zygote of their own
+    assert zygote_for({**env, "PDSERVE_LOG_LEVEL": "debug", "PYTEST_CURRENT_TEST": "x"}) is zyg
     log = tmp_path / "bad.log"
     bad = zyg.spawn(
         "bad", ["router", "--config", str(tmp_path / "none.toml")], env, str(log), False
