@@ -108,8 +108,7 @@ class Zygote:
         theirs.close()
         self._sock = ours
         self._lock = threading.RLock()
-        self._children: dict[int, ServiceProcess] = {}
-        self._exits: dict[int, int] = {}  # exits read before their Started
+        self._children: dict[int, ServiceProcess] = {}  # those whose exit is not read yet
         self.closed = False
 
     def spawn(
@@ -140,10 +139,9 @@ class Zygote:
                 elif isinstance(reply, SpawnFailed):
                     raise PdserveError(f"could not start {name}: {reply.error}")
                 else:
+                    # (the zygote reports a child's exit only after its Started)
                     child = ServiceProcess(self, reply.pid, name)
                     self._children[reply.pid] = child
-                    if reply.pid in self._exits:
-                        child.returncode = self._exits.pop(reply.pid)
                     return child
 
     def pump(self, timeout: float | None) -> None:
@@ -175,9 +173,7 @@ class Zygote:
 
     def _exited(self, msg: Exited) -> None:
         child = self._children.pop(msg.pid, None)
-        if child is None:
-            self._exits[msg.pid] = msg.code
-        else:
+        if child is not None:
             child.returncode = msg.code
 
     def _lost(self) -> None:

@@ -84,7 +84,7 @@ def serve(sock: socket.socket) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    own = [sock.fileno(), wake_r, wake_w]
+    pipe = [wake_r, wake_w]
     try:
         while True:
             ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
@@ -107,7 +107,7 @@ def serve(sock: socket.socket) -> None:
                     sock.send(encode(SpawnFailed(f"fork failed: {exc}")))
                     continue
                 if pid == 0:
-                    _run_child(req, own)  # never returns
+                    _run_child(req, sock, pipe)  # never returns
                 sock.send(encode(Started(pid)))
     except (BrokenPipeError, ConnectionResetError):
         return
@@ -124,10 +124,10 @@ def _reap(sock: socket.socket) -> None:
         sock.send(encode(Exited(pid, os.waitstatus_to_exitcode(status))))
 
 
-def _run_child(req: Spawn, zygote_fds: list[int]) -> None:
+def _run_child(req: Spawn, sock: socket.socket, pipe: list[int]) -> None:
     code = 1
     try:
-        code = _child(req, zygote_fds)
+        code = _child(req, sock, pipe)
     except SystemExit as exc:
         code = _exit_code(exc)
     except BaseException:
@@ -154,11 +154,12 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _child(req: Spawn, zygote_fds: list[int]) -> int:
+def _child(req: Spawn, sock: socket.socket, pipe: list[int]) -> int:
     zygote = os.getppid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in zygote_fds:
+    sock.close()  # the zygote's control socket and wake-up pipe are not the child's
+    for fd in pipe:
         os.close(fd)
     os.setsid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
