@@ -4,10 +4,10 @@ against the ceilings measured in the same run.
     pdserve bench transfer --shape 1b,8b --json benchmarks/results/transfer_cpu.json
     pdserve bench transfer --device cuda --shape 1b,8b --json benchmarks/results/transfer_h200.json
 
-Per shape, two processes (forked from a preloaded forkserver; on cuda both on the one GPU) each hold a KV cache of our
-real layout (``KVLayout``, block size 64, bfloat16): ``1b`` is Llama-3.2-1B (16 layers, 8
-KV heads, head_dim 64: 2 MiB a block), ``8b`` Llama-3.1-8B (32 layers, 8 KV heads,
-head_dim 128: 8 MiB a block). The consumer pulls the KV of an N-token prompt as decode
+Per shape, two processes (forked from a preloaded forkserver; on cuda both on the one GPU)
+each hold a KV cache of our real layout (``KVLayout``, block size 64, bfloat16): ``1b`` is
+Llama-3.2-1B (16 layers, 8 KV heads, head_dim 64: 2 MiB a block), ``8b`` Llama-3.1-8B (32
+layers, 8 KV heads, head_dim 128: 8 MiB a block). The consumer pulls the KV of an N-token prompt as decode
 does (handshake reply -> connect -> start_pull -> poll -> release): once into a zeroed
 cache, checked against the producer's content, then --repeats timed pulls. Each repeat
 also times, on the same bytes:

@@ -86,9 +86,6 @@ class ServiceProcess:
             except ProcessLookupError:  # exited, its exit not read yet
                 pass
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 

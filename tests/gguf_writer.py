@@ -89,7 +89,7 @@ def write_gguf(model_dir: Path, out: Path, quantize: bool = False) -> Path:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if quantize else gguf.LlamaFileType.ALL_F32)
     tok = _tokenizer(model_dir, cfg["vocab_size"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre("smollm")  # test checkpoints carry the embedded model's tokenizer
     writer.add_token_list(tok["tokens"])
     writer.add_token_types(tok["types"])
     writer.add_token_merges(tok["merges"])
