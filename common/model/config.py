@@ -111,10 +111,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             scale *= m * m
         return scale
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer``, None for full attention."""
         if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:

@@ -24,7 +24,6 @@ from pdserve.common.errors import ModelLoadError
 
 SOFTMAX = "softmax"
 SIGMOID = "sigmoid"
-MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 
 
 class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
