@@ -157,7 +157,9 @@ class BlockPool:
 
     def evict(self, block_hash: BlockHash) -> bool:
         """Forget a free cached block's hash (its slot becomes a plain free block); False
-        when it is not cached or still in use."""
+        when it is not cached or still in use. The pool's own eviction is allocate's (least
+        recently freed first); this one is for tests that lose one chosen block of a prefix
+        (tests/test_kv_groups.py, tests/test_sliding_window.py)."""
         block = self._block_of.get(block_hash)
         if block is None or self._ref_counts[block]:
             return False

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.parallel.zigzag import rank_pieces
 
@@ -89,8 +89,3 @@ def with_groups_pcp(
             )
         )
     return dataclasses.replace(meta, groups=tuple(groups))
-
-
-def seq_slots(seq: ScheduledSeq, group: int, block_size: int) -> list[int]:
-    """The slots of ``seq``'s tokens in ``group``'s blocks."""
-    return _slots(seq.table(group), seq.start_position, seq.context_len, block_size)

@@ -77,11 +77,6 @@ def score_rows(logits: torch.Tensor, rows: list[ScoreRow]) -> PromptScores:
     return out
 
 
-def merge(into: PromptScores, more: PromptScores) -> None:
-    for request_id, entries in more.items():
-        into.setdefault(request_id, []).extend(entries)
-
-
 def in_order(num_prompt_tokens: int, scores: dict[int, TokenLogprobs]) -> list[TokenLogprobs]:
     """Entry i: the logprobs of prompt token i + 1 (the first token has none)."""
     missing = [p for p in range(num_prompt_tokens - 1) if p not in scores]

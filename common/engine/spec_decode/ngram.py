@@ -29,18 +29,3 @@ def ngram_propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
                 out.append(out[start + j])
             return out[num:]
     return [int(ctx[-1])] * k
-
-
-class NgramProposer:
-    def __init__(self, k: int, lookup_min: int, lookup_max: int) -> None:
-        self.k = k
-        self.lookup_min = lookup_min
-        self.lookup_max = lookup_max
-
-    def propose(
-        self, contexts: Sequence[Sequence[int]], num_drafts: Sequence[int]
-    ) -> list[list[int]]:
-        return [
-            ngram_propose(ctx, d, self.lookup_min, self.lookup_max)
-            for ctx, d in zip(contexts, num_drafts, strict=True)
-        ]
