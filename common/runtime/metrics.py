@@ -38,6 +38,7 @@ COUNTERS = {
     "pdserve:kv_forged_messages": "releases and heartbeats refused: they lacked the KV handle's token",
     "pdserve:request_timeouts": "requests the router failed because a phase passed its deadline, by phase",
     "pdserve:loop_stalls": "times this process's event loop woke later than its ping interval (its own stall)",
+    "pdserve:service_restarts": "times `pdserve up` started a failed service again (its launcher's report)",
     "pdserve:auth_failures": "ZeroMQ handshakes refused: unknown CURVE key, no CURVE, wrong server key",
     "pdserve:spec_decode_num_drafts": "speculative verify steps of a sequence (each proposes k tokens)",
     "pdserve:spec_decode_num_draft_tokens": "draft tokens proposed",
@@ -49,6 +50,7 @@ GAUGES = {
     "pdserve:kv_blocks_total": "KV blocks in the pool",
     "pdserve:num_requests_running": "requests running",
     "pdserve:num_requests_waiting": "requests waiting",
+    "pdserve:service_down": "1 while `pdserve up` has the service down: waiting to restart it, or not restarting it",
     "pdserve:loop_lag_seconds": "how late the event loop's periodic task last woke (beyond its interval)",
 }
 HISTOGRAMS = {

@@ -98,6 +98,14 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     first_token_timeout_seconds: float = 300.0
     token_gap_timeout_seconds: float = 60.0
     drain_seconds: float = 30.0  # on SIGTERM: how long work in flight may take to finish
+    # `pdserve up` starts a service that exited with a failure again after restart_seconds,
+    # doubling with each failed life in a row up to restart_max_seconds, forever (the
+    # systemd units: RestartSec=, RestartMaxDelaySec=); cli/supervisor.py.
+    restart_seconds: float = 1.0
+    restart_max_seconds: float = 30.0
+    # Set by `pdserve up`: the launcher's report of the services it restarts, which the
+    # router shows in /health and /metrics (common/runtime/supervision.py). Empty: none.
+    supervisor_file: str = ""
     security: SecurityConfig = SecurityConfig()
     engine: EngineConfig = EngineConfig()
     prefill_engine: dict[str, Any] = {}  # overrides of [engine] for prefill only
@@ -169,6 +177,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:
             raise PdserveError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+        if not 0 < self.restart_seconds <= self.restart_max_seconds:
+            raise PdserveError(
+                f"restart_seconds ({self.restart_seconds:g}) must be positive and at most "
+                f"restart_max_seconds ({self.restart_max_seconds:g})"
+            )
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp

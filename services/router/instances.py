@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime import supervision
 from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
 from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics, render
@@ -81,7 +82,7 @@ class Instances:
 
     def health_detail(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {
+        detail: dict[str, Any] = {
             link.name: {
                 "address": link.address,
                 "ready": link.is_alive(now, self.peer_timeout),
@@ -89,6 +90,11 @@ class Instances:
             }
             for link in self.links
         }
+        # Why a service is down, which only `pdserve up`'s launcher knows (its exit, the
+        # port another process holds), and when it is tried again.
+        for name, down in supervision.health_detail(self.cfg.supervisor_file).items():
+            detail.setdefault(name, {})["supervisor"] = down
+        return detail
 
     async def metrics_text(self) -> bytes:
         self.metrics.set("pdserve:num_requests_running", len(self.requests))  # held here now
@@ -101,7 +107,7 @@ class Instances:
             self._scrapes[link.name] = fut
             self._send(link, p.MetricsQuery())
             waits.append(fut)
-        samples = self.metrics.samples()
+        samples = self.metrics.samples() + supervision.metric_samples(self.cfg.supervisor_file)
         if waits:
             done, _ = await asyncio.wait(waits, timeout=SCRAPE_TIMEOUT)
             for fut in done:
