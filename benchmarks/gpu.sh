@@ -158,9 +158,21 @@ suite_pcp() {
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
 suite_gpu-tests() {  # every gpu-marked test of the tree in one pytest run (kernels, fp8, MLA, MoE, serving)
-    timeout 500 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 \
-        > "$OUT/gpu_tests_all.txt" 2>&1
-    local rc=$?; tail -30 "$OUT/gpu_tests_all.txt"; return $rc
+    # the log is named by commit and card: copy it from $OUT into benchmarks/results/
+    local card log
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H100|H200|A100|L40S|B200' || echo gpu)
+    log="$OUT/gpu_tests_${PDSERVE_GIT_COMMIT:0:7}_$(echo "$card" | tr 'A-Z' 'a-z').txt"
+    timeout 540 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 -rfEs \
+        > "$log" 2>&1
+    local rc=$?; tail -40 "$log"
+    local summary passed failed
+    summary=$(grep -E '^=* ?[0-9]+ (passed|failed|error)' "$log" | tail -1)
+    passed=$(grep -oE '[0-9]+ passed' <<< "$summary" | grep -oE '[0-9]+' || echo 0)
+    failed=$(( $(grep -oE '[0-9]+ failed' <<< "$summary" | grep -oE '[0-9]+' || echo 0) \
+        + $(grep -oE '[0-9]+ errors?' <<< "$summary" | grep -oE '[0-9]+' || echo 0) ))
+    [ "$rc" -eq 124 ] && failed="$failed (+ timed out)"
+    echo "GPU tests: $passed passed, $failed failed on $card at ${PDSERVE_GIT_COMMIT:-unknown}" | tee -a "$log"
+    return $rc
 }
 suite_moe() {
     timeout 300 python3 -m pytest -q -m gpu tests/test_moe_kernels.py -p no:cacheprovider \

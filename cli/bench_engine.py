@@ -18,15 +18,19 @@ so nothing could come from a prefix cache; the engine also runs with prefix cach
   min_new_tokens=max_new_tokens=gen_len, greedy, KV cache on, minus the prefill time
   measured just before on the same prompts.
 
-Every batch size gets one untimed warm-up run per side, then --repeats timed runs (engine
-and HF taking turns) whose median is reported. The table goes to stdout, logs and
-progress to stderr; --json also records the machine's load average, since other
-processes on a shared machine skew every number.
+Every batch size gets one untimed warm-up run per side, then --repeats timed runs whose
+median is reported. The engine runs every batch size first and is freed before HF loads:
+both side by side do not fit one 80 GB card at the 8B shape (weights twice, the engine's
+KV cache beside HF's batch-64 forward). An HF batch that still runs out of device memory
+is skipped and the table says so. The table goes to stdout, logs and progress to stderr;
+--json also records the machine's load average, since other processes on a shared
+machine skew every number.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from pdserve.cli.arg_types import gen_len_arg, positive_int, positive_ints
 from pdserve.cli.bench_rows import (
     FLOOR_COLUMNS,
-    Row,
     add_floors,
     bench_config,
     format_table,
@@ -178,38 +181,43 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(config)
 
 
-def bench_batch(
-    batch: int,
-    args: argparse.Namespace,
-    vocab: int,
-    engine: EngineBench,
-    hf: HFBench | None,
-    ceilings: Any,
-) -> Row:
+def timed_runs(
+    batch: int, args: argparse.Namespace, vocab: int, side: EngineBench | HFBench
+) -> list[Any]:
+    """One untimed warm-up, then --repeats timed runs of ``side`` on seeded prompts (the
+    same prompts for the engine and HF)."""
     warm_up, *timed = (
         random_prompts(vocab, batch, args.prompt_len, args.seed, i) for i in range(args.repeats + 1)
     )
-    progress(f"batch {batch}: warm-up")
-    engine.run(warm_up, args.gen_len)
-    if hf is not None:
-        hf.run(warm_up, args.gen_len)
-    engine_runs: list[Timing] = []
-    hf_runs: list[Timing] = []
-    steps = 0
-    # Engine and HF take turns, so that a burst of load from other processes on the
-    # machine hits both sides rather than one.
+    name = "engine" if isinstance(side, EngineBench) else "HF"
+    progress(f"{name} batch {batch}: warm-up")
+    side.run(warm_up, args.gen_len)
+    runs = []
     for i, prompts in enumerate(timed, 1):
-        progress(f"batch {batch}: run {i}/{args.repeats}")
-        timing, run_steps = engine.run(prompts, args.gen_len)
-        engine_runs.append(timing)
-        steps = max(steps, run_steps)
-        if hf is not None:
-            hf_runs.append(hf.run(prompts, args.gen_len))
-    hf_timing = median_timing(hf_runs) if hf_runs else None
-    engine_timing = median_timing(engine_runs)
-    row = make_row(batch, args.prompt_len, engine_timing, steps, hf_timing)
-    add_floors(row, engine_timing, ceilings, args.prompt_len, args.gen_len)
-    return row
+        progress(f"{name} batch {batch}: run {i}/{args.repeats}")
+        runs.append(side.run(prompts, args.gen_len))
+    return runs
+
+
+def hf_timings(
+    args: argparse.Namespace, model_dir: Path, dtype: Any, vocab: int
+) -> tuple[dict[int, Timing], dict[int, str]]:
+    """HF's median timing per batch size, and why a batch size has none (out of memory)."""
+    import torch
+
+    hf = HFBench(model_dir, dtype, args.device, make_sync(args.device))
+    timings: dict[int, Timing] = {}
+    skipped: dict[int, str] = {}
+    for batch in args.batch_sizes:
+        try:
+            timings[batch] = median_timing(timed_runs(batch, args, vocab, hf))
+        except torch.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info()[0] / 2**30
+            skipped[batch] = f"out of device memory ({free:.0f} GiB free after the model)"
+            progress(f"HF batch {batch}: skipped, {skipped[batch]}")
+    return timings, skipped
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,21 +251,35 @@ def run(args: argparse.Namespace) -> int:
 
         bench = EngineBench(engine, make_sync(args.device))
         return run_spec(args, engine, bench, random_prompts, format_table)
-    sync = make_sync(args.device)
-    engine_bench = EngineBench(engine, sync)
-    hf_bench = None
-    if not args.no_hf:
-        hf_bench = HFBench(engine.model_dir, engine.runner.dtype, args.device, sync)
+    engine_bench = EngineBench(engine, make_sync(args.device))
     from pdserve.cli import bench_floors
 
     ceilings = bench_floors.measure(engine)
     vocab = engine.model_config.vocab_size
-    rows = [bench_batch(b, args, vocab, engine_bench, hf_bench, ceilings) for b in args.batch_sizes]
-
+    engine_rows: dict[int, tuple[Timing, int]] = {}
+    for batch in args.batch_sizes:
+        runs = timed_runs(batch, args, vocab, engine_bench)
+        engine_rows[batch] = (median_timing([t for t, _ in runs]), max(s for _, s in runs))
     config = bench_config(args, engine, load_at_start)
     config["ceilings"] = asdict(ceilings)
     config["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
     config["async_scheduling"] = engine.is_async_scheduling
+    model_dir, dtype = engine.model_dir, engine.runner.dtype
+    del engine_bench, engine  # the device memory goes back before HF loads
+    gc.collect()
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    hf, skipped = ({}, {}) if args.no_hf else hf_timings(args, model_dir, dtype, vocab)
+    config["hf_skipped"] = {str(b): why for b, why in skipped.items()}
+    rows = []
+    for batch, (timing, steps) in engine_rows.items():
+        row = make_row(batch, args.prompt_len, timing, steps, hf.get(batch))
+        row.hf_skipped = skipped.get(batch)
+        add_floors(row, timing, ceilings, args.prompt_len, args.gen_len)
+        rows.append(row)
+    config["loadavg_1m_end"] = os.getloadavg()[0]
     print(
         f"model {config['model_dir']}  device {config['device']} ({config['device_name']})  "
         f"dtype {config['dtype']}  prompt_len {args.prompt_len}  gen_len {args.gen_len}  "
@@ -266,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         f"load {load_at_start:.1f}->{config['loadavg_1m_end']:.1f}"
     )
     print(format_table(rows))
+    for batch, why in skipped.items():
+        print(f"HF batch {batch}: skipped, {why}")
     print(
         f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read + write), matmul "
         f"{ceilings.matmul_tflops:.1f} TFLOP/s; weights {ceilings.weight_bytes / 2**20:.0f} MiB, "

@@ -42,6 +42,7 @@ class Row:
     model_step_over_floor: float | None = None
     prefill_floor_s: float | None = None  # matmul FLOPs / measured matmul rate
     prefill_over_floor: float | None = None  # engine prefill seconds / that
+    hf_skipped: str | None = None  # why HF has no figures at this batch size
 
 
 def median_timing(runs: list[Timing]) -> Timing:
@@ -121,11 +122,17 @@ FLOOR_COLUMNS = (
 
 
 def format_table(rows: list[Row], columns: tuple[tuple[str, str, str], ...] = COLUMNS) -> str:
+    """A cell without a value is "-", or "skipped" in HF's columns where HF could not run."""
     header = [title for _, title, _ in columns]
-    body = [
-        [fmt.format(v) if (v := getattr(row, key)) is not None else "-" for key, _, fmt in columns]
-        for row in rows
-    ]
+
+    def cell(row: Row, key: str, fmt: str) -> str:
+        value = getattr(row, key)
+        if value is not None:
+            return fmt.format(value)
+        is_hf = key.startswith("hf_") or key in ("prefill_ratio", "decode_ratio")
+        return "skipped" if row.hf_skipped and is_hf else "-"
+
+    body = [[cell(row, key, fmt) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

@@ -110,6 +110,18 @@ def test_bench_engine_without_hf(
     assert capsys.readouterr().out.strip().splitlines()[-1].split()[0] == "3"
 
 
+def test_the_table_says_where_hf_was_skipped() -> None:
+    """A batch size HF could not run (out of device memory) reads "skipped" in HF's
+    columns, not "-" as if nobody had tried."""
+    from pdserve.cli.bench_rows import Row, format_table
+
+    ran = Row(1, 10.0, 5.0, 0.1, 0.2, 1, hf_prefill_tok_s=5.0, prefill_ratio=2.0)
+    skipped = Row(64, 10.0, 5.0, 0.1, 0.2, 1, hf_skipped="out of device memory")
+    lines = format_table([ran, skipped]).splitlines()
+    assert "skipped" not in lines[2] and "5.0" in lines[2]
+    assert lines[3].split().count("skipped") == 4  # HF prefill, decode and both ratios
+
+
 def test_bench_engine_rejects_a_one_token_generation() -> None:
     with pytest.raises(SystemExit):
         main(["bench", "engine", "--gen-len", "1"])

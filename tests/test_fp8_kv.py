@@ -8,8 +8,11 @@ similarity of the logits min 0.99951, mean 0.99977; top-1 agreement 93.9%. bfloa
 fp8 against the bfloat16 cache: min 0.99958, mean 0.99978; top-1 95.5%. A random model's
 logits are nearly flat (std 0.23, the best two often within 0.02), so top-1 flips where the
 reference barely decides: the largest reference margin at a disagreement was 0.0156.
-Thresholds: cosine >= 0.999 at every position; top-1 >= 90% overall and 100% at the
-positions whose reference margin exceeds 0.05 (38% and 46% of them).
+Thresholds: cosine >= 0.999 at every position; top-1 >= 90% over the decided positions (the
+reference's best two further apart than one step of the model dtype at their size: in
+bfloat16 closer ones are ties that rounding settles; an H100 run in bfloat16 had one
+prompt disagree at margins <= 0.004, 76% top-1 overall) and 100% at the positions whose
+reference margin exceeds 0.05 (38% and 46% of them).
 """
 
 from __future__ import annotations
@@ -146,8 +149,7 @@ CUDA = pytest.param(
 def test_fp8_logits_track_the_auto_cache_every_decode_step(
     gqa_dir: Path, device: str, dtype: str
 ) -> None:
-    """On CUDA (bfloat16, Triton kernels, decode steps from CUDA graphs) the same thresholds
-    hold; not measured there yet (no GPU in the worktree that wrote it)."""
+    """On CUDA: bfloat16, Triton kernels, decode steps from CUDA graphs."""
     gen = torch.Generator().manual_seed(15)
     vocab = ModelConfig.from_dir(gqa_dir).vocab_size
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (24, 40, 57, 70)]
@@ -163,14 +165,22 @@ def test_fp8_logits_track_the_auto_cache_every_decode_step(
     cosine = torch.nn.functional.cosine_similarity(ref, got, dim=-1)
     agree = ref.argmax(-1) == got.argmax(-1)
     top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN
-    margins = (top2[:, 0] - top2[:, 1])[~agree]  # empty when every position agrees (the H200)
+    margin = top2[:, 0] - top2[:, 1]
+    clear = margin > CLEAR_MARGIN
+    # Best two within one step of the model dtype's spacing at their size are a tie: the
+    # logits come back in that dtype, so which one wins is rounding, not the cache.
+    decided = margin > torch.finfo(getattr(torch, dtype)).eps * top2[:, 0].abs()
+    margins = margin[~agree]  # empty when every position agrees
     print(f"{dtype}: cosine min {cosine.min():.5f} mean {cosine.mean():.5f}, "
-          f"top-1 {agree.float().mean():.3f} over {len(agree)} positions, largest margin "
-          f"of a disagreement {margins.max() if len(margins) else 0.0:.4f}, "
-          f"logit std {ref.std(-1).mean():.3f}, clear {clear.float().mean():.3f}")  # fmt: skip
+          f"top-1 {agree.float().mean():.3f} over {len(agree)} positions "
+          f"({agree[decided].float().mean():.3f} over {int(decided.sum())} decided), largest "
+          f"margin of a disagreement {margins.max() if len(margins) else 0.0:.4f}, "
+          f"logit std {ref.std(-1).mean():.3f}, clear {clear.float().mean():.3f}; by prompt: "
+          f"top-1 {agree.view(-1, len(prompts)).float().mean(0).tolist()}, "
+          f"decided {decided.view(-1, len(prompts)).float().mean(0).tolist()}")  # fmt: skip
     assert cosine.min().item() >= COSINE_MIN
-    assert agree.float().mean().item() >= TOP1_MIN
+    assert decided.float().mean().item() >= 0.5  # ties cannot make most of the test vacuous
+    assert agree[decided].float().mean().item() >= TOP1_MIN
     assert agree[clear].all()
 
 

@@ -11,7 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu_tools import gpu_memory_share
+
 torch = pytest.importorskip("torch")
+
+from pdserve.common.engine.step_plan import StepPlan  # noqa: E402 (after torch's skip)
+
+
+def verify_rows(plan: StepPlan) -> list[int]:
+    """[rows] when a replayed plan is a verify step (a sequence on several one-token rows),
+    else []: what the tests count through DecodeGraphs.on_replay."""
+    seqs = plan.seqs
+    return [len(seqs)] if len({s.request_id for s in seqs}) < len(seqs) else []
+
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +52,7 @@ def test_cuda_speculation_greedy_identical(gpu_llama: Path, method: str) -> None
     ) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(
             EngineConfig(model=str(gpu_llama), device="cuda", dtype="float32",
-                         gpu_memory_utilization=0.15, speculative_config=spec_config)
+                         gpu_memory_utilization=gpu_memory_share(), speculative_config=spec_config)
         )  # fmt: skip
         if hook is not None:
             hook(engine)
@@ -57,15 +69,7 @@ def test_cuda_speculation_greedy_identical(gpu_llama: Path, method: str) -> None
     def counting(engine: LLMEngine) -> None:
         graphs = engine.runner.graphs  # type: ignore[attr-defined]
         assert graphs is not None
-        run_graph = graphs.run
-
-        def run_and_count(plan):  # noqa: ANN001, ANN202
-            logits = run_graph(plan)
-            if logits is not None and len({s.request_id for s in plan.seqs}) < len(plan.seqs):
-                replays.append(len(plan.seqs))  # a verify step's rows
-            return logits
-
-        graphs.run = run_and_count
+        graphs.on_replay = lambda plan: replays.extend(verify_rows(plan))
 
     got, engine = run(spec, counting)
     assert got == want
@@ -106,21 +110,13 @@ def test_cuda_mtp_greedy_identical(
         spec = None if k is None else SpeculativeConfig(method="mtp", num_speculative_tokens=k)
         engine = LLMEngine(
             EngineConfig(model=str(model), device="cuda", dtype="float32", cuda_graphs=graphs,
-                         gpu_memory_utilization=0.15, speculative_config=spec)
+                         gpu_memory_utilization=gpu_memory_share(), speculative_config=spec)
         )  # fmt: skip
         replays: list[int] = []
         runner_graphs = getattr(engine.runner, "graphs", None)
         assert (runner_graphs is not None) == graphs
         if runner_graphs is not None:
-            run_graph = runner_graphs.run
-
-            def run_and_count(plan):  # noqa: ANN001, ANN202
-                logits = run_graph(plan)
-                if logits is not None and len({s.request_id for s in plan.seqs}) < len(plan.seqs):
-                    replays.append(len(plan.seqs))  # a verify step's rows
-                return logits
-
-            runner_graphs.run = run_and_count
+            runner_graphs.on_replay = lambda plan: replays.extend(verify_rows(plan))
         out = [c.token_ids for c in engine.generate(prompts, params)]
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
         if graphs and k is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -86,6 +87,8 @@ class DecodeGraphs:
         # the MTP proposer reads them, common/engine/spec_decode/mtp.py)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._model = model
+        # called with each plan a graph replays (tests count verify steps' replays with it)
+        self.on_replay: Callable[[StepPlan], None] | None = None
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
             meta = AttentionMetadata(
@@ -165,6 +168,8 @@ class DecodeGraphs:
             )
         graph, logits, hidden = self._graphs[size]
         graph.replay()
+        if self.on_replay is not None:
+            self.on_replay(plan)
         if hidden is not None:
             self._model.hidden = hidden[:n]
         return logits[:n]
