@@ -24,8 +24,8 @@ if [ ! -f .whl/.done ]; then
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
         nixl==1.5.1 nixl-cu13==1.5.1 pyzmq msgspec structlog \
-        openai httpx httpcore h11 anyio sniffio distro jiter pydantic pydantic-core \
-        typing-inspection annotated-types 2>&1 | grep -v '^WARNING' || true
+        openai httpx2 httpcore2 h11 anyio sniffio distro jiter pydantic pydantic-core idna \
+        typing-inspection annotated-types typing-extensions truststore certifi 2>&1 | grep -v '^WARNING' || true
     # drop nixl_ep_cu13 (the expert-parallel extension, never imported here) from the wheel
     python3 - .whl/nixl_cu13-*.whl <<'PY'
 import os, sys, zipfile
