@@ -29,7 +29,7 @@ LOST = 255  # the exit code of a child whose zygote died before it (its own is u
 
 
 class Spawn(msgspec.Struct, tag=True):
-    name: str  # for the process name (``ps -o comm``): pdserve-NAME
+    name: str  # the child's command line (``ps -eo args``): pdserve-NAME
     args: list[str]  # pdserve's arguments, as after ``python -m pdserve``
     env: dict[str, str]
     cwd: str

@@ -4,12 +4,13 @@
 own. Each was a fresh interpreter that imported torch and the service code again (~1.8 s
 of CPU a process). A zygote imports them once (PRELOAD), then forks a child per service
 on request. The child makes itself what ``python -m pdserve ROLE ...`` would be: a
-session of its own, the environment and working directory it was given, its log file as
-stdout and stderr, /dev/null as stdin, default signal handlers; it runs
-``pdserve.cli.main.main(args)`` and exits with its code after the interpreter's exit
-steps (non-daemon threads joined, atexit handlers run). The zygote reaps its children and
-reports each exit code, so the launcher's handle (cli/service_process.py) reads as a
-``subprocess.Popen`` does: ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``.
+command line that names it (``pdserve-decode-0``: setproctitle), a session of its own,
+the environment and working directory it was given, its log file as stdout and stderr,
+/dev/null as stdin, default signal handlers; it runs ``pdserve.cli.main.main(args)`` and
+exits with its code after the interpreter's exit steps (non-daemon threads joined, atexit
+handlers run). The zygote reaps its children and reports each exit code, so the
+launcher's handle (cli/service_process.py) reads as a ``subprocess.Popen`` does:
+``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``.
 
 Lifetimes: a zygote ends when its launcher closes the control socket, or dies (the
 kernel closes it then). Every child has SIGTERM sent to it when its zygote ends
@@ -38,6 +39,8 @@ import sys
 import threading
 import traceback
 
+import setproctitle
+
 from pdserve.cli.service_process import Exited, Spawn, SpawnFailed, Started, decode_spawn, encode
 
 # What a service imports before it serves (measured with python -X importtime): torch and
@@ -65,15 +68,14 @@ PRELOAD = [
 ]
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 
 
-def _prctl(option: int, arg: int | bytes) -> None:
+def _prctl(option: int, arg: int) -> None:
     import ctypes
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
-    except OSError:  # not glibc Linux: no parent-death signal, no process name
+    except OSError:  # not glibc Linux: no parent-death signal
         pass
 
 
@@ -165,7 +167,9 @@ def _child(req: Spawn, sock: socket.socket, pipe: list[int]) -> int:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != zygote:  # the zygote ended before the line above
         os.kill(os.getpid(), signal.SIGTERM)
-    _prctl(_PR_SET_NAME, f"pdserve-{req.name}".encode()[:15])
+    # The whole command line (``ps -eo args``), not only prctl's name of 15 characters
+    # (``pdserve-decode-``): else every child shows the zygote's, and instances look alike.
+    setproctitle.setproctitle(f"pdserve-{req.name}")
     log = os.open(
         req.log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if req.append else os.O_TRUNC), 0o666
     )

@@ -1,7 +1,7 @@
 """cli/zygote.py: `pdserve up`'s services are forked from a zygote that imported their code
-once. A child reports its exit code as a Popen would, writes to its own log, and no
-service outlives a killed launcher (they get SIGTERM and drain, as under PR_SET_PDEATHSIG
-before)."""
+once. A child reports its exit code as a Popen would, writes to its own log, names its
+role and instance on its command line (as its rank processes do), and no service outlives
+a killed launcher (they get SIGTERM and drain, as under PR_SET_PDEATHSIG before)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.service_process import zygote_for
+from tests.e2e import deployment
+from tests.fault_tools import rank_pids
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -28,6 +30,11 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+def title(pid: int) -> str:
+    """The command line ``ps -eo args`` shows (setproctitle pads it with NULs)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
 
 
 def test_exit_codes_and_logs_read_as_popen(tmp_path: Path) -> None:
@@ -76,7 +83,7 @@ def test_a_killed_launcher_leaves_no_service_behind(tmp_path: Path, model_dir: P
         pids = json.loads(launcher.stdout.readline())
         assert set(pids) == {"prefill-0", "decode-0", "router"}
         for name, pid in pids.items():
-            assert Path(f"/proc/{pid}/comm").read_text().strip() == f"pdserve-{name}"[:15]
+            assert title(pid) == f"pdserve-{name}"
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 30
@@ -90,3 +97,17 @@ def test_a_killed_launcher_leaves_no_service_behind(tmp_path: Path, model_dir: P
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_services_and_ranks_name_their_role_and_instance(tmp_path: Path, model_dir: Path) -> None:
+    """``ps -eo args`` tells them apart: not the zygote's or the forkserver's command line,
+    nor prctl's name cut to 15 characters (``pdserve-prefill``)."""
+    with deployment(tmp_path, model_dir, pcp=2, decode_tp=2) as dep:
+        assert {name: title(p.pid) for name, p in dep.procs.items()} == {
+            "prefill-0": "pdserve-prefill-0",
+            "decode-0": "pdserve-decode-0",
+            "router": "pdserve-router",
+        }
+        for name in ("prefill-0", "decode-0"):
+            ranks = sorted(title(pid) for pid in rank_pids(dep.procs[name].pid))
+            assert ranks == [f"pdserve-{name}-rank0", f"pdserve-{name}-rank1"]

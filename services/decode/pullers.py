@@ -124,9 +124,12 @@ class RankPuller:
         self.ranks.close()
 
 
-def open_engine(engine_cfg: EngineConfig, tp: int, agent_name: str) -> tuple[DecodeEngine, Puller]:
+def open_engine(
+    engine_cfg: EngineConfig, tp: int, agent_name: str, name: str
+) -> tuple[DecodeEngine, Puller]:
     """The decode engine and what pulls into its KV cache: in this process at TP 1, through
-    a rank group's processes (one NIXL agent each) above."""
+    a rank group's processes (one NIXL agent each) above. ``name``: the instance's
+    (decode-N), for its ranks' command lines."""
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.transfer.kv_pulls import LocalPuller
     from pdserve.services.decode.decode_engine import DecodeEngine
@@ -134,7 +137,7 @@ def open_engine(engine_cfg: EngineConfig, tp: int, agent_name: str) -> tuple[Dec
     if tp > 1:
         from pdserve.services.ranks.group import RankGroup
 
-        ranks = RankGroup.decode(engine_cfg, tp, agent_name)
+        ranks = RankGroup.decode(engine_cfg, tp, agent_name, name)
         return DecodeEngine(engine_cfg, runner=ranks), RankPuller(ranks)
     engine = DecodeEngine(engine_cfg)
     runner = engine.runner

@@ -95,7 +95,7 @@ class RankGroup:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                name=f"pdserve-{name}-rank{rank}",
+                name=f"pdserve-{name}-rank{rank}",  # its command line (rank_main)
                 daemon=True,
                 args=(role, rank, tp, pcp, dist_addr, setup, child, os.getpid()),
             )
@@ -118,14 +118,15 @@ class RankGroup:
     ) -> RankGroup:
         """A prefill instance's TP x PCP ranks: each rank's agent serves its heads of every
         block (a full replica of them under PCP) to decode instances."""
-        agent = {"engine_id": engine_id, "epoch": epoch}
-        return cls("prefill", config, f"prefill-{engine_id}", tp=tp, pcp=pcp, agent=agent)
+        agent = {"engine_id": engine_id, "epoch": epoch}  # engine_id: prefill-N, its name
+        return cls("prefill", config, engine_id, tp=tp, pcp=pcp, agent=agent)
 
     @classmethod
-    def decode(cls, config: EngineConfig, tp: int, agent_name: str) -> RankGroup:
+    def decode(cls, config: EngineConfig, tp: int, agent_name: str, name: str = "") -> RankGroup:
         """A decode instance's TP ranks: each rank's agent reads its heads from the
-        producers (services/decode/pullers.py, RankPuller)."""
-        return cls("decode", config, agent_name, tp=tp, agent={"name": agent_name})
+        producers (services/decode/pullers.py, RankPuller). ``name``: the instance's
+        (decode-N; default: the agent's)."""
+        return cls("decode", config, name or agent_name, tp=tp, agent={"name": agent_name})
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         payload = m.encode(m.Step(plan))  # encoded once for every rank

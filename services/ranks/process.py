@@ -10,12 +10,14 @@ rank never hides a completion: every release and every pull result is reported.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import setproctitle
 
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import FaultHooks
@@ -38,6 +40,8 @@ def rank_main(
     conn: Connection,
     owner: int,
 ) -> None:
+    # pdserve-decode-0-rank1 (RankGroup names the process): else the forkserver's command line
+    setproctitle.setproctitle(mp.current_process().name)
     exit_with_parent(owner)  # the service (the forkserver that forked this rank outlives it)
     try:
         _serve(role, rank, tp, pcp, dist_addr, setup, conn)
