@@ -37,7 +37,7 @@ from pdserve.services.router.tokenize_pool import TokenizePool
 if __name__ == "__main__":
     pool = TokenizePool(resolve_model(None))
     asyncio.run(pool.start())
-    print(next(iter(pool._pool._processes)), flush=True)
+    print(pool.worker_pids()[0], flush=True)
     time.sleep(600)
 """
 
