@@ -22,13 +22,9 @@ from typing import Any, Protocol
 import msgspec
 
 from pdserve.cli.service_process import zygote_for
+from pdserve.cli.supervisor import Supervisor
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime.service_config import DeploymentConfig
-
-RESTART_BACKOFF_S = 0.5  # the second restart of a process waits this long, then doubling
-RESTART_BACKOFF_MAX_S = 30.0
-START_LIMIT_BURST = 5  # restarts of one process within START_LIMIT_INTERVAL_S, at most
-START_LIMIT_INTERVAL_S = 120.0
 
 
 class ServiceHandle(Protocol):
@@ -48,13 +44,6 @@ class ServiceHandle(Protocol):
     def kill(self) -> None: ...
 
 
-def restart_delay(num_recent: int) -> float:
-    """The wait before the next restart of a process restarted ``num_recent`` times lately."""
-    if num_recent == 0:
-        return 0.0
-    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (num_recent - 1))
-
-
 class Deployment:
     def __init__(
         self, cfg: DeploymentConfig, log_dir: Path | None = None, env: dict[str, str] | None = None
@@ -66,8 +55,7 @@ class Deployment:
         self.config_path = self.log_dir / "deployment.json"
         self.procs: dict[str, ServiceHandle] = {}
         self.num_restarts: dict[str, int] = {}
-        self.restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
-        self.exited_at: dict[str, float] = {}  # name -> when its exit was first seen
+        self.supervisor: Supervisor | None = None  # once started
         self.made_keys: Path | None = None  # the runtime key directory start() made, if any
 
     @property
@@ -99,6 +87,9 @@ class Deployment:
                 self.cfg,
                 security=msgspec.structs.replace(sec, internal_keys_dir=str(self.made_keys)),
             )
+        report = self.log_dir / "supervision.json"
+        report.unlink(missing_ok=True)  # a report of an earlier deployment in this directory
+        self.cfg = msgspec.structs.replace(self.cfg, supervisor_file=str(report))
         # Owner-only: it may hold the API key.
         self.config_path.touch(mode=0o600)
         self.config_path.chmod(0o600)
@@ -116,12 +107,38 @@ class Deployment:
         self._env = env
         for name, args in self.roles():
             self._spawn(name, args, env, "wb")
+        self.supervisor = Supervisor(self, report)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str], log_mode: str) -> None:
-        log = self.log_dir / f"{name}.log"
         self.procs[name] = zygote_for(env).spawn(
-            name, [*args, "--config", str(self.config_path)], env, str(log), log_mode == "ab"
+            name,
+            [*args, "--config", str(self.config_path)],
+            env,
+            str(self.log_path(name)),
+            log_mode == "ab",
         )
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def last_log_lines(self, name: str, num: int) -> list[str]:
+        """The last ``num`` non-empty lines of process ``name``'s log."""
+        try:
+            text = self.log_path(name).read_text(errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if line.strip()][-num:]
+
+    def addresses_of(self, name: str) -> list[str]:
+        """The addresses process ``name`` binds (to name who holds one when it cannot)."""
+        role, _, index = name.partition("-")
+        if role == "router":
+            host = self.cfg.http_bind_host
+            host = f"[{host}]" if ":" in host else host
+            return [self.cfg.front_address, f"tcp://{host}:{self.cfg.http_port}"]
+        table = self.cfg.prefill_addresses if role == "prefill" else self.cfg.decode_addresses
+        addrs = table[int(index)]
+        return [a for a in (addrs.address, addrs.side_channel) if a]
 
     def kill(self, name: str) -> int:
         """SIGKILL process ``name`` (fault injection); returns its pid."""
@@ -130,38 +147,12 @@ class Deployment:
         proc.wait()
         return proc.pid
 
-    def restart_failed(self, now: float | None = None) -> list[str]:
-        """What systemd's Restart=on-failure does for a unit: start again each process that
-        exited with a failure (a prefill whose rank died exits 1), the first time at once,
-        then after an exponential backoff (RESTART_BACKOFF_S doubling up to
-        RESTART_BACKOFF_MAX_S); more than START_LIMIT_BURST restarts of one process within
-        START_LIMIT_INTERVAL_S raise, as systemd's StartLimitBurst stops a unit that keeps
-        failing. An exit 0 (stopped) or 2 (a configuration error) raises as
-        :meth:`check_alive` does. Returns the names restarted now."""
-        now = time.monotonic() if now is None else now
-        restarted = []
-        for name, proc in list(self.procs.items()):
-            code = proc.poll()
-            if code is None:
-                continue
-            if code in (0, 2):
-                self.check_alive()
-            recent = [t for t in self.restarts.get(name, []) if now - t < START_LIMIT_INTERVAL_S]
-            if len(recent) >= START_LIMIT_BURST:
-                raise PdserveError(
-                    f"{name} failed {len(recent) + 1} times within {START_LIMIT_INTERVAL_S:g} s "
-                    f"(exit code {code}); not restarting it again (start limit); "
-                    f"its log: {self.log_dir / (name + '.log')}"
-                )
-            exited = self.exited_at.setdefault(name, now)
-            if now < exited + restart_delay(len(recent)):
-                continue  # backing off
-            del self.exited_at[name]
-            self.restarts[name] = [*recent, now]
-            self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
-            self.restart(name)
-            restarted.append(f"{name} (exit code {code}, restart {len(recent) + 1})")
-        return restarted
+    def supervise(self, now: float | None = None) -> list[str]:
+        """One look at the processes, as systemd's Restart=on-failure takes for each unit:
+        restart what failed, after its backoff (cli/supervisor.py); one line per event."""
+        if self.supervisor is None:
+            raise PdserveError("the deployment is not started")
+        return self.supervisor.step(now)
 
     def restart(self, name: str, env: dict[str, str] | None = None) -> None:
         """Start process ``name`` again once it has exited, as systemd's Restart= does;
@@ -169,6 +160,7 @@ class Deployment:
         if self.procs[name].poll() is None:
             raise PdserveError(f"{name} is still running (pid {self.procs[name].pid})")
         self._spawn(name, dict(self.roles())[name], {**self._env, **(env or {})}, "ab")
+        self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
@@ -189,12 +181,7 @@ class Deployment:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                tail = (
-                    (self.log_dir / f"{name}.log")
-                    .read_text(errors="replace")
-                    .strip()
-                    .splitlines()[-5:]
-                )
+                tail = self.last_log_lines(name, 5)
                 raise PdserveError(
                     f"{name} exited with code {code}; last log lines: {' | '.join(tail)}"
                 )

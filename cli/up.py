@@ -182,8 +182,10 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         while not stop["now"]:
-            for name in dep.restart_failed():  # as systemd's Restart=on-failure would
-                print(f"{name} failed; restarted it (log: {dep.log_dir})", file=sys.stderr)
+            # Each service on its own, as systemd's Restart=on-failure treats each unit: one
+            # that cannot come back is retried with backoff while the others keep serving.
+            for event in dep.supervise():
+                print(event, file=sys.stderr)
             time.sleep(0.5)
     finally:
         codes = dep.stop()

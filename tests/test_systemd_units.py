@@ -52,6 +52,10 @@ def test_service_units_are_notify_services_that_drain(name: str) -> None:
     service = unit["Service"]
     assert service["Type"] == ["notify"]
     assert service["Restart"] == ["on-failure"]
+    # Retried forever, as `pdserve up` retries (issue 40: a start limit gave up on a unit
+    # whose port another process held); a configuration error is not retried.
+    assert unit["Unit"]["StartLimitIntervalSec"] == ["0"]
+    assert service["RestartPreventExitStatus"] == ["2"]
     assert seconds(service["WatchdogSec"][0]) > 0
     assert service["KillMode"] == ["mixed"]  # SIGTERM to the service, which stops its ranks
     # systemd must not SIGKILL a drain that is within its configured time.
