@@ -1,6 +1,7 @@
 """The decode engine thread's pull lifecycle (services/decode/engine_thread.py) driven turn by
-turn, without a model or NIXL: a fake engine (a real BlockPool), a fake puller, replies
-collected in place of the service's sockets. Every request ends with exactly one terminal
+turn, without a model or NIXL: a fake engine over a real Scheduler and BlockPool (the
+scheduler owns the blocks: WAITING_FOR_REMOTE_KV), a fake puller, replies collected in place
+of the service's sockets. Every request ends with exactly one terminal
 reply, every replica is released exactly once, every block comes back."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.engine.request import RemoteKV, Request
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_commands import Abort, Connected, Decode, HandshakeFailed
 from pdserve.common.runtime.fault_hooks import FaultHooks
@@ -36,42 +39,60 @@ class FakeModelConfig:
     num_key_value_heads = 2
 
 
-class FakeScheduler:
-    running: list[Any] = []
-    waiting: list[Any] = []
-    num_preemptions = 0
-    num_replayed_tokens = 0
-
-
 class FakeEngine:
-    """What the engine thread needs of a DecodeEngine; admitted requests finish at once."""
+    """What the engine thread needs of a DecodeEngine, over a real Scheduler (the one owner
+    of the blocks); admitted requests finish at once."""
 
     def __init__(self) -> None:
         self.pool = BlockPool(NUM_BLOCKS)
+        self.scheduler = Scheduler(self.pool, BLOCK, max_num_seqs=8, max_num_batched_tokens=64)
         self.model_config = FakeModelConfig()
-        self.scheduler = FakeScheduler()
         self.has_unfinished = False
         self.last_step_tokens = 0
+        self.requests: dict[str, Request] = {}
         self.admitted: list[tuple[str, list[int] | None]] = []
 
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        pass
+    def add_remote(
+        self, rid: str, prompt: list[int], sampling: SamplingParams, remote: RemoteKV
+    ) -> None:
+        req = Request(rid, prompt, sampling)
+        req.remote = remote
+        self.scheduler.add_remote(req)
+        self.requests[rid] = req
 
-    def blocks_to_pull(self, num_tokens: int, first_blocks: list[int]) -> int:
-        return sum(-(-num_tokens // BLOCK) - first for first in first_blocks)
+    def reserve_remote(self, rid: str) -> list[int] | None:
+        req = self.requests[rid]
+        return req.held_block_ids if self.scheduler.reserve_remote(req) else None
 
-    def add_prefilled(self, rid: str, prompt: list[int], first_token: int,
-                      sampling: SamplingParams, block_ids: list[int] | None,
-                      num_cached_tokens: int = 0, first_block: int = 0,
-                      group_first_blocks: list[int] | None = None) -> RequestOutput:  # fmt: skip
-        self.admitted.append((rid, block_ids))
-        self.pool.free(block_ids or [])  # a request done at its first token frees its blocks
-        return RequestOutput(request_id=rid, new_token_ids=[first_token], text="x", finished=True,
-                             finish_reason="length", num_prompt_tokens=len(prompt),
-                             num_output_tokens=1)  # fmt: skip
+    def pulled(self, rid: str) -> RequestOutput:
+        req = self.requests.pop(rid)
+        self.admitted.append((rid, req.held_block_ids))
+        self.scheduler.remote_kv_arrived(req)
+        return self._done_at_first_token(req)
+
+    def pull_failed(self, rid: str, recompute: bool) -> RequestOutput | None:
+        req = self.requests.pop(rid)
+        self.scheduler.remote_kv_failed(req, recompute)
+        if not recompute:
+            return None
+        self.admitted.append((rid, None))
+        return self._done_at_first_token(req)
+
+    def _done_at_first_token(self, req: Request) -> RequestOutput:
+        assert req.remote is not None
+        self.scheduler.finish(req, "length")
+        return RequestOutput(request_id=req.request_id, new_token_ids=[req.remote.first_token],
+                             text="x", finished=True, finish_reason="length",
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=1)  # fmt: skip
 
     def abort(self, rid: str) -> RequestOutput | None:
-        return None
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return RequestOutput(request_id=rid, new_token_ids=[], text="", finished=True,
+                             finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=0)  # fmt: skip
 
 
 class FakePuller:
@@ -278,3 +299,26 @@ def test_held_pulls_start_once_the_hold_file_is_gone(tmp_path: Any) -> None:
     h.turn()
     assert [rid for rid, _ in h.puller.started] == ["a"]
     h.loop.close()
+
+
+def test_the_scheduler_holds_requests_waiting_for_their_kv_and_their_blocks(h: Harness) -> None:
+    waiting = h.engine.scheduler.waiting_for_remote_kv
+    h.turn(connected(), decode("a", handle(num_tokens=24)), decode("b", handle(num_tokens=12)))
+    assert set(waiting) == {"a", "b"}  # a pulling into 6 blocks, b waiting for 3
+    assert len(waiting["a"].held_block_ids) == 6 and waiting["b"].held_block_ids == []
+    h.turn(Abort(request_id="b"))  # waiting for blocks: ends at once, nothing to free
+    assert set(waiting) == {"a"} and h.engine.pool.num_free_blocks == NUM_BLOCKS - 6
+    h.puller.results.append(PullResult("a", "READ failed"))
+    h.turn()
+    assert waiting == {} and h.engine.pool.num_free_blocks == NUM_BLOCKS
+    assert [type(m) for m in h.terminal("a") + h.terminal("b")] == [p.Failed, p.Finished]
+
+
+def test_a_request_forgotten_mid_pull_keeps_its_blocks_until_the_reads_end(h: Harness) -> None:
+    h.turn(connected(), decode("a", handle()))
+    h.thread.forget("a")  # a command of it failed: answered there
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS - 3  # a READ still lands in them
+    h.puller.results.append(PullResult("a", None))
+    h.turn()
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS and h.thread.pending == {}
+    assert h.terminal("a") == [] and h.puller.released == ["a"]

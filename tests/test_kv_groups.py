@@ -16,7 +16,7 @@ from pdserve.common.engine.kv_groups import (
     page_groups,
     page_layers,
 )
-from pdserve.common.engine.request import Request, Status
+from pdserve.common.engine.request import RemoteKV, Request, Status
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.scheduler import Scheduler
 
@@ -341,6 +341,12 @@ def test_a_decode_refuses_a_handle_of_another_group_count(tmp_path: Path, model_
     path = save_random_llama(tmp_path / "llama", hidden_size=64, num_heads=4, num_kv_heads=2,
                              intermediate_size=128, vocab_size=2048)  # fmt: skip
     engine = DecodeEngine(EngineConfig(model=str(path), block_size=B, num_kv_blocks=32))
-    assert engine.blocks_to_pull(10, [0]) == 3
+    prompt, params = list(range(10)), SamplingParams(max_tokens=2)
+    engine.add_remote("a", prompt, params, RemoteKV(10, (0,), first_token=1))
+    assert engine.reserve_remote("a") == [0, 1, 2]
+    engine.add_remote("b", prompt, params, RemoteKV(10, (0, 2), first_token=1))
     with pytest.raises(RequestError, match="blocks of 2 KV cache groups but this decode's cache"):
-        engine.blocks_to_pull(10, [0, 2])
+        engine.reserve_remote("b")
+    assert engine.pull_failed("b", recompute=False) is None
+    engine.abort("a")
+    assert engine.pool.num_free_blocks == 32

@@ -169,7 +169,10 @@ class EngineCore(Generic[OutputT]):
         tracker = TextTracker(self.tokenizer, p.stop, min_tokens=p.min_tokens,
                               include_stop=p.include_stop_str_in_output)  # fmt: skip
         self._requests[req.request_id] = (req, tracker)
-        self.scheduler.add(req)
+        if req.remote is None:
+            self.scheduler.add(req)
+        else:  # its prompt's KV is pulled first (services/decode/decode_engine.py)
+            self.scheduler.add_remote(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         entry = self._requests.pop(request_id, None)

@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.common.engine.block_pool import BlockHash, BlockPool
-from pdserve.common.engine.kv_groups import NULL_BLOCK, KVCacheGroup, group_hash
+from pdserve.common.engine.kv_groups import (
+    NULL_BLOCK,
+    KVCacheGroup,
+    group_hash,
+    num_pulled_blocks,
+    tables_of_pulled,
+)
 from pdserve.common.engine.request import Request
 
 
@@ -58,6 +64,18 @@ class GroupTables:
         for table in req.tables:
             if total > len(table):
                 table += self.pool.allocate(total - len(table))
+
+    def pulled_blocks_needed(self, num_tokens: int, first_blocks: Sequence[int]) -> int:
+        """Blocks a pull of ``num_tokens`` lands in: every group's entries from its first."""
+        return num_pulled_blocks(num_tokens, self.block_size, first_blocks)
+
+    def reserve_pulled(self, req: Request, num_tokens: int, first_blocks: Sequence[int]) -> None:
+        """Give ``req`` the tables a pull of its prompt lands in (the caller checked that
+        ``pulled_blocks_needed`` are free): one run of the pool, split group after group
+        in the order a KV handle lists them."""
+        blocks = self.pool.allocate(self.pulled_blocks_needed(num_tokens, first_blocks))
+        req.tables = tables_of_pulled(blocks, num_tokens, self.block_size, first_blocks)
+        req.dropped = list(first_blocks)
 
     def release(self, req: Request) -> None:
         self.pool.free(req.held_block_ids)
@@ -132,9 +150,3 @@ class GroupTables:
             if len(table) > keep:
                 self.pool.free(table[keep:])
                 del table[keep:]
-
-    def detach(self, req: Request) -> list[int]:
-        """Hand over the blocks ``req`` holds, group after group (their references too)."""
-        blocks = req.held_block_ids
-        req.tables = [[] for _ in self.groups]
-        return blocks

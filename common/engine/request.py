@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from pdserve.common.engine.block_pool import BlockHash
 from pdserve.common.engine.sampling import SamplingParams
@@ -15,8 +16,23 @@ PENDING_TOKEN = -2
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    # Decode: its prompt's KV comes from a producer; the scheduler reserves the blocks the
+    # pull lands in and admits it when the pull is done (common/engine/scheduler.py).
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode request's prompt KV comes from, as its KV handle says."""
+
+    num_tokens: int  # prompt tokens whose K/V the producer's blocks hold
+    # per KV cache group, the first table entry the handle lists (those before left a
+    # sliding window: common/engine/kv_groups.py)
+    first_blocks: tuple[int, ...]
+    first_token: int  # sampled by the producer
+    num_cached_tokens: int = 0  # the producer's prefix-cache hits, reported in usage
 
 
 class Request:
@@ -40,6 +56,7 @@ class Request:
         self.sampling = sampling
         self.arrival_order = arrival_order
         self.status = Status.WAITING
+        self.remote: RemoteKV | None = None  # decode: the KV handle its prompt comes from
         # One block table per KV cache group (common/engine/kv_groups.py): entry i holds
         # positions i * block_size ..; the leading ``dropped[g]`` entries of group g are
         # NULL_BLOCK (returned: behind its sliding window). Group 0's table is ``block_ids``.

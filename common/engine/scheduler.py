@@ -17,6 +17,14 @@ included; the engine writes the proposals into them (common/engine/spec_decode/)
 verify, ``on_step_done`` counts only accepted positions as computed and frees blocks that
 hold nothing but rejected drafts; full blocks are registered (hashed) only over accepted
 tokens.
+
+The scheduler owns every block its requests hold, and two states a service waits on:
+a decode request whose prompt KV comes from a producer waits in
+``WAITING_FOR_REMOTE_KV`` (``add_remote``): its service asks for the blocks the pull
+lands in (``reserve_remote``, False while they are not free), then reports the pull done
+(``remote_kv_arrived``: it joins the waiting queue with its prompt computed) or failed
+(``remote_kv_failed``: the blocks come back). A prefilled request whose blocks a consumer
+still has to pull is pinned (``pin``) until its lease ends (``unpin``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # decode requests whose prompt KV is being pulled, or waits for blocks to land in
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        # prefill: finished requests whose blocks stay referenced until a consumer pulled
+        self.pinned: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
         # prompt tokens recomputed because a sliding window lost blocks of a cached prefix
@@ -243,14 +255,73 @@ class Scheduler:
         """Free the blocks past the last computed position (they held rejected drafts)."""
         self.tables.free_tail(req)
 
-    def detach(self, req: Request) -> list[int]:
-        """End ``req`` here but hand the blocks it holds (and their references) to the
-        caller: prefill pins them under a lease until decode has pulled them, group after
-        group. Entries before ``req.dropped[g]`` left a sliding window and are not among
+    # -- remote KV (decode) ---------------------------------------------------------------
+
+    def add_remote(self, req: Request) -> None:
+        """Hold ``req`` (``req.remote`` set) until its prompt KV has been pulled."""
+        if req.remote is None:
+            raise ValueError(f"{req.request_id}: no remote KV to wait for")
+        req.status = Status.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[req.request_id] = req
+
+    def reserve_remote(self, req: Request) -> bool:
+        """Allocate the blocks ``req``'s pull lands in; False while they are not free (the
+        request keeps waiting: decodes finishing give them back)."""
+        remote = req.remote
+        assert remote is not None and req.status is Status.WAITING_FOR_REMOTE_KV
+        if any(req.tables):
+            raise RuntimeError(f"{req.request_id}: blocks for its pull already reserved")
+        needed = self.tables.pulled_blocks_needed(remote.num_tokens, remote.first_blocks)
+        if needed > self.pool.num_free_blocks:
+            return False
+        self.tables.reserve_pulled(req, remote.num_tokens, remote.first_blocks)
+        return True
+
+    def remote_kv_arrived(self, req: Request) -> None:
+        """The pull into ``req``'s blocks is done: it waits for a step like any request,
+        its prompt computed."""
+        del self.waiting_for_remote_kv[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remote_kv_failed(self, req: Request, recompute: bool) -> None:
+        """The pull failed (or never started): its blocks come back. ``recompute``: the
+        request waits to compute its prompt here (``kv_load_failure_policy =
+        "recompute"``); else it ends."""
+        del self.waiting_for_remote_kv[req.request_id]
+        if any(req.tables):
+            self.tables.release(req)
+        if recompute:
+            req.status = Status.WAITING
+            self.waiting.append(req)
+        else:
+            req.finish_reason = "abort"
+            req.status = Status.FINISHED
+
+    # -- pins (prefill) -------------------------------------------------------------------
+
+    def pin(self, req: Request) -> list[int]:
+        """End ``req`` here but keep the blocks it holds until ``unpin``: a consumer pulls
+        them (prefill's lease). Returns them group after group, the order a KV handle lists
+        them in; entries before ``req.dropped[g]`` left a sliding window and are not among
         them."""
         self.running.remove(req)
         req.status = Status.FINISHED
-        return self.tables.detach(req)
+        self.pinned[req.request_id] = req
+        return req.held_block_ids
+
+    def unpin(self, request_id: str) -> bool:
+        """Free a pinned request's blocks; False when it holds none (unpinned already)."""
+        req = self.pinned.pop(request_id, None)
+        if req is None:
+            return False
+        self.tables.release(req)
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(req.held_block_ids) for req in self.pinned.values())
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -258,6 +329,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_remote_kv[req.request_id]
         req.status = Status.FINISHED
         if any(req.tables):
             self.tables.release(req)

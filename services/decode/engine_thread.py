@@ -1,9 +1,12 @@
 """The decode engine thread: pulls prompt KV with NIXL, releases producers, decodes.
 
 A request with a KV handle moves through: waiting for the producer's handshake ->
-waiting for local blocks -> pulling -> decoding. Every producer replica is released
-exactly once per request, whether the pull worked, failed or was aborted. With decode
-TP > 1 the model and the pulls run in rank processes (services/decode/pullers.py).
+waiting for local blocks -> pulling -> decoding. Its engine holds it from the start
+(``WAITING_FOR_REMOTE_KV``, services/decode/decode_engine.py) and owns its blocks: this
+thread asks for them and reports how the pull ended, it never frees a block itself. Every
+producer replica is released exactly once per request, whether the pull worked, failed or
+was aborted. With decode TP > 1 the model and the pulls run in rank processes
+(services/decode/pullers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from pdserve.common.engine.outputs import RequestOutput
+from pdserve.common.engine.request import RemoteKV
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.boundary import Limits
@@ -115,25 +119,35 @@ class DecodeEngineThread(EngineThread):
 
     def _on_decode(self, cmd: Decode) -> None:
         identity, msg = cmd.identity, cmd.request
-        rid = msg.request_id
+        rid, handle = msg.request_id, msg.handle
         try:
-            self.engine.validate(msg.prompt_token_ids, msg.sampling)
+            if handle is None:  # colocated: this engine computes the prompt
+                self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling)
+            else:
+                assert msg.first_token is not None  # the boundary checked it
+                remote = RemoteKV(
+                    num_tokens=handle.num_tokens,
+                    first_blocks=(handle.first_block, *handle.group_first_blocks),
+                    first_token=msg.first_token,
+                    num_cached_tokens=msg.num_cached_tokens,
+                )
+                self.engine.add_remote(rid, msg.prompt_token_ids, msg.sampling, remote)
         except PdserveError as exc:
             self._fail(identity, rid, msg.trace_id, "bad_request", str(exc))
-            if msg.handle is not None:
-                self._release(msg.handle, rid, msg.trace_id)
+            if handle is not None:
+                self._release(handle, rid, msg.trace_id)
             return
         self.peers[rid] = (identity, msg.trace_id)
-        if msg.handle is None:  # colocated: this engine computes the prompt
-            self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling)
-            return
-        self.pending[rid] = PendingPull(identity, msg, msg.handle)
+        if handle is not None:
+            self.pending[rid] = PendingPull(identity, msg, handle)
 
     def forget(self, request_id: str) -> None:
-        pp = self.pending.pop(request_id, None)
-        if pp is not None and pp.blocks:
-            self.engine.pool.free(pp.blocks)
         self.peers.pop(request_id, None)
+        pp = self.pending.get(request_id)
+        if pp is not None and pp.pulling:
+            pp.aborted = True  # its READs still land in its blocks: dropped when they end
+            return
+        self.pending.pop(request_id, None)
         self.engine.abort(request_id)
 
     def _on_connected(self, cmd: Connected) -> None:
@@ -193,19 +207,17 @@ class DecodeEngineThread(EngineThread):
             return
         if self.ctx.faults.pulls_held():
             return
-        firsts = [pp.handle.first_block, *pp.handle.group_first_blocks]
         try:
-            need = self.engine.blocks_to_pull(pp.handle.num_tokens, firsts)
+            blocks = self.engine.reserve_remote(rid)
         except PdserveError as exc:
             self._pull_failed(rid, pp, str(exc), release=True)
             return
-        if need > self.engine.pool.num_free_blocks:
+        if blocks is None:
             return  # wait for decodes to finish; heartbeats keep the producer's lease
-        pp.blocks = self.engine.pool.allocate(need)
         try:
             plan = plan_pulls(
                 pp.handle,
-                pp.blocks,
+                blocks,
                 self.engine.model_config.num_key_value_heads,
                 self.tp,
                 self.ctx.cfg.pull_from == "striped",
@@ -241,26 +253,15 @@ class DecodeEngineThread(EngineThread):
             seconds=round(result.seconds, 4),
         )
         if pp.aborted:
-            self.engine.pool.free(pp.blocks or [])
+            self.engine.abort(rid)
             self._finish_aborted(rid, pp)
             return
-        self._admit(rid, pp, pp.blocks)
+        self._first_chunk(pp, self.engine.pulled(rid))
 
-    def _admit(self, rid: str, pp: PendingPull, blocks: list[int] | None) -> None:
-        msg = pp.msg
-        assert msg.first_token is not None
-        out = self.engine.add_prefilled(
-            rid,
-            msg.prompt_token_ids,
-            msg.first_token,
-            msg.sampling,
-            blocks,
-            msg.num_cached_tokens,
-            first_block=pp.handle.first_block,
-            group_first_blocks=pp.handle.group_first_blocks,
-        )
-        if msg.first_logprobs is not None:
-            out.logprobs = [msg.first_logprobs]
+    def _first_chunk(self, pp: PendingPull, out: RequestOutput) -> None:
+        """The producer's first token, as the request's first output."""
+        if pp.msg.first_logprobs is not None:
+            out.logprobs = [pp.msg.first_logprobs]
         self._emit(out, pp.marks)
 
     def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
@@ -273,14 +274,15 @@ class DecodeEngineThread(EngineThread):
             engine_id=pp.handle.engine_id,
             error=message,
         )
-        if pp.blocks:
-            self.engine.pool.free(pp.blocks)
         if release:
             self._release(pp.handle, rid, pp.msg.trace_id)
         if pp.aborted:
+            self.engine.abort(rid)
             self._finish_aborted(rid, pp)
-        elif self.ctx.cfg.kv_load_failure_policy == "recompute":
-            self._admit(rid, pp, None)
+            return
+        out = self.engine.pull_failed(rid, self.ctx.cfg.kv_load_failure_policy == "recompute")
+        if out is not None:
+            self._first_chunk(pp, out)
         else:
             self.peers.pop(rid, None)
             self._fail(
@@ -293,11 +295,13 @@ class DecodeEngineThread(EngineThread):
 
     def _drop_pending(self, rid: str, pp: PendingPull) -> None:
         del self.pending[rid]
+        self.engine.abort(rid)
         self._release(pp.handle, rid, pp.msg.trace_id)
         self._finish_aborted(rid, pp)
 
     def _finish_aborted(self, rid: str, pp: PendingPull) -> None:
-        self.peers.pop(rid, None)
+        if self.peers.pop(rid, None) is None:
+            return  # answered already (a command of it failed: ``forget``)
         usage = p.Usage(prompt_tokens=len(pp.msg.prompt_token_ids), completion_tokens=0)
         self.reply(
             pp.identity,
@@ -333,7 +337,7 @@ class DecodeEngineThread(EngineThread):
             raise  # a rank died: the service fails what it holds and exits
         except Exception as exc:
             log.exception("decode_step_failed")
-            for rid in list(self.peers):
+            for rid in [r for r in self.peers if r not in self.pending]:  # pulls go on
                 if self.engine.abort(rid) is not None:
                     identity, trace = self.peers.pop(rid)
                     self._fail(identity, rid, trace, "internal", f"decode step failed: {exc}")

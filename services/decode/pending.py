@@ -1,4 +1,5 @@
-"""A decode request waiting for its prompt KV: handshake -> local blocks -> pull.
+"""A decode request waiting for its prompt KV, as its engine thread follows it: handshake
+-> local blocks (the engine's scheduler reserves them) -> pull.
 
 ``PendingByProducer`` is the snapshot the service's heartbeats name each turn.
 """
@@ -22,7 +23,6 @@ class PendingPull:
     msg: p.DecodeRequest
     handle: p.KVHandle
     arrived: float = field(default_factory=time.monotonic)
-    blocks: list[int] | None = None
     pulling: bool = False  # READs posted, not all ended
     aborted: bool = False
     marks: dict[str, float] = field(

@@ -274,7 +274,8 @@ class PrefillEngineThread(EngineThread):
         self.reply(identity, msg)
 
     def _free(self, freed: Freed) -> None:
-        self.engine.pool.free(freed.block_ids)
+        if not self.engine.unpin(freed.request_id):
+            log.error("kv_lease_without_pin", request_id=freed.request_id, trace_id=freed.trace_id)
         for rank in freed.expired_ranks:
             self.metrics.inc("pdserve:kv_expired_requests", rank=rank)
             log.warning(

@@ -1,5 +1,6 @@
 """PrefillEngine: the engine with requests that end at their first token, their KV
-blocks handed out (pinned) instead of freed, for decode to pull."""
+blocks pinned instead of freed, for decode to pull. The engine holds each pin until its
+service ends the lease (``unpin``: every replica released, or the lease expired)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pdserve.common.engine.sampling_params import TokenLogprobs
 class Prefilled(msgspec.Struct, kw_only=True):
     request_id: str
     first_token: int
-    block_ids: list[int]  # pinned: the caller frees them (on release or lease expiry)
+    block_ids: list[int]  # pinned until ``PrefillEngine.unpin`` (release or lease expiry)
     first_block: int  # the table entry of block_ids[0]: those before left a sliding window
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     # several KV cache groups: block_ids hold each group's kept blocks, group after group;
@@ -36,7 +37,11 @@ class PrefillEngine(EngineCore[Prefilled]):
             first_token=token_id,
             first_block=first_block,
             group_first_blocks=group_first_blocks,
-            block_ids=self.scheduler.detach(req),
+            block_ids=self.scheduler.pin(req),
             num_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
+
+    def unpin(self, request_id: str) -> bool:
+        """Free the blocks pinned for ``request_id``; False when none are (unpinned already)."""
+        return self.scheduler.unpin(request_id)
