@@ -5,7 +5,7 @@
 #
 # - .whl/ (kept between calls): wheels the GPU machine lacks (Python 3.12 there): nixl with
 #   nixl-cu13 stripped of its nixl_ep_cu13 libraries (3 x 31 MB for torch versions we never
-#   load: without them the wheels fit the 64 MiB a call carries), pyzmq, msgspec, structlog, and the openai SDK
+#   load: without them the wheels fit the 64 MiB a call carries), pyzmq, msgspec, structlog, setproctitle, and the openai SDK
 #   with its dependencies (test_gpu_serving's OpenAI-client tests).
 # - .gpu/src/: `git archive COMMIT` with those wheels in its .whl/, the embedded model's
 #   tokenizer (gzipped: gpu.sh unpacks it) in its .gpu/tok/ and the commit in .gpu/commit: a
@@ -23,7 +23,7 @@ if [ ! -f .whl/.done ]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-        nixl==1.5.1 nixl-cu13==1.5.1 pyzmq msgspec structlog \
+        nixl==1.5.1 nixl-cu13==1.5.1 pyzmq msgspec structlog setproctitle \
         openai httpx2 httpcore2 h11 anyio sniffio distro jiter pydantic pydantic-core idna \
         typing-inspection annotated-types typing-extensions truststore certifi 2>&1 | grep -v '^WARNING' || true
     # drop nixl_ep_cu13 (the expert-parallel extension, never imported here) from the wheel
