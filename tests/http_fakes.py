@@ -24,7 +24,7 @@ from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
 from pdserve.services.router import openapi
-from pdserve.services.router.core_api import Event, RouterCore
+from pdserve.services.router.core_api import Event, Refused, RouterCore
 from pdserve.services.router.http_api import make_app
 
 openai = pytest.importorskip("openai")
@@ -62,15 +62,18 @@ class FakeCore:
         self.closed: list[str] = []  # requests whose iterator was closed before the end
 
     def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
+        # like the real core: RequestError and refusals before any event
+        gen.sampling.validate()
+        if not gen.prompt_token_ids or self.mode == "reject":
+            raise RequestError("the fake core refuses this request")
+        if self.mode in ("overloaded", "draining"):
+            raise Refused(self.mode, f"fake {self.mode}")
         return self._run(gen)
 
     async def _run(self, gen: Generate) -> AsyncIterator[Event]:
-        gen.sampling.validate()  # like the real core: RequestError before any event
-        if not gen.prompt_token_ids or self.mode == "reject":
-            raise RequestError("the fake core refuses this request")
         self.submitted.append(gen)
         rid, ids, limit = gen.request_id, gen.prompt_token_ids, gen.sampling.max_tokens
-        if self.mode in ("overloaded", "peer_down", "draining"):
+        if self.mode == "peer_down":  # as a real one found at dispatch
             yield Failed(request_id=rid, reason=self.mode, message=f"fake {self.mode}")
             return
         if self.mode == "crash":

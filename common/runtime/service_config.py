@@ -76,6 +76,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     decode_tp: int | list[int] = 1  # per decode instance: one size for all, or one each
     pull_from: str = "first"  # decode reads replica 0 ("first") or stripes across replicas
     kv_load_failure_policy: str = "fail"
+    # what moves KV from prefill to decode: a name of common/transfer/registry.py ("nixl";
+    # "inprocess": both engines in one process, tests)
+    kv_transfer_backend: str = "nixl"
     lease_seconds: float = 30.0  # KV of a prefilled request stays pinned this long at most...
     heartbeat_seconds: float = 5.0  # ...unless decode, still wanting it, heartbeats this often
     # Liveness (docs/operations.md, "Faults"): the router pings every service each
@@ -94,6 +97,15 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     max_requests_per_client: int = 256
     max_prompts_per_request: int = 128
     max_body_bytes: int = 32 * 2**20
+    # Requests the router has at its prefill and decode instances at once (0: derived,
+    # `dispatch_window`); the others wait at the router, clients served in turn, so one
+    # client's backlog queues behind its own requests, not in front of another's.
+    max_dispatched_requests: int = 0
+    # An HTTP body not read whole within this many seconds: 408, connection closed.
+    body_read_timeout_seconds: float = 30.0
+    # A long prompt not tokenised within this many seconds (its wait for the router's
+    # tokenizer process included): Failed "timeout" (HTTP 504).
+    tokenize_timeout_seconds: float = 30.0
     prefill_timeout_seconds: float = 300.0
     first_token_timeout_seconds: float = 300.0
     token_gap_timeout_seconds: float = 60.0
@@ -150,7 +162,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise PdserveError(
                     f"{name} must be >= 0 (0: no deadline), got {getattr(self, name)}"
                 )
-        for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds"):
+        for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds",
+                     "body_read_timeout_seconds", "tokenize_timeout_seconds"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise PdserveError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:
@@ -166,6 +179,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         for name in ("max_requests_per_client", "max_prompts_per_request", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_dispatched_requests < 0:
+            raise PdserveError(f"max_dispatched_requests must be 0 (derived) or more, got "
+                               f"{self.max_dispatched_requests}")  # fmt: skip
         if self.max_queued_requests < 1:
             raise PdserveError(
                 f"max_queued_requests must be at least 1, got {self.max_queued_requests}"
@@ -182,6 +198,16 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"restart_seconds ({self.restart_seconds:g}) must be positive and at most "
                 f"restart_max_seconds ({self.restart_max_seconds:g})"
             )
+
+    @property
+    def dispatch_window(self) -> int:
+        """Requests the router dispatches at once: ``max_dispatched_requests``, else what
+        the decode instances run at once (``max_num_seqs`` each) plus a quarter of that (at
+        least 4) for prompts being prefilled meanwhile, so decode never waits for work."""
+        if self.max_dispatched_requests:
+            return self.max_dispatched_requests
+        running = self.engine_for("decode").max_num_seqs * self.decode_instances
+        return running + max(4, running // 4)
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp

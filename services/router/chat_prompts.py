@@ -1,6 +1,7 @@
-"""Requests' prompts as token ids: completions' four prompt shapes and their echoes, and
-chat messages through the model's chat template (tools and tool messages included).
-Run on the loop or, for long texts, in the tokenize pool (so errors pickle: ApiError)."""
+"""Requests' prompts as token ids: completions' four prompt shapes and their echoes, chat
+messages through the model's chat template (tools and tool messages included), and the
+/tokenize and /detokenize answers. Run on the loop or, for long bodies, in the tokenize
+pool (so errors pickle: ApiError)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import RouterCore
 from pdserve.services.router.http_errors import ApiError
-from pdserve.services.router.tool_calls import template_messages
+from pdserve.services.router.tool_calls import ToolError, functions_of, template_messages
 
 
 def completion_prompts(core: RouterCore, prompt: str | list[Any]) -> list[list[int]]:
@@ -98,3 +99,35 @@ def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
             400, "the messages render to an empty prompt", param="messages", code="invalid_value"
         )
     return ids
+
+
+def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest) -> tuple[list[int], list[str]]:
+    """/tokenize: the ids of the prompt or the rendered messages, and each id's text when
+    asked for (``return_token_strs``; else an empty list)."""
+    tokenizer = core.tokenizer
+    if req.prompt is not None:
+        if req.tools:
+            raise ApiError(400, "tools are rendered by the chat template; give messages, not "
+                           "a prompt", param="tools", code="invalid_value")  # fmt: skip
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    else:
+        try:
+            functions_of(req.tools or [])
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        chat = oa.ChatCompletionRequest(
+            messages=req.messages or [], add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+        )  # fmt: skip
+        ids = chat_prompt(core, chat)
+        if req.add_special_tokens and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id, *ids]
+    if not req.return_token_strs:
+        return ids, []
+    return ids, [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def detokenize_answer(core: RouterCore, tokens: list[int]) -> str:
+    return core.tokenizer.decode(tokens)

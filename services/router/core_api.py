@@ -32,11 +32,23 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeAlias
 
+from pdserve.common.errors import PdserveError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 
 Event: TypeAlias = TokenChunk | Finished | Failed
 _TERMINAL = (Finished, Failed)
+
+
+class Refused(PdserveError):
+    """The router takes no such request now: ``reason`` is a Failed's (overloaded,
+    draining, peer_down, timeout, internal), for the front end's status code. Raised by
+    ``submit`` (so a stream's headers are only sent for an admitted request) and by the
+    tokenize pool."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RouterCore(Protocol):
@@ -45,9 +57,12 @@ class RouterCore(Protocol):
     tokenizer: Tokenizer
 
     def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
-        """Validate ``gen`` (raising RequestError before yielding anything), then yield
-        TokenChunks and exactly one Finished or Failed. Stopping early (``aclose()`` or
-        cancelling the consumer) aborts the request inside the core."""
+        """Validate ``gen`` (raising RequestError) and admit it (raising Refused when the
+        core is overloaded, draining or has no instance up) before returning; then yield
+        TokenChunks and exactly one Finished or Failed (a refusal that raced the admission
+        included). Stopping early (``aclose()`` or cancelling the consumer) aborts the
+        request inside the core. ``owner``: the client, whose requests take turns with
+        other clients' (fair admission) and only it may abort."""
         ...
 
     async def abort(self, request_id: str, owner: str = "") -> None:

@@ -13,7 +13,9 @@ import zmq.asyncio
 
 from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.runtime import protocol as p
+from pdserve.common.runtime.log_throttle import LogThrottle
 from pdserve.common.runtime.sockets import make_socket, send_nowait
+from pdserve.services.router.core_api import Refused
 from pdserve.services.router.router import MAX_LABEL_CHARS, Router
 from pdserve.services.router.tokenize_pool import TokenizePool
 
@@ -42,20 +44,24 @@ class FrontDoor:
         self.decoder: p.Decoder[Any] = p.Decoder(p.ClientToRouter)
         self.tasks: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # (client, its id)
         self.preparing: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # being tokenised
+        self.throttle = LogThrottle()  # a lost client, a flood of bad frames: few lines
 
     async def serve(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2:
                 self.router.metrics.inc("pdserve:bad_messages")
-                log.warning("bad_frame_count", frames=len(frames))
+                if (suppressed := self.throttle.allow("bad_frame_count")) is not None:
+                    log.warning("bad_frame_count", frames=len(frames), suppressed=suppressed)
                 continue
             identity, payload = frames
             try:
                 msg = self.decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self.router.metrics.inc("pdserve:bad_messages")
-                log.warning("bad_message", error=str(exc), size=len(payload))
+                if (suppressed := self.throttle.allow("bad_message")) is not None:
+                    log.warning("bad_message", error=str(exc), size=len(payload),
+                                suppressed=suppressed)  # fmt: skip
                 self._send(
                     identity,
                     p.Failed(
@@ -119,9 +125,8 @@ class FrontDoor:
                 else sum(len(m.content) + len(m.role) for m in gen.messages or [])
             )  # fmt: skip
             ids = await self.pool.run(_sdk_prompt, gen)
-        except PdserveError as exc:
-            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
-            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
+        except PdserveError as exc:  # a bad prompt, or the pool's deadline or bound (Refused)
+            self._refuse(identity, gen, exc)
             return
         self.preparing.pop((identity, gen.request_id), None)
         gen = msgspec.structs.replace(gen, prompt=None, messages=None, prompt_token_ids=ids)
@@ -131,13 +136,17 @@ class FrontDoor:
         try:
             events = self.router.submit(gen, owner=identity.hex())
         except PdserveError as exc:
-            rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
-            self._send(identity, p.Failed(request_id=rid, reason="bad_request", message=str(exc)))
+            self._refuse(identity, gen, exc)
             return
         key = (identity, gen.request_id)
         task = asyncio.create_task(self._relay(identity, gen.request_id, events))
         self.tasks[key] = task
         task.add_done_callback(functools.partial(self._forget, key))
+
+    def _refuse(self, identity: bytes, gen: p.Generate, exc: PdserveError) -> None:
+        rid = gen.request_id if len(gen.request_id) <= MAX_LABEL_CHARS else ""
+        reason = exc.reason if isinstance(exc, Refused) else "bad_request"
+        self._send(identity, p.Failed(request_id=rid, reason=reason, message=str(exc)))
 
     async def _relay(self, identity: bytes, request_id: str, events: Any) -> None:
         try:
@@ -161,8 +170,13 @@ class FrontDoor:
 
         def failed(exc: zmq.ZMQError) -> None:
             task = self.tasks.get((identity, rid))
-            if task is not None and not task.done():  # the client is gone: stop its request
-                log.warning("client_send_failed", request_id=rid, error=str(exc))
+            # The client is gone: stop its request. Chunks already queued fail too, before
+            # the cancellation lands: one line per client and interval, not per token.
+            if task is not None and not task.done() and not task.cancelling():
+                suppressed = self.throttle.allow(("client_send_failed", identity))
+                if suppressed is not None:
+                    log.warning("client_send_failed", request_id=rid, error=str(exc),
+                                suppressed=suppressed)  # fmt: skip
                 task.cancel()  # closes the core's iterator, which aborts the request
 
         send_nowait(self.sock, [identity, p.encode(msg)], failed)

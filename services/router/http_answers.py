@@ -3,7 +3,7 @@ best_of most likely kept) or server-sent events (`stream`), each over a core `Ba
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 
 import msgspec
@@ -62,7 +62,10 @@ async def collect(batch: Batch, renderer: Renderer, num_choices: int, n: int,
 async def stream(
     request: web.Request, batch: Batch, renderer: Renderer, include_usage: bool,
     num_choices: int, n: int, echoes: list[str] | None, scored: ScoredPrompt | None = None,
+    submit_rest: Callable[[], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:  # fmt: skip
+    """Headers at once, then the events. ``submit_rest``: submits what waits for the first
+    events (best_of / n candidates); its ApiError is an SSE error event."""
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",  # proxies must not hold back events
@@ -76,6 +79,8 @@ async def stream(
             # with prompt logprobs the echo waits for them (they come with the first token)
             if echoes and echoes[index] and scored is None:
                 await send_event(response, renderer.delta(index, echoes[index]))
+        if submit_rest is not None:
+            await submit_rest()
         async for index, event in batch.events():
             if isinstance(event, TokenChunk):
                 if scored is not None and event.prompt_logprobs is not None:
@@ -99,6 +104,10 @@ async def stream(
         await response.write(b"data: [DONE]\n\n")
     except ConnectionResetError:
         pass  # the client left; closing the batch (finally, above) aborts the requests
+    except ApiError as exc:  # refused after the headers: the answer's last event says so
+        with suppress(ConnectionResetError):
+            await send_event(response, exc.detail)
+            await response.write(b"data: [DONE]\n\n")
     except Exception:
         log.exception("http_stream_error", request_id=renderer.request_id)
         error = ApiError(500, f"internal error in request {renderer.request_id}; the "

@@ -5,10 +5,16 @@ The layer is thin: decode and check the body (openai_schema), tokenize (once, he
 core yields as one JSON body or as server-sent events. Request ids are described in
 core_api.
 
-The HTTP status is decided by the first event of every prompt, so the handler waits for
-it before sending headers: an overloaded core (Failed "overloaded" before any token)
-becomes a 429, a dead peer a 503, a bad request a 400, and a stream only starts once it
-has something to say. A Failed after that can only be an SSE error event.
+The HTTP status of an answer in one body is decided by the first event of every prompt:
+an overloaded core becomes a 429, a dead peer a 503, a bad request a 400. A stream sends
+its headers as soon as the core has admitted its requests (``submit`` raises a refusal:
+429, 503, 400), before any token is computed, so a client waiting behind others knows it
+is being served; a Failed after that can only be an SSE error event.
+
+Tokenising holds the GIL: every body over LONG_TEXT_BYTES as read (a chunked body has no
+Content-Length to go by) is tokenised in the tokenize pool's worker process, under its
+deadline (504 past it). A body not read whole within ``body_read_timeout_seconds`` gets
+a 408 and its connection closed (http_errors.read_body).
 
 A client that goes away must not leave its request running. The app sets aiohttp's
 ``handler_cancellation`` (through ``handler_args``, so it holds whoever runs the app):
@@ -36,11 +42,15 @@ from pdserve.services.router.chat_prompts import (
     completion_echoes,
     completion_prompts,
     content_text,
+    detokenize_answer,
+    tokenize_answer,
 )
-from pdserve.services.router.core_api import Batch, RouterCore
+from pdserve.services.router.core_api import Batch, Refused, RouterCore
 from pdserve.services.router.cors import Cors
 from pdserve.services.router.http_answers import ScoredPrompt, ScoringOnly, collect, stream
 from pdserve.services.router.http_errors import (
+    BODY_TIMEOUT_KEY,
+    DEFAULT_BODY_TIMEOUT,
     ECHO_ID,
     MAX_BODY_KEY,
     OPEN_PATHS,
@@ -49,6 +59,7 @@ from pdserve.services.router.http_errors import (
     error_middleware,
     json_response,
     key_middleware,
+    read_body,
     sane_header,
 )
 from pdserve.services.router.input_limits import num_prompts, text_chars
@@ -60,7 +71,7 @@ from pdserve.services.router.renderers import (
     Renderer,
 )
 from pdserve.services.router.tokenize_pool import TokenizePool
-from pdserve.services.router.tool_calls import ToolError, detect_parser, functions_of
+from pdserve.services.router.tool_calls import detect_parser
 
 __all__ = ["OPEN_PATHS", "ApiError", "OpenAIApi", "make_app"]
 
@@ -68,7 +79,7 @@ log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON ints is ~7 MB
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LONG_TEXT_BYTES = 16_384  # tokenize longer bodies off the event loop
+LONG_TEXT_BYTES = 16_384  # tokenize longer bodies (or texts) off the event loop
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 T = TypeVar("T")
@@ -124,27 +135,7 @@ class OpenAIApi:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt",
                            code="invalid_value")  # fmt: skip
-        tokenizer = self.core.tokenizer
-        if req.prompt is not None and req.tools:
-            raise ApiError(400, "tools are rendered by the chat template; give messages, not a "
-                           "prompt", param="tools", code="invalid_value")  # fmt: skip
-        if req.prompt is not None:
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
-        else:
-            try:
-                functions_of(req.tools or [])
-            except ToolError as exc:
-                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
-            chat = oa.ChatCompletionRequest(
-                messages=req.messages or [], add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
-            )  # fmt: skip
-            ids = await self._tokenize(request, chat_prompt, chat)
-            if req.add_special_tokens and tokenizer.bos_token_id is not None:
-                ids = [tokenizer.bos_token_id, *ids]
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        ids, strs = await self._tokenize(request, tokenize_answer, req)
         return json_response(oa.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len,
                                          tokens=ids, token_strs=strs if req.return_token_strs
                                          else None))  # fmt: skip
@@ -157,7 +148,8 @@ class OpenAIApi:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
                            param="tokens", code="invalid_value")  # fmt: skip
-        return json_response(oa.DetokenizeResponse(prompt=self.core.tokenizer.decode(req.tokens)))
+        text = await self._tokenize(request, detokenize_answer, req.tokens)
+        return json_response(oa.DetokenizeResponse(prompt=text))
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response(oa.Version(version=_package_version()))
@@ -222,11 +214,15 @@ class OpenAIApi:
                            f"{self.core.max_model_len} tokens can hold (at most "
                            f"{self.max_chars}); shorten it", code="prompt_too_long")  # fmt: skip
         # Tokenizing a long prompt holds the GIL: in a worker process, the loop stays free.
-        if (request.content_length or 0) > LONG_TEXT_BYTES:
-            if self.pool is not None:
-                return await self.pool.run(fn, arg)
+        # By the body as read, whatever its framing, and by the text (a template may add).
+        if max(chars, len(await read_body(request))) <= LONG_TEXT_BYTES:
+            return fn(self.core, arg)
+        if self.pool is None:
             return await asyncio.to_thread(fn, self.core, arg)
-        return fn(self.core, arg)
+        try:
+            return await self.pool.run(fn, arg)
+        except Refused as exc:  # its deadline (504) or its queue's bound (429)
+            raise ApiError.of_reason(exc.reason, str(exc)) from None
 
     def _request_id(self, request: web.Request, prefix: str) -> str:
         header = sane_header(request)
@@ -293,24 +289,40 @@ class OpenAIApi:
                                     echo=show_echo, vllm_field=show_field)  # fmt: skip
 
         batch = ScoringOnly() if scoring_only else Batch()
-        owner = f"http:{request.remote}"  # its share of the router's slots (fair admission)
+        owner = f"http:{request.remote}"  # whose turn it is in the router (fair admission)
         self._in_flight.update(ids)
-        try:
-            # The first candidate of each prompt first: once it has a token, its prompt's
-            # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill
-            # by prefix affinity) reuse them instead of computing the prompt again.
-            stages = [range(0, num_choices, n)] + ([] if n == 1 else [
-                [i for i in range(num_choices) if i % n]
-            ])  # fmt: skip
-            for stage in stages:
-                for index in stage:
+        # The first candidate of each prompt first: once it has a token, its prompt's
+        # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill by
+        # prefix affinity) reuse them instead of computing the prompt again.
+        stages = [range(0, num_choices, n)] + ([] if n == 1 else [
+            [i for i in range(num_choices) if i % n]
+        ])  # fmt: skip
+
+        def submit(stage: Sequence[int]) -> None:
+            for index in stage:
+                try:
                     batch.add(self.core.submit(gens[index], owner=owner), index)
+                except Refused as exc:
+                    raise ApiError.of_reason(exc.reason, f"request {gens[index].request_id}: "
+                                             f"{exc}") from None  # fmt: skip
+
+        async def submit_rest() -> None:
+            for stage in stages[1:]:
                 for event in await batch.first_events():
                     if isinstance(event, Failed):
                         raise ApiError.from_failed(event)
-            if req.is_stream:
+                submit(stage)
+
+        try:
+            submit(stages[0])  # a refusal is the answer's status
+            if req.is_stream:  # headers now: the first token may wait for its turn
                 return await stream(request, batch, renderer, req.include_usage,
-                                    num_choices, n, choice_echoes, scored)  # fmt: skip
+                                    num_choices, n, choice_echoes, scored,
+                                    submit_rest)  # fmt: skip
+            await submit_rest()
+            for event in await batch.first_events():
+                if isinstance(event, Failed):
+                    raise ApiError.from_failed(event)
             return await collect(batch, renderer, num_choices, n, choice_echoes,
                                  req.num_choices, req.requested_logprobs is not None,
                                  scored)  # fmt: skip
@@ -331,10 +343,12 @@ def _package_version() -> str:
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
              allowed_origins: Sequence[str] = (), tool_call_parser: str = "auto",
              pool: TokenizePool | None = None, max_prompts: int = 128,
-             max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:  # fmt: skip
+             max_body_bytes: int = MAX_BODY_BYTES,
+             body_read_timeout: float = DEFAULT_BODY_TIMEOUT) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
-    ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off)."""
+    ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off);
+    ``body_read_timeout``: seconds to receive a whole body (408 past it)."""
     middlewares: list[Any] = [error_middleware]
     if api_key:
         middlewares.append(key_middleware(api_key))
@@ -346,6 +360,7 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_ke
     if allowed_origins:
         Cors(allowed_origins).install(app)
     app[MAX_BODY_KEY] = max_body_bytes
+    app[BODY_TIMEOUT_KEY] = body_read_timeout
     api = OpenAIApi(core, served_model_names, tool_call_parser, pool, max_prompts)
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)

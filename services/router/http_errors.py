@@ -8,6 +8,7 @@ the router's log only.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,8 @@ from pdserve.services.router import openai_schema as oa
 log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_seconds", float)
+DEFAULT_BODY_TIMEOUT = 30.0
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
 _FAILED_STATUS = {
@@ -35,7 +38,7 @@ _FAILED_STATUS = {
     "timeout": 504,
 }
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "not_found_error", 405: "invalid_request_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                 413: "invalid_request_error", 429: "overloaded_error",
                 503: "service_unavailable_error"}  # fmt: skip
 # The id to echo in x-request-id: set by a generation handler, read by the middleware (same
@@ -70,8 +73,12 @@ class ApiError(Exception):
 
     @classmethod
     def from_failed(cls, failed: Failed) -> ApiError:
-        status = _FAILED_STATUS.get(failed.reason, 500)
-        return cls(status, f"request {failed.request_id}: {failed.message}", code=failed.reason)
+        return cls.of_reason(failed.reason, f"request {failed.request_id}: {failed.message}")
+
+    @classmethod
+    def of_reason(cls, reason: str, message: str) -> ApiError:
+        """The answer to a Failed's ``reason`` (or a Refused's)."""
+        return cls(_FAILED_STATUS.get(reason, 500), message, code=reason)
 
     def response(self) -> web.Response:
         headers = {"Retry-After": "1"} if self.status in _RETRY_LATER else None
@@ -98,6 +105,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except ApiError as exc:
         response = exc.response()
+        if exc.status == 408:  # the client stalled mid-body: the connection goes too
+            return await _closing(request, response)
     except RequestError as exc:
         response = ApiError(400, str(exc), code="bad_request").response()
     except web.HTTPException as exc:
@@ -116,6 +125,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     echo_id = ECHO_ID.get() or sane_header(request)
     if echo_id is not None and not response.prepared:
         response.headers["x-request-id"] = echo_id
+    return response
+
+
+async def _closing(request: web.Request, response: web.Response) -> web.Response:
+    """Send ``response``, then close the connection: aiohttp would otherwise linger
+    reading the rest of the body (10 s) before it let go of a stalled upload."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()  # after the buffered answer is written
     return response
 
 
@@ -158,8 +178,26 @@ def sane_header(request: web.Request) -> str | None:
     return value if value is not None and _SANE_ID.fullmatch(value) else None
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, read within ``body_read_timeout_seconds`` (else 408 and the
+    connection closed: a stalled or endless upload holds nothing for long); one that says
+    it is over the size limit is refused before a byte of it is read."""
+    limit = request.app[MAX_BODY_KEY]
+    if (request.content_length or 0) > limit:
+        raise ApiError(413, f"the request body is {request.content_length} bytes, over "
+                       f"{limit} (max_body_bytes)", code="body_too_large")  # fmt: skip
+    seconds = request.app.get(BODY_TIMEOUT_KEY, DEFAULT_BODY_TIMEOUT)
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body was not received within {seconds:g} s "
+                       "(body_read_timeout_seconds); the connection is closed",
+                       code="body_timeout") from None  # fmt: skip
+
+
 async def decode_body(request: web.Request, kind: type[T]) -> T:
-    body = await request.read()
+    body = await read_body(request)
     try:
         return oa.decode_request(body, kind)
     except msgspec.ValidationError as exc:

@@ -22,6 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime import supervision
 from pdserve.common.runtime.curve import HandshakeLog, WireSecurity
+from pdserve.common.runtime.log_throttle import LogThrottle
 from pdserve.common.runtime.loop_lag import LoopLag
 from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.service_config import DeploymentConfig
@@ -51,6 +52,7 @@ class Instances:
         self.requests: dict[str, RequestState] = {}
         self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.throttle = LogThrottle()  # a full or lost peer fails every send: few lines
 
     async def start(self) -> None:
         if not self.cfg.colocated:
@@ -118,9 +120,10 @@ class Instances:
         try:
             link.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning(
-                "send_failed", peer=link.name, message_type=type(msg).__name__, error=str(exc)
-            )
+            kind = type(msg).__name__
+            if (suppressed := self.throttle.allow(("send_failed", link.name, kind))) is not None:
+                log.warning("send_failed", peer=link.name, message_type=kind, error=str(exc),
+                            suppressed=suppressed)  # fmt: skip
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -131,7 +134,9 @@ class Instances:
                 msg = decoder.decode(payload)
             except Exception as exc:
                 self.metrics.inc("pdserve:bad_messages")
-                log.warning("bad_message", peer=link.name, error=str(exc))
+                if (suppressed := self.throttle.allow(("bad_message", link.name))) is not None:
+                    log.warning("bad_message", peer=link.name, error=str(exc),
+                                suppressed=suppressed)  # fmt: skip
                 continue
             if isinstance(msg, p.Pong):
                 link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False

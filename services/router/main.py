@@ -42,7 +42,9 @@ async def serve(cfg: DeploymentConfig) -> None:
         cfg, Tokenizer.from_dir(model_dir), model_dir.name, max_len, model_cfg.vocab_size
     )
     await router.start()
-    pool = TokenizePool(model_dir)  # long prompts are tokenised there, off this loop's GIL
+    # Long prompts are tokenised there, off this loop's GIL, under their deadline.
+    pool = TokenizePool(model_dir, timeout=cfg.tokenize_timeout_seconds,
+                        max_waiting=cfg.max_queued_requests)  # fmt: skip
     await pool.start()
     front = FrontDoor(router, cfg.front_address, pool)
     front_task = asyncio.create_task(front.serve())
@@ -51,7 +53,8 @@ async def serve(cfg: DeploymentConfig) -> None:
                    allowed_origins=cfg.allowed_origins,
                    tool_call_parser=cfg.tool_call_parser, pool=pool,
                    max_prompts=cfg.max_prompts_per_request,
-                   max_body_bytes=cfg.max_body_bytes)  # fmt: skip
+                   max_body_bytes=cfg.max_body_bytes,
+                   body_read_timeout=cfg.body_read_timeout_seconds)  # fmt: skip
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()

@@ -15,10 +15,19 @@ MAX_LABEL_CHARS = 128  # a client's own request id, kept as the label its replie
 
 Event = p.TokenChunk | p.Finished | p.Failed
 PHASES = {  # a request's phases with a deadline: what did not come
+    "queue": "no dispatch slot (other requests of this client held its share)",
     "prefill": "no prefill answer",
     "first_token": "no first token",
     "token_gap": "no next token",
 }
+PHASE_KEYS = {"queue": "first_token_timeout_seconds"}  # else f"{phase}_timeout_seconds"
+
+
+class SlotGiven:
+    """Put in a waiting request's queue when the fair queue gives it a dispatch slot."""
+
+
+SLOT_GIVEN = SlotGiven()
 
 
 @dataclass

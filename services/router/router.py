@@ -23,9 +23,19 @@ from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.ttft import ttft_parts
+from pdserve.services.router.core_api import Refused
+from pdserve.services.router.fair_queue import FairQueue
 from pdserve.services.router.instances import Instances
 from pdserve.services.router.links import Link, pick
-from pdserve.services.router.request_state import MAX_LABEL_CHARS, PHASES, Event, RequestState
+from pdserve.services.router.request_state import (
+    MAX_LABEL_CHARS,
+    PHASE_KEYS,
+    PHASES,
+    SLOT_GIVEN,
+    Event,
+    RequestState,
+    SlotGiven,
+)
 
 __all__ = ["MAX_LABEL_CHARS", "Event", "Router"]
 
@@ -49,7 +59,8 @@ class Router(Instances):
         self.block_size = cfg.engine.block_size
         # A text longer than this has more tokens than max_model_len: refused untokenised.
         self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
-        self.per_owner: dict[str, int] = {}  # requests in flight by owner (fair admission)
+        self.per_owner: dict[str, int] = {}  # requests in flight by owner (their cap)
+        self.admission = FairQueue(cfg.dispatch_window)  # dispatch slots, clients in turn
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
@@ -88,9 +99,32 @@ class Router(Instances):
                 f"max_tokens {gen.sampling.max_tokens} plus the prompt's {len(ids)} tokens "
                 f"exceeds max_model_len {self.max_model_len}; ask for at most {max(room, 0)}"
             )
+        refusal = self._refusal(owner)
+        if refusal is not None:
+            raise Refused(*refusal)
         rid = f"req-{uuid.uuid4().hex}"
         state = RequestState(rid, uuid.uuid4().hex, len(ids), label=label or rid, owner=owner)
         return self._labelled(state, self._run(state, ids, gen.sampling))
+
+    def _refusal(self, owner: str) -> tuple[str, str] | None:
+        """Why a new request of ``owner`` is refused now (reason, message), if it is."""
+        if self.draining:
+            return ("draining", "the router is shutting down (draining); retry the request")
+        if len(self.requests) >= self.cfg.max_queued_requests:
+            return ("overloaded", f"the router holds {len(self.requests)} requests, its limit "
+                    "(max_queued_requests); retry later")  # fmt: skip
+        held = self.per_owner.get(owner, 0)
+        if held >= self.cfg.max_requests_per_client:  # one client cannot take every slot
+            return ("overloaded", f"this client holds {held} requests, its share "
+                    "(max_requests_per_client); retry when some have finished")  # fmt: skip
+        now = time.monotonic()
+        for role, links in (("prefill", [] if self.cfg.colocated else self.prefills),
+                            ("decode", self.decodes)):  # fmt: skip
+            if (links or role == "decode") and not any(
+                link.is_alive(now, self.peer_timeout) for link in links
+            ):
+                return ("peer_down", f"no {role} instance is up; retry later")
+        return None
 
     async def _labelled(
         self, state: RequestState, events: AsyncIterator[Event]
@@ -142,6 +176,10 @@ class Router(Instances):
                 )
             )
 
+    async def metrics_text(self) -> bytes:
+        self.metrics.set("pdserve:num_requests_waiting", self.admission.num_waiting)
+        return await super().metrics_text()
+
     # -- one request ------------------------------------------------------------------------
 
     def check_chars(self, num_chars: int) -> None:
@@ -184,32 +222,23 @@ class Router(Instances):
     ) -> AsyncIterator[Event]:
         rid, trace = state.request_id, state.trace_id
         bound = log.bind(request_id=rid, trace_id=trace)
-        if self.draining:
-            yield self._failed(
-                state, "draining", "the router is shutting down (draining); retry the request"
-            )
-            return
-        if len(self.requests) >= self.cfg.max_queued_requests:
-            yield self._failed(
-                state,
-                "overloaded",
-                f"the router holds {len(self.requests)} requests, its limit; retry later",
-            )
-            return
-        held = self.per_owner.get(state.owner, 0)
-        if held >= self.cfg.max_requests_per_client:  # one client cannot take every slot
-            yield self._failed(
-                state,
-                "overloaded",
-                f"this client holds {held} requests, its share (max_requests_per_client); "
-                "retry when some have finished",
-            )
+        refusal = self._refusal(state.owner)  # again: others were admitted since submit
+        if refusal is not None and refusal[0] != "peer_down":  # that one is judged at pick
+            yield self._failed(state, *refusal)
             return
         self.requests[rid] = state
-        self.per_owner[state.owner] = held + 1
+        self.per_owner[state.owner] = self.per_owner.get(state.owner, 0) + 1
         got_first = False
         last = state.arrived
         try:
+            if not self.admission.join(state.owner, rid):  # waits its turn for a slot
+                event = await self._next(state, self.cfg.first_token_timeout_seconds, "queue")
+                if not isinstance(event, SlotGiven):  # aborted, drained or timed out
+                    yield self._ended(state, event)
+                    return
+            if not state.queue.empty():  # it ended while its slot was on the way
+                yield self._ended(state, state.queue.get_nowait())
+                return
             first_token, num_cached, handle, first_logprobs = None, 0, None, None
             prompt_logprobs: list[p.TokenLogprobs] | None = None
             if not self.cfg.colocated:
@@ -283,6 +312,8 @@ class Router(Instances):
                 self._send(state.link, p.Abort(request_id=rid, trace_id=trace))
                 bound.info("request_aborted", at=state.link.name)
             self._undispatch(state)
+            for key in self.admission.leave(state.owner, rid):
+                self.requests[key].queue.put_nowait(SLOT_GIVEN)
             self.requests.pop(rid, None)
             left = self.per_owner.get(state.owner, 1) - 1
             if left > 0:
@@ -331,7 +362,7 @@ class Router(Instances):
             return await asyncio.wait_for(state.queue.get(), timeout)
         except TimeoutError:
             pass
-        at = state.link.name if state.link is not None else "?"
+        at = state.link.name if state.link is not None else "the router"
         self.metrics.inc("pdserve:request_timeouts", phase=phase)
         log.warning("request_timeout", request_id=state.request_id, trace_id=state.trace_id,
                     phase=phase, at=at, seconds=timeout)  # fmt: skip
@@ -342,8 +373,8 @@ class Router(Instances):
             request_id=state.request_id,
             trace_id=state.trace_id,
             reason="timeout",
-            message=f"{at} gave {what} within {timeout:g} s ({phase}_timeout_seconds); "
-            "retry the request",
+            message=f"{at} gave {what} within {timeout:g} s "
+            f"({PHASE_KEYS.get(phase, f'{phase}_timeout_seconds')}); retry the request",
         )
 
     def _observe_ttft_parts(self, state: RequestState, first: p.TokenChunk) -> None:
@@ -363,6 +394,13 @@ class Router(Instances):
             link.inflight.discard(state.request_id)
             link.outstanding_tokens -= state.num_prompt_tokens
         state.link = None
+
+    def _ended(self, state: RequestState, event: Event) -> Event:
+        """A request that ends before it was dispatched (an abort, the drain, a timeout)."""
+        state.finished = True
+        outcome = event.finish_reason if isinstance(event, p.Finished) else "failed"
+        self.metrics.inc("pdserve:requests", finish_reason=outcome)
+        return event
 
     def _failed(self, state: RequestState, reason: str, message: str) -> p.Failed:
         state.finished = True

@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from pdserve.common.errors import PdserveError
+from pdserve.common.runtime.log_throttle import LogThrottle
+from pdserve.services.router.core_api import Refused
 
 T = TypeVar("T")
 
@@ -50,13 +51,9 @@ RECYCLE_RSS_BYTES = 1 << 30  # a worker this large is replaced after its job
 DEFAULT_TIMEOUT = 30.0
 
 
-class TokenizeFailed(PdserveError):
-    """A job the pool could not do: ``reason`` is "timeout", "overloaded" or "internal"
-    (the worker died), as a Failed's reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+class TokenizeFailed(Refused):
+    """A job the pool could not do: ``reason`` is "timeout", "overloaded", "draining" or
+    "internal" (the worker died), as a Failed's reason."""
 
 
 @dataclass
@@ -152,6 +149,7 @@ class TokenizePool:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.num_replaced = 0  # workers killed or lost and started again (tests, logs)
+        self.throttle = LogThrottle()  # a burst of timeouts: one line per interval
 
     async def start(self) -> None:
         """Start the workers now (their tokenizers loaded), not on the first long prompt."""
@@ -173,7 +171,7 @@ class TokenizePool:
                    asyncio.get_running_loop().create_future())  # fmt: skip
         self._jobs.append(job)
         self._wakeup.set()
-        return await job.future  # type: ignore[no-any-return]
+        return await job.future
 
     async def _serve(self, index: int) -> None:
         assert self._wakeup is not None
@@ -223,7 +221,9 @@ class TokenizePool:
 
     def _timed_out(self, job: _Job, waited: bool) -> None:
         where = "waiting for the router's tokenizer" if waited else "tokenising"
-        log.warning("tokenize_timeout", seconds=self.timeout, waited=waited)
+        if (suppressed := self.throttle.allow("tokenize_timeout")) is not None:
+            log.warning("tokenize_timeout", seconds=self.timeout, waited=waited,
+                        suppressed=suppressed)  # fmt: skip
         self._fail(job, "timeout", f"the prompt was not tokenised within {self.timeout:g} s "
                    f"(tokenize_timeout_seconds; it timed out {where}): the router is "
                    "overloaded with long prompts; retry later or send a shorter one")  # fmt: skip
