@@ -343,7 +343,7 @@ def test_bench_shape_writer_gives_a_checkpoint_transformers_reads(
 def test_tp_shards_split_heads_and_replicate_the_latent(q_lora: int | None) -> None:
     """TP 2: q (q_proj or q_b_proj) and kv_b_proj by rows of whole heads, o_proj by columns,
     everything that makes the latent (q_a/kv_a and the norms) whole on both ranks."""
-    from pdserve.common.model.llama import shard_state_dict
+    from pdserve.common.model.decoder import shard_state_dict
 
     raw = {
         "model_type": "deepseek_v3", "vocab_size": 50, "hidden_size": 32,

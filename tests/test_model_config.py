@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.model import families
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.registry import FAMILIES
 
 
 def raw(model_type: str, **extra: Any) -> dict[str, Any]:
@@ -60,3 +63,31 @@ def test_unknown_layer_kinds_and_families_are_refused() -> None:
         ModelConfig.from_dict(bad)
     with pytest.raises(ModelLoadError, match="not supported"):
         ModelConfig.from_dict(raw("gemma2"))
+
+
+def test_a_family_is_picked_by_model_type_else_by_architectures() -> None:
+    by_arch = {**raw("qwen3"), "architectures": ["Qwen3ForCausalLM"]}
+    del by_arch["model_type"]
+    cfg = ModelConfig.from_dict(by_arch)
+    assert (cfg.model_type, cfg.architecture, cfg.qk_norm) == ("qwen3", "Qwen3ForCausalLM", True)
+    # transformers builds model_type's class: a stale architectures entry does not win
+    stale = {**raw("mistral", sliding_window=8), "architectures": ["LlamaForCausalLM"]}
+    cfg = ModelConfig.from_dict(stale)
+    assert cfg.architecture == "MistralForCausalLM" and cfg.layer_windows == (8,) * 4
+    assert ModelConfig.from_dict(raw("deepseek_v3")).architecture == "DeepseekV3ForCausalLM"
+    unknown = {**raw("gemma2"), "architectures": ["Gemma2ForCausalLM"]}
+    with pytest.raises(ModelLoadError) as err:
+        ModelConfig.from_dict(unknown)
+    assert str(err.value).startswith("model_type 'gemma2' is not supported; pdserve runs ")
+    assert "Qwen3MoeForCausalLM (qwen3_moe)" in str(err.value)
+    assert str(err.value).endswith("names architectures ['Gemma2ForCausalLM']")
+
+
+def test_every_family_module_is_registered_and_reads_and_builds() -> None:
+    """Adding a family is its module plus its registry line: no module without a line."""
+    folder = Path(families.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert modules == {f.module for f in FAMILIES}
+    for family in FAMILIES:
+        module = family.load()
+        assert callable(module.read_config) and callable(module.build_model), family

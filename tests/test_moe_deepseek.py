@@ -23,7 +23,7 @@ from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.moe import SparseMoeBlock
-from pdserve.common.model.moe_config import MoEConfig, moe_config
+from pdserve.common.model.moe_config import MoEConfig, deepseek_v3_experts
 from pdserve.common.parallel.context import ParallelContext
 from tests.test_families import engine_greedy, hf_greedy
 
@@ -66,7 +66,7 @@ def deepseek_block(norm_topk_prob: bool, seed: int = 0) -> tuple[Any, MoEConfig]
     with torch.no_grad():
         for tensor in [*block.parameters(), *block.buffers()]:
             tensor.normal_(0.0, 0.2)
-    moe = moe_config("deepseek_v3", hf_cfg.to_dict(), DEEPSEEK["num_hidden_layers"])
+    moe = deepseek_v3_experts(hf_cfg.to_dict(), DEEPSEEK["num_hidden_layers"])
     assert moe is not None and moe.sparse_layers == (1, 2)
     return block, moe
 
@@ -93,12 +93,12 @@ def test_deepseek_v3_block_equals_transformers(norm_topk_prob: bool) -> None:
 
 def test_deepseek_config_hook_reads_dense_and_sparse_layers() -> None:
     raw = transformers.DeepseekV3Config(**DEEPSEEK).to_dict()
-    moe = moe_config("deepseek_v3", raw, 3)
+    moe = deepseek_v3_experts(raw, 3)
     assert moe is not None
     assert (moe.num_experts, moe.top_k, moe.num_shared_experts) == (16, 4, 2)
     assert moe.shared_intermediate_size == 64 and moe.sparse_layers == (1, 2)
     with pytest.raises(ModelLoadError, match="topk_group 1 of n_group 4"):
-        moe_config("deepseek_v3", {**raw, "topk_group": 1, "num_experts_per_tok": 5}, 3)
+        deepseek_v3_experts({**raw, "topk_group": 1, "num_experts_per_tok": 5}, 3)
 
 
 # -- DeepSeek-V3, the whole model: runs once MLA attention is in the tree -------------------

@@ -29,7 +29,7 @@ import torch
 from pdserve.common.engine.async_steps import Carry
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.llama import LlamaForCausalLM
+from pdserve.common.model.decoder import CausalLM
 
 log = structlog.get_logger("pdserve.cuda_graphs")
 
@@ -56,7 +56,7 @@ def is_decode_step(plan: StepPlan) -> bool:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         max_batch: int,

@@ -3,6 +3,7 @@ shard, no MTP layer), checked against the config's parameters, on its device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,10 +11,11 @@ import torch
 from pdserve.common.engine.kv_groups import layer_slots, page_groups
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.llama import LlamaForCausalLM, shard_state_dict
+from pdserve.common.model.decoder import CausalLM, shard_state_dict
 from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.mtp import read_weights
+from pdserve.common.model.registry import family_named
 from pdserve.common.parallel.context import ParallelContext
 
 # kept in float32 whatever the model dtype (DeepSeek routes on them in float32, as HF does)
@@ -43,14 +45,17 @@ def load_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
     cpu_weight_prepack: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     check_device_supports(cfg, device)
     par = parallel or ParallelContext()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    # the model of the checkpoint's family (common/model/families/)
+    build: Callable[[ModelConfig, ParallelContext], CausalLM]
+    build = family_named(cfg.architecture).load().build_model
     with meta_modules():
-        model = LlamaForCausalLM(cfg, par)
+        model = build(cfg, par)
     model.kv_slots = layer_slots(page_groups(cfg.layer_windows), cfg.num_hidden_layers)
     # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
     state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)

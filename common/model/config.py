@@ -1,47 +1,37 @@
-"""The parts of a Hugging Face Llama-family config.json that the model code needs.
+"""The parts of a Hugging Face config.json that the model code needs: ``ModelConfig``.
 
-One model implementation serves every family; what differs between them is a handful of
-switches read here, each the way transformers' own config and model classes read it:
-
-| model_type | q/k/v bias | o_proj bias | q/k norm | sliding window on |
-| --- | --- | --- | --- | --- |
-| llama | attention_bias | attention_bias | no | no layer (HF ignores sliding_window) |
-| mistral | no | no | no | every layer, when sliding_window is set |
-| qwen2 | always | no | no | layer_types, else layers >= max_window_layers if use_sliding_window |
-| qwen3 | attention_bias | attention_bias | yes | as qwen2 |
-| qwen3_moe | attention_bias | attention_bias | yes | every layer, when use_sliding_window |
-
-DeepSeek V2/V3 (``deepseek_v2``, ``deepseek_v3``) are MLA models (common/model/mla.py): their
-KV cache is one latent per token, so ``num_key_value_heads`` is 1 here (every query head
-attends the one latent, replicated on every TP rank) and ``head_dim`` is the rope part
-``qk_rope_head_dim`` (as transformers sets it); ``kv_cache_head_dim`` is the latent's width.
-Layers from ``first_k_dense_replace`` on are MoE (common/model/moe.py).
-
-Mixture-of-experts switches (which layers are sparse, the routing) are read by
-common/model/moe_config.py into ``ModelConfig.moe``.
+Every family reads its config.json into this one struct, in its own module
+(common/model/families/, chosen by common/model/registry.py from the checkpoint's
+``model_type`` and ``architectures``); the layers read only the fields. What the fields
+mean for a family, and how transformers reads them for it, is told in that family's
+module: the q/k/v and o_proj biases, Qwen3's per-head q/k norm, which layers slide a window
+(``layer_types``), multi-head latent attention (``kv_lora_rank`` > 0: DeepSeek V2/V3, whose
+KV cache is one latent per token, so ``num_key_value_heads`` is 1 and ``head_dim`` the rope
+part), and the mixture-of-experts switches (common/model/moe_config.py, ``moe``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.moe_config import MoEConfig, moe_config
+from pdserve.common.model.moe_config import MoEConfig
+from pdserve.common.model.registry import family_of
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
-QK_NORM = {"qwen3", "qwen3_moe"}
-MLA_FAMILY = {"deepseek_v2", "deepseek_v3"}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_type: str = "llama"
+    # the family's entry in common/model/registry.py: the module that builds the model
+    architecture: str = "LlamaForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -123,98 +113,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type", "llama")
-        if model_type in MLA_FAMILY:
-            return cls._from_mla_dict(raw)
-        if model_type not in LLAMA_FAMILY:
-            raise ModelLoadError(
-                f"model_type {model_type!r} is not supported; pdserve runs Llama-family "
-                f"models ({', '.join(sorted(LLAMA_FAMILY))}) and dense MLA models "
-                f"({', '.join(sorted(MLA_FAMILY))})"
-            )
-        num_heads = raw["num_attention_heads"]
-        num_layers = raw["num_hidden_layers"]
-        rope = _rope_parameters(raw)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window, layer_types = _attention_kinds(model_type, raw, num_layers)
-        bias = raw.get("attention_bias", False)
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.pop("rope_theta", 10000.0),
-            rope_scaling=rope or None,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            sliding_window=window,
-            layer_types=layer_types,
-            attention_bias={"qwen2": True, "mistral": False}.get(model_type, bias),
-            o_proj_bias=bias and model_type in ("llama", *QK_NORM),
-            qk_norm=model_type in QK_NORM,
-            mlp_bias=model_type == "llama" and raw.get("mlp_bias", False),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            moe=moe_config(model_type, raw, num_layers),
-        )
-
-    @classmethod
-    def _from_mla_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """DeepseekV2Config / DeepseekV3Config as transformers reads them, dense layers only."""
-        model_type = raw["model_type"]
-        num_layers = raw["num_hidden_layers"]
-        # transformers' defaults when the key is absent (V2: 0, V3: 3)
-        dense = raw.get("first_k_dense_replace", 3 if model_type == "deepseek_v3" else 0)
-        if model_type == "deepseek_v2" and (dense is None or dense < num_layers):
-            raise ModelLoadError(
-                f"{model_type}: layers {dense}..{num_layers - 1} are mixture-of-experts "
-                f"(first_k_dense_replace={dense} < num_hidden_layers={num_layers}); pdserve "
-                "routes DeepSeek-V3's experts (common/model/moe_config.py), not V2's"
-            )
-        rope_dim = raw.get("qk_rope_head_dim", 64)
-        rope = _rope_parameters(raw)
-        eos = raw.get("eos_token_id")
-        bias = raw.get("attention_bias", False)
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=1,  # one latent, shared by every query head
-            head_dim=rope_dim,  # the rotary part, as transformers' config sets head_dim
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.pop("rope_theta", 10000.0),
-            rope_scaling=rope or None,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            layer_types=(FULL_ATTENTION,) * num_layers,
-            attention_bias=bias,  # on q_a_proj and kv_a_proj_with_mqa
-            o_proj_bias=bias,
-            mlp_bias=model_type == "deepseek_v2" and raw.get("mlp_bias", False),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-            kv_lora_rank=raw.get("kv_lora_rank", 512),
-            q_lora_rank=raw.get("q_lora_rank", 1536),
-            qk_nope_head_dim=raw.get("qk_nope_head_dim", 128),
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=raw.get("v_head_dim", 128),
-            rope_interleave=model_type == "deepseek_v2" or raw.get("rope_interleave", True),
-            moe=moe_config(model_type, raw, num_layers),
-            # transformers' V3 default is 1 (its alias num_mtp_layers); V2 has none
-            num_nextn_predict_layers=raw.get(
-                "num_nextn_predict_layers",
-                raw.get("num_mtp_layers", 1 if model_type == "deepseek_v3" else 0),
-            )
-            or 0,
-        )
+        """``raw`` (config.json) read by its family's module (common/model/registry.py)."""
+        family = family_of(raw)
+        read: Callable[[dict[str, Any]], ModelConfig] = family.load().read_config
+        # a config may name only its architecture: the family's model_type then
+        cfg = read({**raw, "model_type": family.model_type})
+        return msgspec.structs.replace(cfg, architecture=family.architecture)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -228,7 +132,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ModelLoadError(f"{path / 'config.json'} lacks the key {exc}") from exc
 
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     """rope_theta plus scaling, from either transformers 4 (rope_theta + rope_scaling)
     or transformers 5 (rope_parameters) spelling. Plain RoPE leaves only rope_theta."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -240,32 +144,7 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _attention_kinds(
-    model_type: str, raw: dict[str, Any], num_layers: int
-) -> tuple[int | None, tuple[str, ...]]:
-    """(window, layer_types) as transformers decides them for ``model_type``."""
-    full = (FULL_ATTENTION,) * num_layers
-    window = raw.get("sliding_window")
-    if model_type == "llama" or not window:
-        return None, full
-    if model_type == "mistral":  # MistralAttention passes config.sliding_window on every layer
-        return window, (SLIDING_ATTENTION,) * num_layers
-    if model_type == "qwen3_moe":  # Qwen3MoeConfig keeps the window only with use_sliding_window
-        every = raw.get("use_sliding_window", False)
-        return (window, (SLIDING_ATTENTION,) * num_layers) if every else (None, full)
-    # Qwen2/Qwen3 (Qwen2Config.__post_init__): no window unless use_sliding_window; the
-    # layer kinds from layer_types when given, else sliding from max_window_layers on.
-    if not raw.get("use_sliding_window", False):
-        return None, full
-    given = raw.get("layer_types")
-    if given is None:
-        first = raw.get("max_window_layers", 28)
-        given = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
-    if len(given) != num_layers or set(given) - {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ModelLoadError(
-            f"layer_types {given!r} must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} "
-            f"for each of the {num_layers} layers"
-        )
-    if SLIDING_ATTENTION not in given:
-        return None, full
-    return window, tuple(given)
+def eos_token_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id, one id or a list of them."""
+    eos = raw.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import LLAMA_FAMILY
 
 log = logging.getLogger("pdserve.model_files")
 
@@ -34,6 +33,10 @@ DEFAULT_GGUF_NAME = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 # Part of the cache key: bump it whenever the converted layout changes, so stale
 # conversions are redone instead of being loaded.
 CONVERTER_VERSION = 1
+
+# the model types whose GGUF files transformers' GGUF reader converts into a checkpoint of a
+# family pdserve runs (common/model/registry.py); others are refused before converting
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 GGUF_MAGIC = b"GGUF"
 _GGUF_STRING_TYPE = 8
@@ -230,10 +233,10 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
 
 
 def _check_architecture(source: Path, arch: str) -> None:
-    if arch not in LLAMA_FAMILY:
+    if arch not in GGUF_MODEL_TYPES:
         raise ModelLoadError(
             f"{source} holds a {arch!r} model; pdserve runs Llama-family models "
-            f"({', '.join(sorted(LLAMA_FAMILY))}), pick one of those"
+            f"({', '.join(sorted(GGUF_MODEL_TYPES))}), pick one of those"
         )
 
 

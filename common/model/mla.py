@@ -78,7 +78,7 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=cfg.o_proj_bias)
 
-    def pack(self) -> None:
+    def pack(self, prepack: bool = False) -> None:
         """Nothing to pack: the absorbed weights are views of kv_b_proj."""
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:

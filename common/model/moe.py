@@ -138,7 +138,7 @@ class SparseMoeBlock(nn.Module):
             out = out + self.shared_experts(x)
         return self.par.all_reduce_tp(out)
 
-    def pack(self) -> None:
+    def pack(self, prepack: bool = False) -> None:
         """Nothing to pack: the experts are already one tensor per projection."""
 
 

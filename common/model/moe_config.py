@@ -43,15 +43,6 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.intermediate_size * self.num_shared_experts
 
 
-def moe_config(model_type: str, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE switches of ``raw`` (config.json), None for a dense model."""
-    if model_type == "qwen3_moe":
-        return _qwen3_moe(raw, num_layers)
-    if model_type == "deepseek_v3":
-        return _deepseek_v3(raw, num_layers)
-    return None
-
-
 def _experts(raw: dict[str, Any], *names: str, default: int | None = None) -> int:
     for name in names:  # hub configs and transformers' save_pretrained spell it differently
         if raw.get(name) is not None:
@@ -61,7 +52,8 @@ def _experts(raw: dict[str, Any], *names: str, default: int | None = None) -> in
     raise KeyError(names[0])
 
 
-def _qwen3_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+def qwen3_moe_experts(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """Qwen3-MoE's experts (``Qwen3MoeConfig``), None when no layer is sparse."""
     num_experts = _experts(raw, "num_experts", "num_local_experts")
     step = raw.get("decoder_sparse_step", 1)
     dense = set(raw.get("mlp_only_layers") or [])
@@ -80,7 +72,8 @@ def _qwen3_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
     return _checked(cfg)
 
 
-def _deepseek_v3(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+def deepseek_v3_experts(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """DeepSeek-V3's experts (``DeepseekV3Config``), None when no layer is sparse."""
     first_dense = raw.get("first_k_dense_replace", 3) or 0
     sparse = tuple(range(first_dense, num_layers))
     if not sparse:

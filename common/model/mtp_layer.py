@@ -12,10 +12,10 @@ For position i, with ``h_i`` the target's final hidden state before its final no
 At position 0 the embedding is zeroed before ``enorm``, as vLLM's ``deepseek_mtp`` and
 SGLang's NextN do. ``h'_i`` (before ``shared_head.norm``) stands in for the target's hidden state when the one
 layer drafts a second token and further. The layer is a :class:`DecoderLayer` (its tensor
-names are the checkpoint's once the ``model.layers.N.`` prefix is cut), MLA attention and a
-dense MLP or routed experts. ``embed_tokens`` and ``shared_head.head`` are optional in the
-checkpoint: without them the target's embedding and LM head serve (they are the same
-tensors in DeepSeek-V3's release).
+names are the checkpoint's once the ``model.layers.N.`` prefix is cut) of the target's parts
+(``CausalLM.layer_parts``; DeepSeek: MLA attention and a dense MLP or routed experts).
+``embed_tokens`` and ``shared_head.head`` are optional in the checkpoint: without them the
+target's embedding and LM head serve (they are the same tensors in DeepSeek-V3's release).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.llama import DecoderLayer, LlamaForCausalLM
+from pdserve.common.model.decoder import CausalLM, DecoderLayer, LayerPart, pack_part
 from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.norm import RMSNorm
@@ -48,8 +48,15 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, par: ParallelContext, index: int) -> None:
-        super().__init__(cfg, par, index)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        par: ParallelContext,
+        index: int,
+        attention: LayerPart,  # the target's parts (CausalLM.layer_parts)
+        mlp: LayerPart,
+    ) -> None:
+        super().__init__(cfg, par, index, attention, mlp)
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -77,10 +84,8 @@ class MTPLayer(DecoderLayer):
         return self.shared_head.head(self.shared_head.norm(hidden)).float()
 
     def pack_weights(self) -> None:
-        self.self_attn.pack()
-        pack = getattr(self.mlp, "pack", None)
-        if pack is not None:
-            pack()
+        pack_part(self.self_attn)
+        pack_part(self.mlp)
 
 
 def mtp_layer_config(cfg: ModelConfig, keys: list[str]) -> ModelConfig:
@@ -115,7 +120,7 @@ def read_mtp_tensors(files: list[Path], index: int) -> dict[str, torch.Tensor]:
 def load_mtp_layer(
     cfg: ModelConfig,
     model_dir: Path,
-    target: LlamaForCausalLM,
+    target: CausalLM,
     dtype: torch.dtype,
     device: torch.device,
 ) -> MTPLayer:
@@ -142,7 +147,7 @@ def load_mtp_layer(
         state = fuse_expert_weights(state, only)
     state = {k[len(prefix) :]: v for k, v in state.items()}
     with meta_modules():
-        layer = MTPLayer(layer_cfg, ParallelContext(), index)
+        layer = MTPLayer(layer_cfg, ParallelContext(), index, *target.layer_parts)
     expected = set(layer.state_dict())
     missing = expected - set(state) - set(OPTIONAL)
     unexpected = set(state) - expected

@@ -15,7 +15,7 @@ proposal, up to s (the draft positions beyond hold entries made from the layer's
 states; the next proposal overwrites them).
 
 The target's hidden states: the engine's target forward leaves those of its logits rows in
-``LlamaForCausalLM.hidden``; after a verify, :meth:`keep` holds the ones of the accepted
+``CausalLM.hidden``; after a verify, :meth:`keep` holds the ones of the accepted
 positions, exactly what the next proposal needs. Where they are not at hand (a request's
 first proposal: the prompt; after a step without drafts or a preemption) the proposer runs
 the target over the missing positions again, reading the target's KV cache and writing
