@@ -85,7 +85,7 @@ def producer_main(tp: int, rank: int, num_blocks: int, conn: Connection) -> None
 
 
 def pull_once(consumers: list[Any], handle: Any, local: list[int], dtp: int) -> tuple[float, int]:
-    from pdserve.common.transfer.kv_pulls import start_pulls
+    from pdserve.common.transfer.nixl_backend import start_pulls
     from pdserve.services.decode.pullers import plan_pulls
 
     plan = plan_pulls(handle, local, SHAPE["num_kv_heads"], dtp, striped=False)
@@ -108,7 +108,10 @@ def ceiling(consumer: Any, handle: Any, num_bytes: int) -> float:
     )
     size = min(num_bytes, remote.reply.layout.total_bytes, consumer.layout.total_bytes)
     local = agent.get_xfer_descs([(consumer.kv_cache.data_ptr(), size, 0)], "DRAM")
-    far = agent.get_xfer_descs([(remote.reply.base_address, size, 0)], "DRAM")
+    from pdserve.common.transfer.kv_transfer import nixl_handshake
+
+    base = nixl_handshake(remote.reply).base_address
+    far = agent.get_xfer_descs([(base, size, 0)], "DRAM")
     xfer = agent.initialize_xfer("READ", local, far, remote.reply.agent_name)
     started = time.perf_counter()
     agent.transfer(xfer)

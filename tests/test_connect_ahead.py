@@ -42,7 +42,7 @@ class FakeProducer:
     def reply(self, rank: int) -> p.HandshakeReply:
         return p.HandshakeReply(
             engine_id=ENGINE, epoch=self.epoch, agent_name=f"{ENGINE}-e{self.epoch}-r{rank}",
-            agent_metadata=b"meta", base_address=0, layout=LAYOUT, compat={}, mem_type="DRAM",
+            layout=LAYOUT, compat={}, payload=b"meta",
             pcp_rank=rank, pcp_size=self.num_ranks,
         )  # fmt: skip
 

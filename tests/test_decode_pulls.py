@@ -184,11 +184,9 @@ def connected(num_replicas: int = 1) -> Connected:
             engine_id=ENGINE,
             epoch=EPOCH,
             agent_name=f"{ENGINE}-e{EPOCH}-r{r}",
-            agent_metadata=b"m",
-            base_address=0,
             layout=LAYOUT,
             compat={},
-            mem_type="DRAM",
+            payload=b"m",
             pcp_rank=r,
             pcp_size=num_replicas,
         )  # fmt: skip

@@ -69,8 +69,8 @@ SAMPLES: dict[str, list[p.Message]] = {
         p.Release(request_id="a", engine_id="fuzz-engine", epoch=1),
     ],
     "FromSideChannel": [
-        p.HandshakeReply(engine_id="e", epoch=1, agent_name="a", agent_metadata=b"\x00\x01", base_address=4096,
-                         layout=LAYOUT, compat={"model": "m", "block_size": 64}, mem_type="DRAM"),
+        p.HandshakeReply(engine_id="e", epoch=1, agent_name="a", layout=LAYOUT,
+                         compat={"model": "m", "block_size": 64}, payload=b"\x00\x01"),
         p.SideReply(ok=False, message="stale"),
     ],
 }

@@ -19,7 +19,8 @@ import msgspec
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.sampling_params import SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 1
+# 2: HandshakeReply's backend fields moved into its opaque payload
+PROTOCOL_VERSION = 2
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
@@ -156,19 +157,21 @@ class Handshake(Message, kw_only=True):
 
 
 class HandshakeReply(Message, kw_only=True):
+    """One producer rank's handshake: what every transfer backend shares, and ``payload``,
+    which only ``backend`` reads (common/transfer/registry.py; NIXL's: its agent metadata,
+    the cache's address and memory kind, common/transfer/kv_transfer.py)."""
+
     engine_id: str
     epoch: int
-    agent_name: str
-    agent_metadata: bytes
-    base_address: int  # address of the registered KV cache tensor
+    agent_name: str  # the replica's name in its backend (a NIXL agent)
     layout: KVLayout
     compat: dict[str, Any]  # model, dtype, block size, heads: checked by the consumer
-    mem_type: str  # "DRAM" | "VRAM"
-    device_id: int = 0
     tp_rank: int = 0  # where this rank sits in its instance's TP x PCP grid
     tp_size: int = 1
     pcp_rank: int = 0
     pcp_size: int = 1
+    backend: str = "nixl"
+    payload: bytes = b""
 
 
 class Heartbeat(Message, kw_only=True):

@@ -25,6 +25,7 @@ from pdserve.common.transfer.kv_transfer import (
     _CacheAgent,
     _pull_error,
     incompatibilities,
+    nixl_handshake,
     peer_name,
 )
 
@@ -84,6 +85,7 @@ class KVConsumer(_CacheAgent):
         """Load one producer replica's agent and prepare its descriptor list. Idempotent;
         a newer epoch of an engine replaces the older one (whose handles are then refused)."""
         key = (reply.engine_id, reply.epoch, reply.agent_name)
+        nixl = nixl_handshake(reply)
         self._check_handshake(reply)
         if key in self._remotes:
             return
@@ -93,7 +95,7 @@ class KVConsumer(_CacheAgent):
                 log.info("kv_remote_replaced", old=peer_name(*old), new=peer_name(*key))
                 self._drop(old)
         try:
-            name = self._agent.add_remote_agent(reply.agent_metadata)
+            name = self._agent.add_remote_agent(nixl.agent_metadata)
         except Exception as exc:
             raise KVTransferError(
                 f"KV handshake with {peer_name(*key)}: loading its NIXL metadata failed: {exc!r}"
@@ -102,15 +104,13 @@ class KVConsumer(_CacheAgent):
         try:
             if name != reply.agent_name:
                 raise ValueError(f"its metadata names agent {name!r}")
-            descs = head_block_descs(reply.base_address, reply.layout, reply.device_id)
-            dlist = self._agent.prep_xfer_dlist(name, descs, reply.mem_type)
-            blocks = block_descs(reply.base_address, reply.layout, reply.device_id)
+            descs = head_block_descs(nixl.base_address, reply.layout, nixl.device_id)
+            dlist = self._agent.prep_xfer_dlist(name, descs, nixl.mem_type)
+            blocks = block_descs(nixl.base_address, reply.layout, nixl.device_id)
             block_dlist = (
-                None
-                if blocks is None
-                else self._agent.prep_xfer_dlist(name, blocks, reply.mem_type)
+                None if blocks is None else self._agent.prep_xfer_dlist(name, blocks, nixl.mem_type)
             )
-            self._notifier.add_remote_agent(reply.agent_metadata)
+            self._notifier.add_remote_agent(nixl.agent_metadata)
         except Exception as exc:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
@@ -118,7 +118,7 @@ class KVConsumer(_CacheAgent):
         log.info(
             "kv_remote_connected",
             peer=peer_name(*key),
-            mem_type=reply.mem_type,
+            mem_type=nixl.mem_type,
             num_blocks=reply.layout.num_blocks,
         )
 

@@ -1,6 +1,8 @@
-"""KV cache transfer by NIXL READ: the producer (prefill rank) registers its cache and
-answers a handshake; the consumer (decode rank, common/transfer/kv_consumer.py) pulls blocks and
-releases them. This module has the producer and what both sides share.
+"""KV cache transfer by NIXL READ, the first transfer backend (common/transfer/backend.py;
+its entry in common/transfer/nixl_backend.py): the producer (prefill rank) registers its
+cache and answers a handshake; the consumer (decode rank, common/transfer/kv_consumer.py)
+pulls blocks and releases them. This module has the producer and what both sides share:
+``NixlHandshake``, the payload of a ``HandshakeReply`` only NIXL reads.
 
 Descriptor count, not bandwidth, decides speed (FACTS.md), so:
 - each side registers its whole cache once, and the consumer prepares descriptor lists of
@@ -39,6 +41,7 @@ from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.errors import PdserveError
 from pdserve.common.parallel.tp import kv_heads_of
 from pdserve.common.runtime.protocol import Decoder, HandshakeReply, Release
+from pdserve.common.transfer.backend import ProducerSpec, backend_mismatch
 
 log = structlog.get_logger("pdserve.kv_transfer")
 
@@ -51,6 +54,33 @@ LAYOUT_KEYS = ("num_layers", "block_size", "head_dim", "num_kv_parts")
 KV_DTYPE_NAMES = {"float8_e4m3fn": "fp8", "uint8": "fp8"}
 _VRAM_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _release_decoder: Decoder[Release] = Decoder(Release)
+NIXL = "nixl"  # the backend's name (HandshakeReply.backend, kv_transfer_backend)
+
+
+class NixlHandshake(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a NIXL consumer needs of a producer rank beyond the shared handshake: its
+    agent's metadata and where its cache is (``HandshakeReply.payload``, msgpack)."""
+
+    agent_metadata: bytes
+    base_address: int  # address of the registered KV cache tensor
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int = 0
+
+
+_handshake_decoder = msgspec.msgpack.Decoder(NixlHandshake)
+
+
+def nixl_handshake(reply: HandshakeReply) -> NixlHandshake:
+    """The NIXL part of a producer's handshake; KVTransferError for another backend's or a
+    payload that is not NIXL's."""
+    peer = peer_name(reply.engine_id, reply.epoch, reply.agent_name)
+    mismatch = backend_mismatch(reply, NIXL)
+    if mismatch is not None:
+        raise KVTransferError(f"KV handshake with {peer} refused: {mismatch}")
+    try:
+        return _handshake_decoder.decode(reply.payload)
+    except msgspec.DecodeError as exc:
+        raise KVTransferError(f"KV handshake with {peer}: not a NIXL payload: {exc}") from exc
 
 
 class KVTransferError(PdserveError):
@@ -209,21 +239,25 @@ class KVProducer(_CacheAgent):
         self.engine_id = engine_id
         self.epoch = epoch
         self.num_bad_notifications = 0
-        self._reply = HandshakeReply(
+        spec = ProducerSpec(
+            agent_name=agent_name,
+            kv_cache=kv_cache,
+            layout=layout,
+            compat=compat,
             engine_id=engine_id,
             epoch=epoch,
-            agent_name=agent_name,
-            agent_metadata=self._agent.get_agent_metadata(),
-            base_address=kv_cache.data_ptr(),
-            layout=layout,
-            compat=dict(compat),
-            mem_type=self.mem_type,
-            device_id=self.device_id,
             tp_rank=tp_rank,
             tp_size=tp_size,
             pcp_rank=pcp_rank,
             pcp_size=pcp_size,
         )
+        payload = NixlHandshake(
+            agent_metadata=self._agent.get_agent_metadata(),
+            base_address=kv_cache.data_ptr(),
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+        )
+        self._reply = spec.reply(NIXL, msgspec.msgpack.encode(payload))
 
     @property
     def handshake_reply(self) -> HandshakeReply:

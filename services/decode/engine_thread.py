@@ -1,4 +1,5 @@
-"""The decode engine thread: pulls prompt KV with NIXL, releases producers, decodes.
+"""The decode engine thread: pulls prompt KV (NIXL, or another transfer backend: common/transfer/
+backend.py), releases producers, decodes.
 
 A request with a KV handle moves through: waiting for the producer's handshake ->
 waiting for local blocks -> pulling -> decoding. Its engine holds it from the start
@@ -78,7 +79,7 @@ class DecodeEngineThread(EngineThread):
         self.tp = ctx.cfg.decode_tp_of(ctx.instance)
         agent_name = f"decode-{ctx.instance}-{time.time_ns()}"
         self.engine, self.puller = open_engine(
-            engine_cfg, self.tp, agent_name, f"decode-{ctx.instance}"
+            engine_cfg, self.tp, agent_name, f"decode-{ctx.instance}", ctx.cfg.kv_transfer_backend
         )
         self.metrics = ctx.metrics
         self.limits = Limits(

@@ -5,10 +5,10 @@ decode rank reads its KV heads from the producer TP rank(s) holding them (common
 from the first PCP replica or, with ``pull_from = "striped"``, one share of the blocks
 from each replica. Whatever was read from, every replica is released exactly once.
 
-A ``Puller`` (common/transfer/kv_pulls.py) runs the plan: ``LocalPuller`` with the KVConsumer
-in this process (TP 1),
-:class:`RankPuller` through the decode rank processes (TP > 1), where each rank's agent
-posts its own READs and rank 0 sends the releases (it connects to every producer rank).
+A ``Puller`` (common/transfer/kv_pulls.py) runs the plan: the transfer backend's consumer
+in this process (TP 1; common/transfer/registry.py), :class:`RankPuller` through the decode
+rank processes (TP > 1), where each rank's consumer posts its own READs and rank 0 sends the
+releases (it connects to every producer rank).
 Both report a request once, when every READ of it has ended.
 """
 
@@ -120,26 +120,37 @@ class RankPuller:
     def release(self, handle: p.KVHandle, rid: str, trace_id: str) -> list[int]:
         return self.ranks.call(0, m.ReleaseAll(handle, rid, trace_id), m.Unreached).indices
 
+    @property
+    def busy(self) -> bool:
+        return bool(self._out)
+
     def close(self) -> None:
         self.ranks.close()
 
 
 def open_engine(
-    engine_cfg: EngineConfig, tp: int, agent_name: str, name: str
+    engine_cfg: EngineConfig, tp: int, agent_name: str, name: str, backend: str = "nixl"
 ) -> tuple[DecodeEngine, Puller]:
-    """The decode engine and what pulls into its KV cache: in this process at TP 1, through
-    a rank group's processes (one NIXL agent each) above. ``name``: the instance's
-    (decode-N), for its ranks' command lines."""
+    """The decode engine and what pulls into its KV cache with transfer backend ``backend``:
+    in this process at TP 1, through a rank group's processes (one consumer each) above.
+    ``name``: the instance's (decode-N), for its ranks' command lines."""
     from pdserve.common.engine.model_runner import ModelRunner
-    from pdserve.common.transfer.kv_pulls import LocalPuller
+    from pdserve.common.transfer.backend import CacheSpec
+    from pdserve.common.transfer.registry import transfer_backend
     from pdserve.services.decode.decode_engine import DecodeEngine
 
     if tp > 1:
         from pdserve.services.ranks.group import RankGroup
 
-        ranks = RankGroup.decode(engine_cfg, tp, agent_name, name)
+        ranks = RankGroup.decode(engine_cfg, tp, agent_name, name, backend)
         return DecodeEngine(engine_cfg, runner=ranks), RankPuller(ranks)
     engine = DecodeEngine(engine_cfg)
     runner = engine.runner
     assert isinstance(runner, ModelRunner)  # in process: no rank group
-    return engine, LocalPuller(agent_name, runner)
+    spec = CacheSpec(
+        agent_name=agent_name,
+        kv_cache=runner.kv_cache,
+        layout=runner.layout,
+        compat=runner.kv_compat(),
+    )
+    return engine, transfer_backend(backend).consumer(spec)

@@ -19,7 +19,7 @@ from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, re
 from pdserve.services.prefill.lease_table import Freed, LeaseTable
 
 if TYPE_CHECKING:
-    from pdserve.common.transfer.kv_transfer import KVProducer
+    from pdserve.common.transfer.backend import KVProducerRole
     from pdserve.services.prefill.prefill_engine import Prefilled, PrefillEngine
     from pdserve.services.ranks.group import RankGroup
 
@@ -61,29 +61,37 @@ class PrefillEngineThread(EngineThread):
         torch.set_num_threads(ctx.torch_threads)
         engine_cfg = cfg.engine_for("prefill")
         self.ranks: RankGroup | None = None
-        self.producer: KVProducer | None = None
+        self.producer: KVProducerRole | None = None
         if cfg.pcp * cfg.prefill_tp > 1:
             from pdserve.services.ranks.group import RankGroup
 
             self.ranks = RankGroup.prefill(
-                engine_cfg, cfg.pcp, ctx.engine_id, ctx.epoch, tp=cfg.prefill_tp
+                engine_cfg,
+                cfg.pcp,
+                ctx.engine_id,
+                ctx.epoch,
+                tp=cfg.prefill_tp,
+                backend=cfg.kv_transfer_backend,
             )
             self.engine: PrefillEngine = PrefillEngine(engine_cfg, runner=self.ranks)
             replies = self.ranks.handshake_replies
         else:
             from pdserve.common.engine.model_runner import ModelRunner
-            from pdserve.common.transfer.kv_transfer import KVProducer
+            from pdserve.common.transfer.backend import ProducerSpec
+            from pdserve.common.transfer.registry import transfer_backend
 
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
             assert isinstance(runner, ModelRunner)  # in process: no rank group
-            self.producer = KVProducer(
-                engine_id=ctx.engine_id,
-                epoch=ctx.epoch,
-                agent_name=f"{ctx.engine_id}-e{ctx.epoch}-r0",
-                kv_cache=runner.kv_cache,
-                layout=runner.layout,
-                compat=runner.kv_compat(),
+            self.producer = transfer_backend(cfg.kv_transfer_backend).producer(
+                ProducerSpec(
+                    engine_id=ctx.engine_id,
+                    epoch=ctx.epoch,
+                    agent_name=f"{ctx.engine_id}-e{ctx.epoch}-r0",
+                    kv_cache=runner.kv_cache,
+                    layout=runner.layout,
+                    compat=runner.kv_compat(),
+                )
             )
             replies = [self.producer.handshake_reply]
         self.post(ctx.publish_handshakes, list(replies))
@@ -142,7 +150,7 @@ class PrefillEngineThread(EngineThread):
         return not self.engine.has_unfinished and len(self.leases) == 0
 
     def _releases(self) -> list[tuple[int, p.Release]]:
-        """Releases received by every rank's NIXL agent, each with its rank."""
+        """Releases received by every rank's transfer backend, each with its rank."""
         if self.ranks is not None:
             return self.ranks.poll_releases()
         assert self.producer is not None

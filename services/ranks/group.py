@@ -114,19 +114,30 @@ class RankGroup:
 
     @classmethod
     def prefill(
-        cls, config: EngineConfig, pcp: int, engine_id: str, epoch: int, tp: int = 1
+        cls,
+        config: EngineConfig,
+        pcp: int,
+        engine_id: str,
+        epoch: int,
+        tp: int = 1,
+        backend: str = "nixl",
     ) -> RankGroup:
-        """A prefill instance's TP x PCP ranks: each rank's agent serves its heads of every
-        block (a full replica of them under PCP) to decode instances."""
-        agent = {"engine_id": engine_id, "epoch": epoch}  # engine_id: prefill-N, its name
+        """A prefill instance's TP x PCP ranks: each rank's producer (of transfer backend
+        ``backend``) serves its heads of every block (a full replica of them under PCP) to
+        decode instances."""
+        # engine_id: prefill-N, its name; backend: common/transfer/registry.py
+        agent = {"engine_id": engine_id, "epoch": epoch, "backend": backend}
         return cls("prefill", config, engine_id, tp=tp, pcp=pcp, agent=agent)
 
     @classmethod
-    def decode(cls, config: EngineConfig, tp: int, agent_name: str, name: str = "") -> RankGroup:
-        """A decode instance's TP ranks: each rank's agent reads its heads from the
-        producers (services/decode/pullers.py, RankPuller). ``name``: the instance's
+    def decode(
+        cls, config: EngineConfig, tp: int, agent_name: str, name: str = "", backend: str = "nixl"
+    ) -> RankGroup:
+        """A decode instance's TP ranks: each rank's consumer (of transfer backend
+        ``backend``) reads its heads from the producers (services/decode/pullers.py, RankPuller). ``name``: the instance's
         (decode-N; default: the agent's)."""
-        return cls("decode", config, name or agent_name, tp=tp, agent={"name": agent_name})
+        agent = {"name": agent_name, "backend": backend}
+        return cls("decode", config, name or agent_name, tp=tp, agent=agent)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         payload = m.encode(m.Step(plan))  # encoded once for every rank

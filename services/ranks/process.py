@@ -1,8 +1,9 @@
 """One rank process of a TP x PCP instance: its shard of the weights, its KV cache (its
 heads of every block: a full replica of them under PCP) and its own NIXL agent.
 
-``role`` "prefill": the agent is a KVProducer; releases it receives are reported.
-``role`` "decode": the agent is a KVConsumer that pulls this rank's heads.
+``role`` "prefill": the agent is its transfer backend's producer (common/transfer/backend.py;
+NIXL's KVProducer); releases it receives are reported.
+``role`` "decode": the agent is the backend's consumer, pulling this rank's heads.
 
 Pipe messages are the Structs of services/ranks/messages.py (msgpack, never pickle). A
 rank never hides a completion: every release and every pull result is reported.
@@ -130,20 +131,23 @@ class _Role:
 
 class _Producer(_Role):
     def __init__(self, spec: dict[str, Any], rank: int, par: Any, runner: Any) -> None:
-        from pdserve.common.transfer.kv_transfer import KVProducer
+        from pdserve.common.transfer.backend import ProducerSpec
+        from pdserve.common.transfer.registry import transfer_backend
 
         engine_id, epoch = spec["engine_id"], spec["epoch"]
-        self.producer = KVProducer(
-            engine_id=engine_id,
-            epoch=epoch,
-            agent_name=f"{engine_id}-e{epoch}-r{rank}",
-            kv_cache=runner.kv_cache,
-            layout=runner.layout,
-            compat=runner.kv_compat(),
-            tp_rank=par.tp_rank,
-            tp_size=par.tp_size,
-            pcp_rank=par.pcp_rank,
-            pcp_size=par.pcp_size,
+        self.producer = transfer_backend(spec["backend"]).producer(
+            ProducerSpec(
+                engine_id=engine_id,
+                epoch=epoch,
+                agent_name=f"{engine_id}-e{epoch}-r{rank}",
+                kv_cache=runner.kv_cache,
+                layout=runner.layout,
+                compat=runner.kv_compat(),
+                tp_rank=par.tp_rank,
+                tp_size=par.tp_size,
+                pcp_rank=par.pcp_rank,
+                pcp_size=par.pcp_size,
+            )
         )
         self.handshake = self.producer.handshake_reply
         self.drop_releases = FaultHooks.from_env().drop_releases_rank == rank
@@ -160,9 +164,17 @@ class _Producer(_Role):
 
 class _Consumer(_Role):
     def __init__(self, spec: dict[str, Any], rank: int, par: Any, runner: Any) -> None:
-        from pdserve.common.transfer.kv_pulls import LocalPuller
+        from pdserve.common.transfer.backend import CacheSpec
+        from pdserve.common.transfer.registry import transfer_backend
 
-        self.puller = LocalPuller(f"{spec['name']}-r{rank}", runner)
+        self.puller = transfer_backend(spec["backend"]).consumer(
+            CacheSpec(
+                agent_name=f"{spec['name']}-r{rank}",
+                kv_cache=runner.kv_cache,
+                layout=runner.layout,
+                compat=runner.kv_compat(),
+            )
+        )
 
     @property
     def busy(self) -> bool:  # type: ignore[override]
