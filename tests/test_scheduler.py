@@ -101,3 +101,29 @@ def test_token_ids_between_is_a_slice_of_all_token_ids() -> None:
     for start in range(14):
         for stop in range(start, 15):
             assert req.token_ids_between(start, stop) == whole[start:stop], (start, stop)
+
+
+def test_the_scheduler_owns_remote_kv_blocks_and_pins() -> None:
+    from pdserve.common.engine.request import RemoteKV
+
+    s = make(num_blocks=6)
+    reqs = []
+    for rid in ("a", "b"):
+        req = Request(rid, list(range(14)), SamplingParams())
+        req.remote = RemoteKV(num_tokens=14, first_blocks=(0,), first_token=7)
+        s.add_remote(req)
+        reqs.append(req)
+    a, b = reqs
+    assert s.reserve_remote(a) and not s.reserve_remote(b)  # 4 of 6 blocks: b waits
+    assert a.status is Status.WAITING_FOR_REMOTE_KV and not s.has_unfinished
+    s.remote_kv_failed(a, recompute=False)  # its blocks come back: b's pull can land
+    assert s.reserve_remote(b) and s.pool.num_free_blocks == 2
+    s.remote_kv_arrived(b)
+    assert s.waiting_for_remote_kv == {} and b.num_computed_tokens == 14
+    b.output_token_ids.append(7)  # the producer's first token (DecodeEngine.pulled)
+    plan, _ = s.schedule()  # b's first decode: its prompt is computed
+    assert plan.seqs[0].start_position == 14 and plan.seqs[0].token_ids == [7]
+    s.on_step_done([b], plan)
+    assert s.pin(b) == b.held_block_ids and s.pool.num_free_blocks == 2
+    assert s.unpin("b") and not s.unpin("b")  # freed once
+    assert s.pool.num_free_blocks == 6

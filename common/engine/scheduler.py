@@ -319,10 +319,6 @@ class Scheduler:
         self.tables.release(req)
         return True
 
-    @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(req.held_block_ids) for req in self.pinned.values())
-
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         if req.status is Status.RUNNING:
