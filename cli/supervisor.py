@@ -74,6 +74,7 @@ class Supervisor:
         self.first = dep.cfg.restart_seconds
         self.cap = dep.cfg.restart_max_seconds
         self.report_path = report_path
+        self.report_failed = False  # told once: the services matter more than their report
         now = time.monotonic()
         self.lives = {name: Life(started_at=now) for name in dep.procs}
         self._write(now)
@@ -91,7 +92,7 @@ class Supervisor:
             elif life.state == RESTARTING and now >= life.next_start:
                 events.append(self._start(name, life, now))
         if events:
-            self._write(now)
+            events += self._write(now)
         return events
 
     def _exited(self, name: str, life: Life, code: int, now: float) -> str:
@@ -136,6 +137,15 @@ class Supervisor:
         text = "; ".join(parts)
         return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."
 
-    def _write(self, now: float) -> None:
+    def _write(self, now: float) -> list[str]:
         services = {name: life.report(now) for name, life in self.lives.items()}
-        write_report(self.report_path, SupervisionReport(services=services))
+        try:
+            write_report(self.report_path, SupervisionReport(services=services))
+        except OSError as exc:  # its directory removed, a disk full: the services go on
+            if not self.report_failed:
+                self.report_failed = True
+                return [f"could not write the supervision report the router reads ({exc}); "
+                        "/health will not name the causes of services that are down"]  # fmt: skip
+        else:
+            self.report_failed = False
+        return []

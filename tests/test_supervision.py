@@ -63,15 +63,16 @@ def crashing(tmp_path: Path, code: int = 1) -> Crashing:
 def test_a_failing_service_is_restarted_with_backoff_forever(tmp_path: Path) -> None:
     assert [restart_delay(n, FIRST, CAP) for n in (1, 2, 3, 4, 100)] == [0.5, 1, 2, 2, 2]
     dep = crashing(tmp_path)
-    start = now = time.monotonic()
+    step = 0.125  # simulated time in exact binary steps: no rounding at the boundaries
+    start = now = float(int(time.monotonic()))
     when = []
-    while now < start + 30:  # simulated time: restarts every CAP s at most, never a stop
+    while now < start + 30:  # restarts every CAP s at most, never a stop
         if any(e.startswith("started decode-0 again") for e in dep.supervise(now=now)):
             when.append(now)
-        now += 0.1
-    gaps = [round(b - a, 1) for a, b in zip(when, when[1:], strict=False)]
-    # each wait is the backoff from the moment the exit was seen (0.1 s after the start)
-    assert gaps[:3] == [1.1, 2.1, 2.1] and set(gaps[2:]) == {2.1}, gaps
+        now += step
+    gaps = [b - a for a, b in zip(when, when[1:], strict=False)]
+    # each wait is the backoff from the moment the exit was seen (a step after the start)
+    assert gaps[:2] == [1 + step, 2 + step] and set(gaps[1:]) == {2 + step}, gaps
     assert len(when) > 6  # past systemd's old StartLimitBurst=5, and `up`'s
     report = supervision.read_report(dep.cfg.supervisor_file)
     assert report is not None
@@ -85,10 +86,10 @@ def test_a_failing_service_is_restarted_with_backoff_forever(tmp_path: Path) -> 
     assert samples["pdserve:service_down"].value == 1
     assert samples["pdserve:service_down"].labels["service"] == "decode"
     # A life as long as the cap counts as served: the next failure waits FIRST again.
-    for _ in range(int(CAP * 10) + 2):  # up to the next start
+    for _ in range(int(CAP / step) + 2):  # up to the next start
         if any(e.startswith("started") for e in dep.supervise(now=now)):
             break
-        now += 0.1
+        now += step
     events = dep.supervise(now=now + CAP)  # its exit, seen CAP s after its start
     assert len(events) == 1 and f"again in {FIRST:g} s (failure 1 in a row" in events[0], events
 
@@ -101,6 +102,19 @@ def test_a_clean_exit_or_config_error_is_not_restarted(tmp_path: Path) -> None:
     assert dep.supervise(now=time.monotonic() + 100) == []  # never started again
     down = supervision.health_detail(dep.cfg.supervisor_file)["decode-0"]
     assert down["state"] == "stopped" and "exit code 2" in down["cause"]
+
+
+def test_a_report_that_cannot_be_written_is_told_once_and_supervision_goes_on(
+    tmp_path: Path,
+) -> None:
+    dep = crashing(tmp_path)
+    assert dep.supervisor is not None
+    dep.supervisor.report_path = tmp_path / "removed" / "supervision.json"
+    now = time.monotonic()
+    first = dep.supervise(now=now)
+    assert len(first) == 2 and "could not write the supervision report" in first[1], first
+    later = dep.supervise(now=now + CAP) + dep.supervise(now=now + CAP + 0.1)
+    assert later[0].startswith("started decode-0 again") and len(later) == 2, later
 
 
 @contextmanager
