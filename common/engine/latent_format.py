@@ -12,6 +12,12 @@ any other model.
 scale per 128 latent values, the rope part in bf16 (DeepSeek-V3: 512 + 16 + 128 = 656
 bytes a token), stored as uint8 so that one "element" is one byte; the kernels quantize
 on write and dequantize on read (kernels/fp8_ds_mla.py).
+
+DeepSeek-V3.2 (``index_dim`` > 0) appends its lightning indexer's key to the row, in the
+model's dtype: ``kv_lora_rank + rope + index_head_dim`` elements (512 + 64 + 128 in V3.2).
+One row per token keeps everything a block moves in one record, so prefix caching, NIXL
+pulls and PCP replicas carry the indexer's keys with the latent unchanged. Its fp8 form is
+not implemented: ``fp8_ds_mla`` with an indexer key is refused.
 """
 
 from __future__ import annotations
@@ -42,11 +48,17 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
     rope_dim: int
     dtype: str  # the model's dtype (one of DTYPE_SIZES)
     kind: str = "auto"
+    index_dim: int = 0  # DeepSeek-V3.2: the indexer's key, after the rope part
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(
                 f"latent cache format {self.kind!r} is not supported ({', '.join(KINDS)})"
+            )
+        if self.kind == "fp8_ds_mla" and self.index_dim:
+            raise ValueError(
+                "fp8 (fp8_ds_mla) for DeepSeek-V3.2 is not implemented: its indexer keys "
+                "have no fp8 form in the latent record yet; use --kv-cache-dtype auto"
             )
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"latent cache dtype {self.dtype!r}: one of {sorted(DTYPE_SIZES)}")
@@ -69,10 +81,14 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
                 Section("rope", self.kv_lora_rank + 4 * num_scales, self.rope_dim, "bfloat16"),
             )
         size = DTYPE_SIZES[self.dtype]
-        return (
+        sections: tuple[Section, ...] = (
             Section("latent", 0, self.kv_lora_rank, self.dtype),
             Section("rope", self.kv_lora_rank * size, self.rope_dim, self.dtype),
         )
+        if self.index_dim:
+            end = (self.kv_lora_rank + self.rope_dim) * size
+            sections += (Section("index", end, self.index_dim, self.dtype),)
+        return sections
 
     @property
     def token_bytes(self) -> int:
@@ -98,7 +114,11 @@ def latent_format(cfg: ModelConfig, dtype: str, kv_cache_dtype: str | None = Non
         raise ValueError(f"an MLA latent cache stores {dtype} or fp8, not {kv_cache_dtype}")
     kind = "fp8_ds_mla" if kv_cache_dtype == FP8_DTYPE else "auto"
     return LatentFormat(
-        kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=dtype, kind=kind
+        kv_lora_rank=cfg.kv_lora_rank,
+        rope_dim=cfg.qk_rope_head_dim,
+        dtype=dtype,
+        kind=kind,
+        index_dim=cfg.index_head_dim,
     )
 
 
@@ -107,7 +127,7 @@ def cache_head(
 ) -> tuple[int, int, str]:
     """(head_dim, num_kv_parts, dtype) of ``KVLayout`` for a model whose KV cache stores
     ``kv_cache_dtype`` (None: the model's ``dtype``): its K/V heads, or for MLA one latent
-    row per token in ``LatentFormat``."""
+    row per token in ``LatentFormat`` (V3.2: with the indexer's key)."""
     if not cfg.is_mla:
         return cfg.head_dim, 2, kv_cache_dtype or dtype
     fmt = latent_format(cfg, dtype, kv_cache_dtype)

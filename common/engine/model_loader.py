@@ -24,9 +24,17 @@ FLOAT32_KEYS = ("e_score_correction_bias",)
 
 def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
     """Refuse, before any weight is read, a model the device's kernels cannot run: on CUDA
-    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more."""
+    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more;
+    DeepSeek-V3.2's sparse attention has no CUDA kernels (its torch reference loops over
+    sequences on the host, which CUDA graphs cannot capture)."""
     if device.type != "cuda" or not cfg.is_mla:
         return
+    if cfg.is_indexed:
+        raise ModelLoadError(
+            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the lightning "
+            "indexer's top-k and MLA attention over the selected tokens (common/model/dsa.py "
+            "is the CPU reference); run it with --device cpu"
+        )
     from pdserve.kernels.triton_mla import untileable_sizes  # CUDA machines have Triton
 
     bad = untileable_sizes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)

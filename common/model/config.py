@@ -71,16 +71,30 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # DeepSeek's MTP layers after the model's own: not part of the model (model/mtp.py);
     # the speculative method mtp loads the first (model/mtp_layer.py)
     num_nextn_predict_layers: int = 0
+    # DeepSeek-V3.2's lightning indexer (common/model/dsa.py): each query attends the
+    # index_topk cached tokens its index_n_heads heads of index_head_dim score highest; its
+    # key (index_head_dim values a token) is cached after the latent. 0: no indexer.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
     @property
+    def is_indexed(self) -> bool:
+        """DeepSeek-V3.2's sparse attention: a lightning indexer picks each query's keys."""
+        return self.index_topk > 0
+
+    @property
     def kv_cache_head_dim(self) -> int:
         """Elements of one KV head of one token in the cache: head_dim, or for MLA the
-        latent plus its rope part (kv_lora_rank + qk_rope_head_dim)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+        latent plus its rope part (kv_lora_rank + qk_rope_head_dim) plus, V3.2, the
+        indexer's key (index_head_dim)."""
+        if not self.is_mla:
+            return self.head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
     @property
     def num_kv_parts(self) -> int:

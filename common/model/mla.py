@@ -124,7 +124,10 @@ class MLAAttention(nn.Module):
             out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], layer_cache, meta)
         if meta.num_prefills and num_tokens > nd:
             out[nd:] = self._prefill(q_nope[nd:], q_rope[nd:], layer_cache, meta)
-        out = out.reshape(num_tokens, self.num_heads * self.v_dim)
+        return self._project_out(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H * v] -> [T, hidden]
+        """o_proj, row-parallel under TP: the partial sums all-reduced, the bias added once."""
         if self.par.tp_size == 1:
             return self.o_proj(out)
         out = self.par.all_reduce_tp(F.linear(out, self.o_proj.weight))

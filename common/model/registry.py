@@ -41,6 +41,7 @@ FAMILIES = (
     Family("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe"),
     Family("DeepseekV2ForCausalLM", "deepseek_v2", "deepseek"),
     Family("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek"),
+    Family("DeepseekV32ForCausalLM", "deepseek_v32", "deepseek_v32"),
 )
 
 
