@@ -18,6 +18,17 @@ def test_a_newcomer_runs_next_behind_another_clients_backlog() -> None:
     assert q.leave("other", "o0") == ["g5"]
 
 
+def test_one_client_leaves_room_for_the_next_clients_request() -> None:
+    q = FairQueue(slots=5, share=4)
+    assert [q.join("greedy", f"g{k}") for k in range(6)] == [True] * 4 + [False] * 2
+    assert q.join("other", "o0")  # the slot kept free: at once
+    assert not q.join("other", "o1")
+    assert q.leave("other", "o0") == ["o1"]  # not greedy's: it holds its share
+    assert q.leave("greedy", "g0") == ["g4"]  # back to its share
+    assert q.leave("other", "o1") == []  # the kept slot stays free
+    assert q.leave("greedy", "g1") == ["g5"]
+
+
 def test_clients_with_equal_shares_take_turns() -> None:
     q = FairQueue(slots=2)
     q.join("a", "a0")

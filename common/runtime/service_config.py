@@ -202,12 +202,22 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     @property
     def dispatch_window(self) -> int:
         """Requests the router dispatches at once: ``max_dispatched_requests``, else what
-        the decode instances run at once (``max_num_seqs`` each) plus a quarter of that (at
-        least 4) for prompts being prefilled meanwhile, so decode never waits for work."""
+        the decode instances run at once (``max_num_seqs`` each) plus an eighth of that (at
+        least 1) being prefilled meanwhile, so decode seldom waits for work. The decode
+        queues first come, first served: a client's request given a slot waits there
+        behind at most that eighth."""
         if self.max_dispatched_requests:
             return self.max_dispatched_requests
         running = self.engine_for("decode").max_num_seqs * self.decode_instances
-        return running + max(4, running // 4)
+        return running + max(1, running // 8)
+
+    @property
+    def dispatch_share(self) -> int:
+        """Dispatch slots one client may hold: the window but its last eighth (at least one
+        slot), kept for other clients' next requests (for the derived window: the decode
+        instances' seats)."""
+        window = self.dispatch_window
+        return max(1, window - max(1, window // 9))
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp

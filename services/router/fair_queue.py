@@ -4,11 +4,13 @@ The services queue first come, first served: one client that kept 256 requests i
 flight put every other client's request behind its backlog (a 4-token answer waited
 10.9-13.7 s instead of 1.3 s). So the router dispatches only ``slots`` requests at once
 (enough to keep the decode instances full) and the rest wait here, one FIFO per client
-(its API key, SDK connection or peer address). A freed slot goes to the waiting client
-with the fewest requests dispatched, the one whose turn came least recently on a tie: a
-client that arrives behind another's backlog runs next, and clients with equal shares
-take turns. Nothing waiting is dropped; a waiter leaves only when it is given a slot or
-its request ends (aborted, timed out).
+(its API key, SDK connection or peer address). One client holds at most ``share`` of
+them: the rest stay free for the next request of another client, which is dispatched at
+once instead of waiting for one of the busy client's requests to end. A freed slot goes
+to the waiting client with the fewest requests dispatched, the one whose turn came least
+recently on a tie: a client that arrives behind another's backlog runs next, and clients
+with equal shares take turns. Nothing waiting is dropped; a waiter leaves only when it
+is given a slot or its request ends (aborted, timed out).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from collections import OrderedDict, deque
 
 
 class FairQueue:
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, share: int | None = None) -> None:
+        """``share``: slots one client may hold (default: all)."""
         self.slots = slots
+        self.share = slots if share is None else min(share, slots)
         self._running: dict[str, str] = {}  # request key -> owner, those holding a slot
         self._num_running: dict[str, int] = {}  # owner -> slots it holds
         self._waiting: OrderedDict[str, deque[str]] = OrderedDict()  # owner -> keys, in turn
@@ -33,7 +37,7 @@ class FairQueue:
 
     def join(self, owner: str, key: str) -> bool:
         """Whether ``key`` holds a slot now; else it waits for ``leave`` to hand it one."""
-        if len(self._running) < self.slots:
+        if len(self._running) < self.slots and self._num_running.get(owner, 0) < self.share:
             self._run(owner, key)
             return True
         self._waiting.setdefault(owner, deque()).append(key)
@@ -57,6 +61,8 @@ class FairQueue:
         while self._waiting and len(self._running) < self.slots:
             # min keeps the first of equals: the owner whose turn came least recently
             turn = min(self._waiting, key=lambda o: self._num_running.get(o, 0))
+            if self._num_running.get(turn, 0) >= self.share:  # and so is every other
+                break
             keys = self._waiting[turn]
             granted.append(keys.popleft())
             self._run(turn, granted[-1])

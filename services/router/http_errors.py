@@ -44,6 +44,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 # The id to echo in x-request-id: set by a generation handler, read by the middleware (same
 # task, so the same context).
 ECHO_ID: ContextVar[str | None] = ContextVar("pdserve_http_request_id", default=None)
+_BODY_LEFT_UNREAD = {408, 413}  # a stalled or oversized upload: answered, then closed
 _RETRY_LATER = {429, 503}  # statuses worth a retry: tell SDKs when (they honour Retry-After)
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
 
@@ -105,8 +106,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except ApiError as exc:
         response = exc.response()
-        if exc.status == 408:  # the client stalled mid-body: the connection goes too
-            return await _closing(request, response)
     except RequestError as exc:
         response = ApiError(400, str(exc), code="bad_request").response()
     except web.HTTPException as exc:
@@ -125,6 +124,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     echo_id = ECHO_ID.get() or sane_header(request)
     if echo_id is not None and not response.prepared:
         response.headers["x-request-id"] = echo_id
+    if response.status in _BODY_LEFT_UNREAD and not response.prepared:
+        return await _closing(request, response)
     return response
 
 

@@ -60,7 +60,8 @@ class Router(Instances):
         # A text longer than this has more tokens than max_model_len: refused untokenised.
         self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
         self.per_owner: dict[str, int] = {}  # requests in flight by owner (their cap)
-        self.admission = FairQueue(cfg.dispatch_window)  # dispatch slots, clients in turn
+        # dispatch slots, clients in turn
+        self.admission = FairQueue(cfg.dispatch_window, cfg.dispatch_share)
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
