@@ -129,7 +129,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
-async def _closing(request: web.Request, response: web.Response) -> web.Response:
+async def _closing(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """Send ``response``, then close the connection: aiohttp would otherwise linger
     reading the rest of the body (10 s) before it let go of a stalled upload."""
     response.force_close()
