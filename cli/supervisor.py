@@ -15,9 +15,10 @@ router shows in ``/health`` and ``/metrics`` (common/runtime/supervision.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.cli.port_owner import port_holder
 from pdserve.common.errors import PdserveError
@@ -31,7 +32,27 @@ from pdserve.common.runtime.supervision import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.cli.deployment import Deployment
+    from pdserve.common.runtime.service_config import DeploymentConfig
+
+
+class Polled(Protocol):
+    def poll(self) -> int | None: ...
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a started deployment (cli/deployment.py's Deployment):
+    a protocol, so that the deployment, which owns its supervisor, is not imported here."""
+
+    @property
+    def cfg(self) -> DeploymentConfig: ...
+    @property
+    def procs(self) -> Mapping[str, Polled]: ...
+
+    def log_path(self, name: str) -> Path: ...
+    def last_log_lines(self, name: str, num: int) -> list[str]: ...
+    def addresses_of(self, name: str) -> list[str]: ...
+    def restart(self, name: str, env: dict[str, str] | None = None) -> None: ...
+
 
 NOT_RESTARTED = {0: "it was stopped", 2: "a configuration error"}
 MAX_CAUSE_CHARS = 400
@@ -69,7 +90,7 @@ class Life:
 class Supervisor:
     """Watches a started Deployment's processes; :meth:`step` is one look at them."""
 
-    def __init__(self, dep: Deployment, report_path: Path) -> None:
+    def __init__(self, dep: Supervised, report_path: Path) -> None:
         self.dep = dep
         self.first = dep.cfg.restart_seconds
         self.cap = dep.cfg.restart_max_seconds
