@@ -310,3 +310,23 @@ def test_a_stalled_upload_is_dropped_and_a_stream_has_headers_at_once(
         hold.unlink(missing_ok=True)
     wait_until(lambda: router_metrics(dep)["pdserve:num_requests_running"] == 0, 30,
                "the router to hold no request")  # fmt: skip
+
+
+LOST_CLIENT = """
+import os, sys
+from pdserve.services.router.client import Client
+client = Client(sys.argv[1], timeout=60)
+for chunk in client.stream(prompt_token_ids=[1, 504, 3458], max_tokens=400, ignore_eos=True):
+    os._exit(0)  # gone mid-stream: no abort sent, the connection just drops
+"""
+
+
+def test_a_lost_sdk_client_is_logged_once_not_per_token(dep: Deployment) -> None:
+    """Issue item 5: a lost SDK connection logged one warning per token."""
+    log = dep.log_path("router")
+    before = log.read_text().count("client_send_failed")
+    subprocess.run([sys.executable, "-c", LOST_CLIENT, dep.cfg.front_address], check=True,
+                   timeout=60)  # fmt: skip
+    wait_until(lambda: router_metrics(dep)["pdserve:num_requests_running"] == 0, 30,
+               "the router to abort the lost client's request")  # fmt: skip
+    assert log.read_text().count("client_send_failed") - before <= 1
