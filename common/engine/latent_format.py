@@ -128,6 +128,13 @@ def cache_head(
     """(head_dim, num_kv_parts, dtype) of ``KVLayout`` for a model whose KV cache stores
     ``kv_cache_dtype`` (None: the model's ``dtype``): its K/V heads, or for MLA one latent
     row per token in ``LatentFormat`` (V3.2: with the indexer's key)."""
+    if cfg.v4 is not None:  # one row per token and layer (common/model/dsv4_config.py)
+        if kv_cache_dtype not in (None, dtype):
+            raise ValueError(
+                f"{kv_cache_dtype} for DeepSeek-V4 is not implemented: its cache rows are "
+                f"stored in the model's dtype; use --kv-cache-dtype auto"
+            )
+        return cfg.v4.row_width(cfg.head_dim), 1, dtype
     if not cfg.is_mla:
         return cfg.head_dim, 2, kv_cache_dtype or dtype
     fmt = latent_format(cfg, dtype, kv_cache_dtype)

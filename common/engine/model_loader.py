@@ -27,6 +27,13 @@ def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
     the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more;
     DeepSeek-V3.2's sparse attention has no CUDA kernels (its torch reference loops over
     sequences on the host, which CUDA graphs cannot capture)."""
+    if device.type == "cuda" and cfg.v4 is not None:
+        raise ModelLoadError(
+            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the "
+            "compressors, the lightning indexer's top-k and attention over window + entries "
+            "with sinks (common/model/dsv4_attention.py is the CPU reference); run it with "
+            "--device cpu"
+        )
     if device.type != "cuda" or not cfg.is_mla:
         return
     if cfg.is_indexed:
@@ -82,7 +89,15 @@ def load_model(
         )
     state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
     model.load_state_dict(
-        {k: v.float() if k.endswith(FLOAT32_KEYS) else v.to(dtype) for k, v in state.items()},
+        {
+            # integer tables (DeepSeek-V4's tid2eid) keep their dtype
+            k: v.float()
+            if k.endswith(FLOAT32_KEYS)
+            else v.to(dtype)
+            if v.is_floating_point()
+            else v
+            for k, v in state.items()
+        },
         strict=False,
         assign=True,
     )

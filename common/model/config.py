@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.dsv4_config import V4Config
 from pdserve.common.model.moe_config import MoEConfig
 from pdserve.common.model.registry import family_of
 
@@ -77,6 +78,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    # DeepSeek-V4's own switches (common/model/dsv4_config.py); None: not a V4 model
+    v4: V4Config | None = None
 
     @property
     def is_mla(self) -> bool:

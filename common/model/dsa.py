@@ -116,7 +116,7 @@ class IndexedMLAAttention(MLAAttention):
         write_rows(layer_cache, row, meta.slot_mapping)
         q = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + rope]
         out = torch.empty((num_tokens, self.num_heads, self.v_dim), dtype=x.dtype, device=x.device)
-        for lo, hi, ctx, table in _sequences(meta):
+        for lo, hi, ctx, table in sequences(meta):
             rows = gather_rows(layer_cache, table[None], [ctx], self.latent, q.dtype)
             positions = torch.arange(ctx - (hi - lo), ctx, device=x.device)
             visible = torch.arange(ctx, device=x.device)[None, :] <= positions[:, None]
@@ -157,7 +157,7 @@ def write_rows(
     layer_cache[slots // block_size, 0, 0, slots % block_size] = rows[keep].to(layer_cache.dtype)
 
 
-def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
+def sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
     """(first row, end row, context length, block table) of each sequence (or PCP piece) of
     the step: its queries are rows lo .. hi - 1 of the batch, the last of its ctx positions."""
     out = []

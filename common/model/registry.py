@@ -42,6 +42,7 @@ FAMILIES = (
     Family("DeepseekV2ForCausalLM", "deepseek_v2", "deepseek"),
     Family("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek"),
     Family("DeepseekV32ForCausalLM", "deepseek_v32", "deepseek_v32"),
+    Family("DeepseekV4ForCausalLM", "deepseek_v4", "deepseek_v4"),
 )
 
 

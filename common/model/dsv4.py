@@ -1,0 +1,238 @@
+"""DeepSeek-V4's model: hyper-connected residual streams around V4 attention
+(common/model/dsv4_attention.py) and its mixtures of experts; the CPU reference.
+
+Parameter names are the checkpoint's: ``model.embed_tokens``, ``model.layers.N.{attn_norm,
+attn, ffn_norm, ffn, hc_attn_*, hc_ffn_*}``, ``model.norm``, ``model.hc_head``, ``head``.
+
+* Hyper-connections: the residual is ``hc_mult`` streams [T, n, hidden]. Before a block,
+  ``hc_*_fn`` of the normed, flattened streams gives per token ``pre`` (sigmoid: the
+  streams' weights into the block's input), ``post`` (2 sigmoid: the block output's weight
+  into each stream) and ``comb`` (softmax, then Sinkhorn-Knopp towards a doubly stochastic
+  matrix: how the streams mix); after it the streams are ``post * out + comb^T @ streams``.
+  ``hc_head`` collapses them before the final norm.
+* Experts: SiLU-gated with the gate clamped above and the up projection on both sides at
+  ``swiglu_limit`` (the shared expert too); scores ``sqrt(softplus(logits))``; a ``moe``
+  layer picks the top-k of ``scores + bias``, a ``hash_moe`` layer the experts
+  ``tid2eid[token id]``; the chosen scores renormalised, times ``routed_scaling_factor``.
+
+The engine drives it as it drives ``CausalLM`` (common/model/decoder.py): the same
+``forward`` over a flat batch and paged cache, at TP 1 on CPU (a PCP rank too: its
+attention gathers every rank's new rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, rms
+from pdserve.common.model.dsv4_config import HASH_MOE, SLIDING, V4Config
+
+
+class HyperHead(nn.Module):
+    """The streams collapsed into one before the final norm (``model.hc_head``)."""
+
+    def __init__(self, v4: V4Config, hidden: int, eps: float) -> None:
+        super().__init__()
+        n = v4.hc_mult
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * hidden))
+        self.hc_base = nn.Parameter(torch.zeros(n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+        self.eps, self.hc_eps = eps, v4.hc_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:  # [T, n, hidden] -> [T, hidden]
+        mixes = F.linear(rms(streams.flatten(1).float(), self.eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+def hyper_weights(
+    streams: torch.Tensor,  # [T, n, hidden]
+    fn: torch.Tensor,  # [(2 + n) * n, n * hidden]
+    base: torch.Tensor,  # [(2 + n) * n]
+    scale: torch.Tensor,  # [3]
+    v4: V4Config,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # post [T, n], comb [T, n, n], input
+    """transformers' DeepseekV4HyperConnection, op for op."""
+    n = v4.hc_mult
+    mixed = F.linear(rms(streams.flatten(1).float(), eps), fn.float())
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + v4.hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1)
+    comb = comb + v4.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + v4.hc_eps)
+    for _ in range(v4.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + v4.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + v4.hc_eps)
+    collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)  # gate
+        self.w2 = nn.Linear(inter, hidden, bias=False)  # down
+        self.w3 = nn.Linear(hidden, inter, bias=False)  # up
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    tid2eid: torch.Tensor  # [vocab, top_k] int64, a buffer (hash_moe layers)
+
+    def __init__(self, v4: V4Config, hidden: int, vocab: int, is_hash: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(v4.num_experts, hidden))
+        self.is_hash, self.top_k, self.factor = is_hash, v4.top_k, v4.routed_scaling_factor
+        if is_hash:  # the frozen token-id -> experts table
+            self.register_buffer("tid2eid", torch.zeros(vocab, v4.top_k, dtype=torch.long))
+        else:  # e_score_correction_bias: steers the choice, not the weights
+            self.bias = nn.Parameter(torch.zeros(v4.num_experts))
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k], expert ids [T, k])
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.is_hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.factor, ids
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int) -> None:
+        super().__init__()
+        hidden, inter = cfg.hidden_size, v4.moe_intermediate_size
+        self.gate = Gate(v4, hidden, cfg.vocab_size, v4.mlp_kinds[layer] == HASH_MOE)
+        self.experts = nn.ModuleList(
+            Expert(hidden, inter, v4.swiglu_limit) for _ in range(v4.num_experts)
+        )
+        self.shared_experts = Expert(hidden, inter, v4.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out + self.shared_experts(x)
+
+
+class V4Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int) -> None:
+        super().__init__()
+        n, hidden = v4.hc_mult, cfg.hidden_size
+        self.v4, self.eps = v4, cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.attn = V4Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.ffn = V4MoE(cfg, v4, layer)
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * hidden)))
+            setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros((2 + n) * n)))
+            setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+
+    def _mix(self, part: str, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fn, base, scale = (getattr(self, f"hc_{part}_{k}") for k in ("fn", "base", "scale"))
+        return hyper_weights(streams, fn, base, scale, self.v4, self.eps)
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [T, n, hidden]
+        input_ids: torch.Tensor,  # [T]
+        rope: Rope,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, n, hidden]
+        dtype = streams.dtype
+        post, comb, collapsed = self._mix("attn", streams)
+        out = self.attn(self.attn_norm(collapsed), rope, cos_sin, layer_cache, meta)
+        streams = post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
+        post, comb, collapsed = self._mix("ffn", streams)
+        out = self.ffn(self.ffn_norm(collapsed), input_ids)
+        return post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, v4: V4Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V4Layer(cfg, v4, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(v4, cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV4Model(nn.Module):
+    """``CausalLM``'s interface (common/model/decoder.py) over V4's stack."""
+
+    def __init__(self, cfg: ModelConfig, sliding_window: int) -> None:
+        super().__init__()
+        v4 = cfg.v4
+        assert v4 is not None
+        self.config = cfg
+        self.model = Backbone(cfg, v4)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for layer in self.model.layers:
+            assert isinstance(layer, V4Layer)
+            layer.attn.window = sliding_window
+        self.ropes = {
+            "main": Rope(v4.rope_dim, cfg.rope_theta, None),
+            "compress": Rope(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling),
+        }
+        self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
+        self.keep_hidden = False  # MTP speculation is not wired for V4
+        self.hidden: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [N, L, 1, 1, B, row]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S]
+    ) -> torch.Tensor:  # [S, vocab] float32
+        v4 = self.config.v4
+        assert v4 is not None
+        x = self.model.embed_tokens(input_ids)
+        streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
+        cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
+        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
+            assert isinstance(layer, V4Layer)
+            name = "main" if layer.attn.kind == SLIDING else "compress"
+            streams = layer(
+                streams,
+                input_ids,
+                self.ropes[name],
+                (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
+                kv_cache[:, slot],
+                meta.of_group(group),
+            )
+        h = self.model.norm(self.model.hc_head(streams[logits_indices]))
+        return self.head(h).float()
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        return 1
+
+    def pack_weights(self, prepack: bool = False) -> None:
+        """Nothing packs: the reference runs each projection as it is stored."""

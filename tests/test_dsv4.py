@@ -1,0 +1,231 @@
+"""DeepSeek-V4 against Hugging Face transformers, token for token (CPU, float32).
+
+The checkpoint is built by transformers' own ``DeepseekV4Config`` and
+``DeepseekV4ForCausalLM`` (random weights; the parameters transformers initialises to zero
+or to a constant, the hash-routing table, sinks, compressor position biases, routing
+biases and hyper-connection biases, drawn at random too, so each path matters) with every
+kind of layer: sliding, CSA (entries of 4, two overlapping series, a lightning indexer
+keeping 6) and HCA (entries of 16 here), hash_moe and moe layers, 4 hyper-connection
+streams, a window of 16. Prompts of 40, 300 and 1,500 tokens.
+
+The engine rebuilds each layer's window and compressed entries from the paged cache rows
+every step (common/model/dsv4_attention.py), so chunks, preemption and prefix-cache hits
+need no other state; greedy output must equal HF ``generate``'s in each case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.latent_format import cache_head
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model.config import ModelConfig
+from tests.test_families import NUM_TOKENS, engine_greedy, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = (40, 300, 1500)
+V4: dict[str, Any] = {
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 32,
+    "q_lora_rank": 32,
+    "partial_rotary_factor": 0.25,  # rope over the last 8 of 32
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "layer_types": [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "hc_mult": 4,
+    "sliding_window": 16,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "index_n_heads": 8,
+    "index_head_dim": 16,
+    "index_topk": 6,
+}
+# initialised to zero (or one value) by transformers: drawn here
+DRAWN = ("sinks", "position_bias", "e_score_correction_bias", "base", "hc_base")
+
+
+def build_v4(out: Path, tokenizer_from: Path | None = None, **overrides: Any) -> Path:
+    from pdserve.common.model.files import resolve_model
+    from pdserve.common.model.random import copy_tokenizer, special_token_ids, tokenizer_vocab_size
+
+    src = resolve_model(tokenizer_from)
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4",
+        vocab_size=tokenizer_vocab_size(src),
+        max_position_embeddings=4096,
+        **special_token_ids(src),
+        **{**V4, **overrides},
+    )
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):
+                tensor.copy_(torch.randint(0, V4["n_routed_experts"], tensor.shape, generator=gen))
+            elif name.endswith(DRAWN):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    copy_tokenizer(src, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def v4_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    return build_v4(tmp_path_factory.mktemp("dsv4") / "v4", tokenizer_from=model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 200
+    ids = Tokenizer.from_dir(model_dir).encode(text)
+    return [ids[:n] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(v4_model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return hf_greedy(v4_model, prompts)
+
+
+def test_config_reads_v4_as_transformers_does(v4_model: Path) -> None:
+    cfg = ModelConfig.from_dir(v4_model)
+    hf = transformers.AutoConfig.from_pretrained(v4_model)
+    v4 = cfg.v4
+    assert cfg.architecture == "DeepseekV4ForCausalLM" and v4 is not None
+    assert list(v4.layer_kinds) == hf.layer_types and list(v4.mlp_kinds) == hf.mlp_layer_types
+    assert v4.rope_dim == hf.qk_rope_head_dim == 8
+    assert [v4.rate(i) for i in range(4)] == [0, 4, 16, 4]
+    assert cfg.sliding_window == 16 and cfg.num_key_value_heads == 1
+    # one row a token and layer: K=V (32), CSA's two series of kv and gate (4 x 32), its
+    # indexer's (4 x 16)
+    assert cache_head(cfg, "float32") == (32 + 128 + 64, 1, "float32")
+    assert cfg.layer_windows == (None,) * 4  # every block kept (no bounded window yet)
+
+
+def test_what_is_not_implemented_is_refused_by_name(v4_model: Path) -> None:
+    from pdserve.common.engine.model_loader import check_device_supports
+    from pdserve.common.model.families.deepseek_v4 import build_model
+    from pdserve.common.parallel.context import ParallelContext
+
+    cfg = ModelConfig.from_dir(v4_model)
+    with pytest.raises(ModelLoadError, match="compressors, the lightning indexer.*--device cpu"):
+        check_device_supports(cfg, torch.device("cuda"))
+    with pytest.raises(ModelLoadError, match="--kv-cache-dtype: float8_e4m3fn for DeepSeek-V4"):
+        LLMEngine(EngineConfig(model=str(v4_model), num_kv_blocks=8, kv_cache_dtype="fp8"))
+    with pytest.raises(ModelLoadError, match="TP 1 only"):
+        build_model(cfg, ParallelContext(tp_size=2))
+    raw = transformers.DeepseekV4Config(**V4).to_dict()
+    with pytest.raises(ModelLoadError, match="scoring_func 'softmax'"):
+        ModelConfig.from_dict({**raw, "scoring_func": "softmax"})
+
+
+def test_greedy_tokens_identical_to_transformers(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    assert engine_greedy(v4_model, prompts) == reference
+    short = [prompts[0][:6]]  # fewer tokens than one HCA entry: no entries at all
+    assert engine_greedy(v4_model, short) == hf_greedy(v4_model, short)
+
+
+def test_the_indexer_and_the_window_decide_the_output(
+    tmp_path: Path, model_dir: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The same weights with the indexer keeping every entry, or a window over the whole
+    prompt: HF gives other tokens, so the identity above checks both."""
+    every_entry = build_v4(tmp_path / "topk", tokenizer_from=model_dir, index_topk=4096)
+    assert hf_greedy(every_entry, prompts[1:2]) != reference[1:2]
+    whole = build_v4(tmp_path / "window", tokenizer_from=model_dir, sliding_window=4096)
+    assert hf_greedy(whole, prompts[1:2]) != reference[1:2]
+
+
+def test_chunks_not_aligned_to_entries_or_blocks(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Blocks of 16 and 98-token chunks (a multiple of neither 4 nor 16): windows and
+    compression strides straddle chunks; decodes and chunks share steps."""
+    got = engine_greedy(v4_model, prompts[:2] * 2, block_size=16, max_num_batched_tokens=98)
+    assert got == reference[:2] * 2
+
+
+def test_preemption_and_resume(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(v4_model),
+            block_size=16,
+            num_kv_blocks=28,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=False,
+        )
+    )
+    batch = [prompts[0], prompts[1], prompts[1]]
+    got = engine.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
+    assert [o.token_ids for o in got] == [reference[0], reference[1], reference[1]]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_prefix_cache_hit_rebuilds_windows_and_entries_from_the_blocks(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The 1,500-token prompt after the 300-token one, its prefix: the hit's blocks hold
+    every row the window and the entries are rebuilt from; only the tail is computed."""
+    engine = LLMEngine(EngineConfig(model=str(v4_model), block_size=16, num_kv_blocks=256))
+    sampling = SamplingParams(max_tokens=NUM_TOKENS)
+    assert engine.generate([prompts[1]], sampling)[0].token_ids == reference[1]
+    before = engine.scheduler.num_computed_tokens
+    assert engine.generate([prompts[2]], sampling)[0].token_ids == reference[2]
+    computed = engine.scheduler.num_computed_tokens - before
+    assert computed <= len(prompts[2]) - 288 + NUM_TOKENS, computed
+
+
+TEXTS = [
+    "Monday, Tuesday,",
+    "The quick brown fox jumps over the lazy dog. " * 30,  # ~300 tokens: several blocks
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [{}, {"pcp": 2}], ids=["tp1", "pcp2"])
+def test_disaggregated_through_the_openai_api(
+    tmp_path: Path, v4_model: Path, model_dir: Path, flags: dict[str, int]
+) -> None:
+    """`pdserve up`: prefill (TP 1, or PCP 2: each rank gathers every new token's row, so
+    zigzag pieces rebuild entries and windows that straddle them) to decode TP 1 over NIXL;
+    the pulled blocks carry every row a decode step rebuilds windows and entries from.
+    HF's text, pools full after."""
+    from pdserve.common.model.tokenizer import Tokenizer
+    from tests.e2e import deployment
+    from tests.test_serving import assert_pools_full, post
+
+    tok = Tokenizer.from_dir(model_dir)
+    want = [tok.decode(t) for t in hf_greedy(v4_model, [tok.encode(x) for x in TEXTS])]
+    with deployment(tmp_path, v4_model, engine={"kv_cache_memory_gb": 0.05}, **flags) as dep:
+        for text, expected in zip(TEXTS, want, strict=True):
+            body = {"prompt": text, "max_tokens": NUM_TOKENS, "temperature": 0}
+            status, answer = post(dep.url, "/v1/completions", body)
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == expected
+        assert_pools_full(dep.url)
