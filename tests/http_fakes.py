@@ -59,10 +59,12 @@ class FakeCore:
         self.ready = True
         self.script: str | None = None  # when set: the answer's text instead of the prompt
         self.submitted: list[Generate] = []
+        self.owners: list[str] = []  # each submit's client, as fair admission sees it
         self.closed: list[str] = []  # requests whose iterator was closed before the end
 
     def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
         # like the real core: RequestError and refusals before any event
+        self.owners.append(owner)
         gen.sampling.validate()
         if not gen.prompt_token_ids or self.mode == "reject":
             raise RequestError("the fake core refuses this request")

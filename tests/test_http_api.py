@@ -229,6 +229,24 @@ def test_served_model_names_and_api_key(keyed: int, core: FakeCore) -> None:
     assert len(core.submitted) == 1
 
 
+def test_each_of_several_api_keys_names_its_client(core: FakeCore) -> None:
+    """Behind a proxy every user has one address: with a key each, fair admission tells
+    them apart by key (its index; the key itself is never used as a name)."""
+    server = Server(core, api_key=["alice-key", "bob-key"])
+    try:
+        for key in ("alice-key", "bob-key", "alice-key"):
+            status, _, data = request(server.port, "POST", "/v1/completions",
+                                      {"prompt": "hi", "max_tokens": 1},
+                                      {"Authorization": f"Bearer {key}"})  # fmt: skip
+            assert status == 200, data
+        error = error_of(*request(server.port, "POST", "/v1/completions", {"prompt": "hi"},
+                                  {"Authorization": "Bearer carol"})[::2], 401)  # fmt: skip
+        assert error["code"] == "invalid_api_key"
+        assert core.owners == ["key:0", "key:1", "key:0"]
+    finally:
+        server.stop()
+
+
 def test_tokenize_detokenize_version(port: int, tokenizer: Tokenizer) -> None:
     status, _, data = request(port, "POST", "/tokenize", {"prompt": "Hello world"})
     out = json.loads(data)

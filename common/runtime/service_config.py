@@ -61,6 +61,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # When set, the HTTP API wants `Authorization: Bearer <api_key>` on every route but
     # /health and /metrics. PDSERVE_API_KEY sets it without putting it on a command line.
     api_key: str = ""
+    # More keys the HTTP API takes, one per user or team: with more than one key in all,
+    # fair admission tells HTTP clients apart by key (else by peer address, which every
+    # user behind one proxy shares).
+    api_keys: list[str] = []
     allowed_origins: list[str] = []  # browser origins CORS lets in ("*": any); empty: off
     # how chat answers' tool calls are read (services/router/tool_calls.py): llama3_json,
     # hermes, or auto (from the chat template)
@@ -226,6 +230,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     def served_model_names(self) -> list[str]:
         names = self.served_model_name
         return [names] if isinstance(names, str) else list(names)
+
+    @property
+    def http_keys(self) -> list[str]:
+        """Every key the HTTP API takes (none: no key needed)."""
+        return [k for k in [self.api_key, *self.api_keys] if k]
 
     @property
     def http_bind_host(self) -> str:

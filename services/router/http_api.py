@@ -50,6 +50,7 @@ from pdserve.services.router.cors import Cors
 from pdserve.services.router.http_answers import ScoredPrompt, ScoringOnly, collect, stream
 from pdserve.services.router.http_errors import (
     BODY_TIMEOUT_KEY,
+    CLIENT_KEY,
     DEFAULT_BODY_TIMEOUT,
     ECHO_ID,
     MAX_BODY_KEY,
@@ -289,7 +290,8 @@ class OpenAIApi:
                                     echo=show_echo, vllm_field=show_field)  # fmt: skip
 
         batch = ScoringOnly() if scoring_only else Batch()
-        owner = f"http:{request.remote}"  # whose turn it is in the router (fair admission)
+        # whose turn it is in the router (fair admission): its API key, else its address
+        owner = request.get(CLIENT_KEY) or f"http:{request.remote}"
         self._in_flight.update(ids)
         # The first candidate of each prompt first: once it has a token, its prompt's
         # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill by
@@ -340,18 +342,21 @@ def _package_version() -> str:
         return "0+unknown"
 
 
-def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (), api_key: str = "",
+def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
+             api_key: str | Sequence[str] = "",
              allowed_origins: Sequence[str] = (), tool_call_parser: str = "auto",
              pool: TokenizePool | None = None, max_prompts: int = 128,
              max_body_bytes: int = MAX_BODY_BYTES,
              body_read_timeout: float = DEFAULT_BODY_TIMEOUT) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
-    ``api_key``: when set, every route but OPEN_PATHS wants ``Authorization: Bearer``;
+    ``api_key``: when set (one key, or several), every route but OPEN_PATHS wants
+    ``Authorization: Bearer`` with one of them;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off);
     ``body_read_timeout``: seconds to receive a whole body (408 past it)."""
     middlewares: list[Any] = [error_middleware]
-    if api_key:
-        middlewares.append(key_middleware(api_key))
+    keys = [api_key] if isinstance(api_key, str) else list(api_key)
+    if any(keys):
+        middlewares.append(key_middleware([k for k in keys if k]))
     app = web.Application(
         middlewares=middlewares,
         client_max_size=max_body_bytes,

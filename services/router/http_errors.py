@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from pdserve.services.router import openai_schema as oa
 log = structlog.get_logger("pdserve.router.http")
 
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+CLIENT_KEY = web.RequestKey("pdserve_client", str)  # a request's client, when its key says
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_seconds", float)
 DEFAULT_BODY_TIMEOUT = 30.0
 _SANE_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -141,20 +142,26 @@ async def _closing(request: web.Request, response: web.StreamResponse) -> web.St
 
 
 def key_middleware(
-    api_key: str,
+    api_keys: Sequence[str],
 ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """OpenAI's scheme: ``Authorization: Bearer <key>`` on every route but OPEN_PATHS."""
-    expected = api_key.encode()
+    """OpenAI's scheme: ``Authorization: Bearer <key>`` on every route but OPEN_PATHS, any
+    of ``api_keys``. With several, the key a request came with names its client for fair
+    admission (``CLIENT_KEY``: its index, never the key)."""
+    expected = [key.encode() for key in api_keys]
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                     expected):  # fmt: skip
+            token = given.strip().encode()
+            # every key compared (no early exit): the time taken says nothing of which
+            matches = [hmac.compare_digest(token, key) for key in expected]
+            if scheme.lower() != "bearer" or not any(matches):
                 what = "no API key" if not given else "an incorrect API key"
                 raise ApiError(401, f"{what} was provided; send the server's key as "
                                "'Authorization: Bearer KEY'", code="invalid_api_key")  # fmt: skip
+            if len(expected) > 1:
+                request[CLIENT_KEY] = f"key:{matches.index(True)}"
         return await handler(request)
 
     return check_key

@@ -49,7 +49,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     front = FrontDoor(router, cfg.front_address, pool)
     front_task = asyncio.create_task(front.serve())
     # The drain has already ended every request when the runner is cleaned up.
-    app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.api_key,
+    app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.http_keys,
                    allowed_origins=cfg.allowed_origins,
                    tool_call_parser=cfg.tool_call_parser, pool=pool,
                    max_prompts=cfg.max_prompts_per_request,
@@ -59,7 +59,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     await runner.setup()
     await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()
     http = f"http://{cfg.http_bind_host}:{cfg.http_port}"
-    log.info("router_ready", http=http, zmq=cfg.front_address, api_key=bool(cfg.api_key),
+    log.info("router_ready", http=http, zmq=cfg.front_address, api_keys=len(cfg.http_keys),
              served_model_names=cfg.served_model_names or [router.model_name])  # fmt: skip
     stop, stop_now = asyncio.Event(), asyncio.Event()
 
