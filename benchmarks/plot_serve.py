@@ -4,6 +4,10 @@
 
 Four panels against concurrency, one line per mode (disaggregated, colocated, HF
 generate, a --peer-url server under its --peer-label): output token throughput, TTFT p50/p99, TPOT p50/p99, ITL p50/p99.
+
+A JSON with a goodput sweep (``--request-rate a,b,c --goodput ...``) is plotted as SLO
+attainment against request rate instead: one panel per target (TTFT only, TPOT only,
+E2E only) and one for all of them, one line per mode, the 90% line and each mode's goodput.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 
 def main(src: str, dst: str) -> None:
@@ -21,6 +26,9 @@ def main(src: str, dst: str) -> None:
     import matplotlib.pyplot as plt
 
     payload = json.loads(Path(src).read_text())
+    if "goodput" in payload:
+        plot_goodput(plt, payload, dst)
+        return
     series: dict[str, list[dict]] = defaultdict(list)
     for run in payload["runs"]:
         series[run.get("mode", run["label"])].append(run)
@@ -52,6 +60,42 @@ def main(src: str, dst: str) -> None:
     fig.suptitle(
         f"pdserve bench serve: {Path(str(payload['runs'][0]['server']['model'])).name}, "
         f"{cfg['num_prompts']} prompts, input {cfg['input_len']}, output {cfg['output_len']}"
+    )
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    print(f"wrote {dst}")
+
+
+def plot_goodput(plt: Any, payload: dict[str, Any], dst: str) -> None:
+    cfg, sweep = payload["config"], payload["goodput"]
+    names = [*sweep["slos_ms"], "all"]
+    titles = {"ttft": "TTFT only", "tpot": "TPOT only", "e2el": "E2E latency only"}
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
+    for i, s in enumerate(sweep["series"]):
+        # an infinite rate (all at once) has no place on a rate axis
+        points = [(float(r), k) for k, r in enumerate(s["request_rates"]) if r != "inf"]
+        name = (
+            s["mode"] if s["max_concurrency"] is None else f"{s['mode']} c={s['max_concurrency']}"
+        )
+        for ax, slo in zip(axes[0], names, strict=True):
+            ys = [100 * s["attainment"][slo][k] for _, k in points]
+            ax.plot([r for r, _ in points], ys, "-o", color=f"C{i}", label=name)
+            if slo == "all" and s["goodput_rps"] is not None and s["bound"] == "interpolated":
+                ax.axvline(s["goodput_rps"], color=f"C{i}", ls=":", lw=1)
+    for ax, slo in zip(axes[0], names, strict=True):
+        target = f"{slo} <= {sweep['slos_ms'][slo]:g} ms" if slo != "all" else "every target"
+        ax.set_title(f"{titles.get(slo, 'all SLOs (good)')}: {target}", fontsize=10)
+        ax.axhline(100 * sweep["target"], color="grey", ls="--", lw=1)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylim(-3, 103)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("SLO attainment (% of requests)")
+    axes[0][-1].legend(fontsize=8)
+    lengths = (f"input {cfg['input_len']}, output {cfg['output_len']}"
+               + ("" if cfg.get("length_dist", "fixed") == "fixed" else " (lognormal medians)"))  # fmt: skip
+    fig.suptitle(
+        f"goodput: {Path(str(payload['runs'][0]['server']['model'])).name}, "
+        f"{cfg['num_prompts']} prompts a rate, {lengths}; dotted: goodput"
     )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)

@@ -2,7 +2,7 @@
 
 The peer (vLLM, SGLang, another pdserve) gets, load for load, the requests pdserve got:
 the same prompts (the seed of each load and the token-id range pdserve's own server gave),
-the same concurrency, output length and arrivals. Its runs join the table, the JSON and
+the same concurrency, rates, lengths and arrivals. Its runs join the table, the JSON and
 the plot (benchmarks/plot_serve.py) as one more mode, named by --peer-label. Requests to
 the peer name its model (its /v1/models), as servers other than pdserve may require.
 """
@@ -10,9 +10,10 @@ the peer name its model (its /v1/models), as servers other than pdserve may requ
 from __future__ import annotations
 
 import argparse
-import asyncio
-from collections.abc import Callable
 from typing import Any
+
+from pdserve.cli.serve_http import run_loads
+from pdserve.cli.serve_load import Load
 
 MODES = ("disaggregated", "colocated")
 
@@ -44,23 +45,12 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
-def peer_runs(
-    args: argparse.Namespace,
-    loads: list[int | None],
-    token_id_range: tuple[int, int],
-    run_load: Callable[..., Any],
-    for_load: Callable[[argparse.Namespace, int, int | None], argparse.Namespace],
-) -> list[dict[str, Any]]:
-    """One run per load against ``args.peer_url``, each with the prompts pdserve's run of
-    that load had (``for_load`` gives the seed, ``token_id_range`` the ids)."""
-    label = args.peer_label
-    runs = []
-    for index, load in enumerate(loads):
-        load_args = for_load(args, index, load)
-        load_args.token_id_range = token_id_range
-        load_args.name_model = True
-        name = label if len(loads) == 1 else f"{label} c={load or 'inf'}"
-        result = asyncio.run(run_load(args.peer_url, load_args, name))
-        result.update(load=load, mode=label, peer=True)
-        runs.append(result)
+def peer_runs(args: argparse.Namespace, loads: list[Load],
+              token_id_range: tuple[int, int]) -> list[dict[str, Any]]:  # fmt: skip
+    """One run per load against ``args.peer_url``, each with the prompts, lengths and
+    arrivals pdserve's run of that load had (the same seeds; ``token_id_range`` the ids)."""
+    runs = run_loads(args.peer_url, args, loads, args.peer_label,
+                     token_id_range=token_id_range, name_model=True)  # fmt: skip
+    for run in runs:
+        run["peer"] = True
     return runs

@@ -8,13 +8,25 @@ deployment with the colocated baseline (router + decode only, decode computes pr
         --json benchmarks/results/serve_cpu.json
     pdserve bench serve --compare --modes colocated --max-concurrency 1,8,16 \\
         --peer-url http://127.0.0.1:8011 --peer-label vllm   # cli/bench_peer.py
+    pdserve bench serve --compare --request-rate 0.5,1,2 --goodput ttft:2000 tpot:200 \\
+        --length-dist lognormal --json benchmarks/results/goodput_cpu.json
 
 Every request is a random prompt of exactly --input-len token ids, sent to
 /v1/completions with stream, ignore_eos and max_tokens=--output-len, so every output has
-exactly --output-len tokens. Prompts are seeded and distinct, so no prefix-cache hits
-(reported as "cached prompt tokens"; run twice against one deployment with a new --seed).
-One untimed warm-up request goes first. Requests arrive all at once (--request-rate inf)
-or as a seeded Poisson process, at most --max-concurrency in flight.
+exactly --output-len tokens; with --length-dist lognormal, both lengths are drawn per
+request from lognormals of those medians (--input-sigma, --output-sigma, capped at
+--max-input-len, --max-output-len), the same draws at every rate. Prompts are seeded and
+distinct, so no prefix-cache hits (reported as "cached prompt tokens"; run twice against
+one deployment with a new --seed). One untimed warm-up request goes first. Requests
+arrive all at once (--request-rate inf) or as a seeded Poisson process (--burstiness 1;
+gamma-distributed gaps otherwise, as vLLM's), at most --max-concurrency in flight. A list
+of rates or concurrencies runs one load per value (per pair, with both) on each server.
+
+--goodput ttft:MS tpot:MS e2el:MS (vLLM's): a request is good when it meets every target
+given. Per load: the share of requests meeting each target and all of them, and good
+requests/s; per mode: the goodput, the highest swept rate with >= 90% of requests good,
+interpolated between rates (DistServe's; cli/goodput.py), per device with --num-devices.
+Plot it with benchmarks/plot_serve.py (attainment against rate).
 
 Metrics, as vLLM defines them: throughputs over the whole run's duration; TTFT = time to
 the first chunk with text; TPOT = (e2e - TTFT) / (output tokens - 1), one per request;
@@ -31,7 +43,6 @@ itself (HTTP requests on their schedule) is cli/serve_http.py's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -39,12 +50,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli import bench_peer, ttft_parts
+from pdserve.cli import bench_peer, goodput, ttft_parts
 from pdserve.cli.arg_types import positive_int, positive_ints  # stdlib-only at import time
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
-from pdserve.cli.serve_http import progress, run_load
-from pdserve.cli.serve_load import STATS
+from pdserve.cli.serve_http import progress, run_loads
+from pdserve.cli.serve_load import STATS, Load, Workload
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 
@@ -70,9 +81,33 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=64)
     p.add_argument(
         "--request-rate",
-        type=_rate,
-        default=math.inf,
-        help="requests/s, Poisson arrivals (seeded); inf: all at once",
+        type=_rates,
+        default=[math.inf],
+        help="requests/s, Poisson arrivals (seeded); inf: all at once; a list, e.g. "
+        "0.5,1,2, runs one load per rate against each deployment (a goodput sweep)",
+    )
+    p.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="the shape of the gamma-distributed gaps between arrivals (mean 1 / rate): "
+        "1 is Poisson, below 1 burstier, above 1 more even (vLLM's flag)",
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        type=goodput.slo_item,
+        default=None,
+        metavar="NAME:MS",
+        help="SLO targets in ms (ttft, tpot, e2el), e.g. ttft:500 tpot:50: report each "
+        "load's attainment and each mode's goodput (cli/goodput.py)",
+    )
+    p.add_argument(
+        "--num-devices",
+        type=positive_int,
+        default=None,
+        help="the devices a deployment uses, for goodput per device (default: 1 with "
+        "--compare, whose processes share one device; unknown with --url)",
     )
     p.add_argument(
         "--max-concurrency",
@@ -87,8 +122,23 @@ def add_parser(sub: Any) -> None:
         help="--compare: also time Hugging Face generate() on the same model and "
         "prompts, batches of each --max-concurrency (cli/bench_serve_hf.py)",
     )
-    p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens")
-    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens")
+    p.add_argument("--input-len", type=positive_int, default=256,
+                   help="prompt tokens (lognormal: the median)")  # fmt: skip
+    p.add_argument("--output-len", type=positive_int, default=64,
+                   help="generated tokens (lognormal: the median)")  # fmt: skip
+    p.add_argument(
+        "--length-dist",
+        choices=("fixed", "lognormal"),
+        default="fixed",
+        help="fixed: every request --input-len / --output-len; lognormal: each length "
+        "drawn per request (seeded), a long tail as chat traffic has",
+    )
+    for side in ("input", "output"):
+        p.add_argument(f"--{side}-sigma", type=_positive_float, default=1.0,
+                       help=f"lognormal: sigma of ln({side} tokens) (1.0: the 90th "
+                       "percentile 3.6x the median)")  # fmt: skip
+        p.add_argument(f"--max-{side}-len", type=positive_int, default=None,
+                       help=f"lognormal: cap of {side} tokens (default 8x the median)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
@@ -102,24 +152,40 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _for_load(args: argparse.Namespace, index: int, load: int | None) -> argparse.Namespace:
-    """The arguments of one load: its concurrency, and its own prompts (seed + index), so
-    that a later load on the same deployment gets no prefix-cache hits from an earlier."""
-    return argparse.Namespace(**{**vars(args), "max_concurrency": load, "seed": args.seed + index})
+def _rates(text: str) -> list[float]:
+    """Comma-separated requests/s, each positive or inf; swept in the order given."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 0.5,1,inf, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"every rate must be positive or inf, got {text!r}")
+    return values
 
 
-def _rate(text: str) -> float:
+def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive or inf, got {text}")
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(dist=args.length_dist, input_len=args.input_len, output_len=args.output_len,
+                    input_sigma=args.input_sigma, output_sigma=args.output_sigma,
+                    max_input_len=args.max_input_len, max_output_len=args.max_output_len)  # fmt: skip
+
+
+def loads_of(args: argparse.Namespace) -> list[Load]:
+    """Each concurrency cap, and under it each rate in the order given."""
+    return [Load(rate, c) for c in args.max_concurrency or [None] for rate in args.request_rate]
 
 
 # -- deployments (--compare) ------------------------------------------------------------
 
 
 def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
-                 loads: list[int | None]) -> list[dict[str, Any]]:  # fmt: skip
+                 loads: list[Load]) -> list[dict[str, Any]]:  # fmt: skip
     from pdserve.cli.deployment import Deployment, local_config
     from pdserve.common.runtime.ports import free_port_block
 
@@ -129,12 +195,8 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
                        engine=None if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype})  # fmt: skip
     dep = Deployment(cfg)
     progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
-    results = []
     with dep:
-        for index, load in enumerate(loads):
-            name = label if len(loads) == 1 else f"{label} c={load or 'inf'}"
-            results.append(asyncio.run(run_load(dep.url, _for_load(args, index, load), name)))
-            results[-1].update(load=load, mode=label)
+        results = run_loads(dep.url, args, loads, label)
     for result in results:
         result["deployment"] = {
             "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
@@ -179,30 +241,52 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 
 
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
-    rate = args.request_rate
     return {
         **provenance(),
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
         "kv_cache_dtype": args.kv_cache_dtype, "peer_url": args.peer_url,
         "modes": args.modes if args.compare else None,
-        "request_rate": "inf" if math.isinf(rate) else rate,  # JSON has no infinity
-        "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference, "input_len": args.input_len,
-        "output_len": args.output_len, "seed": args.seed, "timeout_s": args.timeout,
-        "cpu_count": os.cpu_count(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "request_rate": ["inf" if math.isinf(r) else r for r in args.request_rate],  # no inf in JSON
+        "burstiness": args.burstiness, "goodput_slos_ms": args.slos or None,
+        "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "length_dist": args.length_dist,
+        **({} if args.length_dist == "fixed" else {
+            "input_sigma": args.input_sigma, "output_sigma": args.output_sigma,
+            "max_input_len": args.workload.input_cap, "max_output_len": args.workload.output_cap}),
+        "seed": args.seed, "timeout_s": args.timeout,
+        "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
 
 
-def write_json(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+def write_json(path: Path, config: dict[str, Any], runs: list[dict[str, Any]],
+               goodputs: list[dict[str, Any]] | None) -> None:  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "serve", "config": config, "runs": runs}
+    if goodputs is not None:
+        payload["goodput"] = {"target": goodput.TARGET, "slos_ms": config["goodput_slos_ms"],
+                              "series": goodputs}  # fmt: skip
     path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def score(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's SLO attainment (not the HF reference's: it has no per-token times),
+    then each mode's goodput."""
+    for run_ in runs:
+        if "requests" in run_:
+            run_["goodput"] = goodput.attainment(run_["requests"], args.slos,
+                                                 run_["metrics"]["duration_s"])  # fmt: skip
+    devices = args.num_devices or (1 if args.compare else None)
+    return goodput.series(runs, devices)
 
 
 # -- the command ------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Flags that parse but do not go together, refused before any deployment starts."""
     from pdserve.common.errors import PdserveError
 
     if args.url and (args.model or args.device):
@@ -210,8 +294,22 @@ def run(args: argparse.Namespace) -> int:
                            "the deployment is already running")  # fmt: skip
     if args.hf_reference and not args.compare:
         raise PdserveError("--hf-reference needs --compare: it loads the model --compare deploys")
+    if args.hf_reference and (args.length_dist != "fixed" or len(args.request_rate) > 1):
+        raise PdserveError("--hf-reference batches fixed-length prompts by concurrency; it "
+                           "takes neither --length-dist lognormal nor a list of rates")  # fmt: skip
+    try:
+        args.slos = goodput.slos_of(args.goodput)
+    except argparse.ArgumentTypeError as exc:
+        raise PdserveError(str(exc)) from None
+    args.workload = workload_of(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.common.errors import PdserveError
+
+    check(args)
     config = bench_config(args)
-    loads: list[int | None] = list(args.max_concurrency or [None])
+    loads = loads_of(args)
     try:
         if args.compare:
             runs = [run for mode in args.modes
@@ -219,27 +317,31 @@ def run(args: argparse.Namespace) -> int:
             if args.hf_reference:
                 from pdserve.cli.bench_serve_hf import hf_runs
 
-                runs += hf_runs(args, loads, tuple(runs[0]["server"]["token_id_range"]), progress)
+                concurrencies = list(args.max_concurrency or [None])
+                runs += hf_runs(args, concurrencies, tuple(runs[0]["server"]["token_id_range"]),
+                                progress)  # fmt: skip
         else:
-            label = args.label or "serve"
-            runs = [asyncio.run(run_load(args.url, _for_load(args, i, load),
-                                         label if len(loads) == 1 else f"{label} c={load}"))
-                    for i, load in enumerate(loads)]  # fmt: skip
-            for run_, load in zip(runs, loads, strict=True):  # one series in the plot
-                run_.update(load=load, mode=label)
+            runs = run_loads(args.url, args, loads, args.label or "serve")
         if args.peer_url:
-            runs += bench_peer.peer_runs(args, loads, tuple(runs[0]["server"]["token_id_range"]),
-                                         run_load, _for_load)  # fmt: skip
+            runs += bench_peer.peer_runs(args, loads, tuple(runs[0]["server"]["token_id_range"]))
     except RuntimeError as exc:  # a server that is unreachable or refuses the warm-up
         raise PdserveError(str(exc)) from exc
+    goodputs = score(args, runs) if args.slos else None
     server = runs[0]["server"]
+    lengths = ("" if args.length_dist == "fixed" else
+               f" (lognormal medians, sigma {args.input_sigma:g} / {args.output_sigma:g}, caps "
+               f"{args.workload.input_cap} / {args.workload.output_cap})")  # fmt: skip
     print(
         f"model {server['model']}  prompts {args.num_prompts}  input {args.input_len}  "
-        f"output {args.output_len}  rate {config['request_rate']}  "
-        f"concurrency {','.join(map(str, args.max_concurrency or [])) or 'unlimited'}  seed {args.seed}"
+        f"output {args.output_len}{lengths}  rate {','.join(map(str, config['request_rate']))}"
+        f"{'' if args.burstiness == 1 else f' burstiness {args.burstiness:g}'}  concurrency "
+        f"{','.join(map(str, args.max_concurrency or [])) or 'unlimited'}  seed {args.seed}"
     )
     print(format_table(runs))
+    if goodputs is not None:
+        print()
+        print(goodput.format_tables(goodputs, args.slos))
     if args.json is not None:
-        write_json(args.json, config, runs)
+        write_json(args.json, config, runs, goodputs)
         progress(f"wrote {args.json}")
     return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1

@@ -1,7 +1,8 @@
 """The HTTP side of ``pdserve bench serve`` (cli/bench_serve.py): the server's facts
 (model, max_model_len, vocabulary), one streamed /v1/completions request recorded as
-vLLM's serving metrics need it, and a whole load on its arrival schedule at most
---max-concurrency in flight (the pure parts in cli/serve_load.py).
+vLLM's serving metrics need it, a whole load on its arrival schedule at most
+--max-concurrency in flight, and a sweep of loads against one server (the pure parts in
+cli/serve_load.py).
 """
 
 from __future__ import annotations
@@ -10,13 +11,22 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from pdserve.cli import ttft_parts
-from pdserve.cli.serve_load import RequestRecord, arrival_offsets, compute_metrics, make_prompts
+from pdserve.cli.serve_load import (
+    Load,
+    RequestRecord,
+    Workload,
+    arrival_offsets,
+    compute_metrics,
+    make_prompts,
+    prompts_of_lengths,
+)
 
 if TYPE_CHECKING:
     import aiohttp
@@ -151,18 +161,28 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
             info = await server_info(session, url)
         except aiohttp.ClientError as exc:
             raise RuntimeError(f"cannot reach {url}: {exc}") from exc
+        workload: Workload = args.workload
+        # lengths and arrivals from the sweep's seed (the same at every rate); the prompts'
+        # ids from the load's own (no prefix-cache hits from an earlier load)
+        base_seed = getattr(args, "base_seed", args.seed)
+        lengths = workload.lengths(args.num_prompts, base_seed)
         limit = info["max_model_len"]
-        if limit is not None and args.input_len + args.output_len > limit:
-            raise RuntimeError(f"--input-len + --output-len exceeds max_model_len {limit}")
+        longest = max(i + o for i, o in lengths)
+        if limit is not None and longest > limit:
+            raise RuntimeError(
+                f"a request of {longest} tokens (prompt + output) exceeds {url}'s "
+                f"max_model_len {limit}; lower --input-len/--output-len"
+                + ("" if workload.dist == "fixed" else " or --max-input-len/--max-output-len")
+            )
         # a peer (cli/bench_peer.py) takes pdserve's ids and is told the model's name
         id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
         model = info["model"] if getattr(args, "name_model", False) else None
         info["token_id_range"] = list(id_range)
-        prompts = make_prompts(args.num_prompts, args.input_len, id_range, args.seed)
+        prompts = prompts_of_lengths([i for i, _ in lengths], id_range, args.seed)
         # The first request pays one-off costs (allocation, lazy init): keep it out.
         warm = RequestRecord(-1)
-        [warm_prompt] = make_prompts(1, args.input_len, id_range, args.seed, "warm-up")
-        await send_request(session, url, warm_prompt, args.output_len, warm, model)
+        [warm_prompt] = make_prompts(1, workload.input_len, id_range, args.seed, "warm-up")
+        await send_request(session, url, warm_prompt, workload.output_len, warm, model)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
         parts_before = await ttft_parts.scrape(session, url)
@@ -177,13 +197,13 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         async def one(record: RequestRecord) -> None:
             async with gate:
                 record.start_s = time.perf_counter() - start
-                await send_request(session, url, prompts[record.index], args.output_len,
-                                   record, model)  # fmt: skip
+                await send_request(session, url, prompts[record.index],
+                                   lengths[record.index][1], record, model)  # fmt: skip
             bar.update()
 
         tasks = []
-        for record, offset in zip(records, arrival_offsets(len(records), args.request_rate,
-                                                           args.seed), strict=True):  # fmt: skip
+        offsets = arrival_offsets(len(records), args.request_rate, base_seed, args.burstiness)
+        for record, offset in zip(records, offsets, strict=True):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(one(record)))
         await asyncio.gather(*tasks)
@@ -197,3 +217,28 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
     return {"label": label, "url": url, "server": info, "loadavg_1m_start": load_start,
             "loadavg_1m_end": os.getloadavg()[0], "metrics": metrics,
             "requests": [r.public() for r in records]}  # fmt: skip
+
+
+def for_load(args: argparse.Namespace, index: int, load: Load) -> argparse.Namespace:
+    """The arguments of one load: its rate and concurrency, and its own prompts (seed +
+    index), so that a later load on the same server gets no prefix-cache hits from an
+    earlier one; lengths and arrivals keep the sweep's seed (``base_seed``)."""
+    return argparse.Namespace(**{**vars(args), "max_concurrency": load.concurrency,
+                                 "request_rate": load.rate, "seed": args.seed + index,
+                                 "base_seed": args.seed})  # fmt: skip
+
+
+def run_loads(url: str, args: argparse.Namespace, loads: list[Load], mode: str,
+              **extra: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Every load against one server, in order; each run tagged with its mode (a line of
+    the plots), concurrency (``load``) and rate. ``extra`` goes into the namespace of
+    each load (a peer's ``token_id_range``, ``name_model``)."""
+    runs = []
+    for index, load in enumerate(loads):
+        load_args = for_load(args, index, load)
+        vars(load_args).update(extra)
+        result = asyncio.run(run_load(url, load_args, load.name(mode, loads)))
+        rate = "inf" if math.isinf(load.rate) else load.rate  # JSON has no infinity
+        result.update(load=load.concurrency, request_rate=rate, mode=mode)
+        runs.append(result)
+    return runs

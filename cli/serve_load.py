@@ -1,5 +1,6 @@
-"""The pure parts of ``pdserve bench serve``'s load: seeded prompts, Poisson arrivals, one
-record per request and vLLM's serving metrics over them. Shared by ``bench_serve.py`` and
+"""The pure parts of ``pdserve bench serve``'s load: seeded prompts and their lengths
+(fixed, or lognormal with a long tail), Poisson or bursty arrivals, one record per request
+and vLLM's serving metrics over them. Shared by ``bench_serve.py`` and
 ``bench_serve_hf.py`` (the Hugging Face reference), which import nothing from each other."""
 
 from __future__ import annotations
@@ -7,35 +8,111 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Load:
+    """One load of a sweep: its arrival rate (inf: all at once) and concurrency cap."""
+
+    rate: float
+    concurrency: int | None
+
+    def name(self, mode: str, loads: list[Load]) -> str:
+        """``mode``, plus what varies across the sweep: ``disaggregated r=2 c=8``."""
+        parts = [mode]
+        if len({load.rate for load in loads}) > 1:
+            parts.append(f"r={self.rate:g}")
+        if len({load.concurrency for load in loads}) > 1:
+            parts.append(f"c={self.concurrency or 'inf'}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt and output lengths: every request ``input_len`` / ``output_len`` tokens
+    (fixed), or drawn from lognormals whose medians they are (lognormal), with shape
+    ``*_sigma`` (the log's standard deviation) and capped at ``max_*_len``: chat traffic's
+    long tail (most requests short, a few many times the median)."""
+
+    dist: str = "fixed"
+    input_len: int = 256
+    output_len: int = 64
+    input_sigma: float = 1.0
+    output_sigma: float = 1.0
+    max_input_len: int | None = None  # None: 8x the median (~2% of draws clipped at sigma 1)
+    max_output_len: int | None = None
+
+    @property
+    def input_cap(self) -> int:
+        return self.max_input_len or 8 * self.input_len
+
+    @property
+    def output_cap(self) -> int:
+        return self.max_output_len or 8 * self.output_len
+
+    @property
+    def longest(self) -> int:
+        """The most tokens one request can need (prompt + output)."""
+        if self.dist == "fixed":
+            return self.input_len + self.output_len
+        return self.input_cap + self.output_cap
+
+    def lengths(self, n: int, seed: int) -> list[tuple[int, int]]:
+        """(prompt tokens, output tokens) of each request; seeded, and the same for every
+        load of a sweep (one seed), so rates differ only in their arrivals."""
+        if self.dist == "fixed":
+            return [(self.input_len, self.output_len)] * n
+        rng = random.Random(f"{seed}/lengths")
+
+        def draw(median: int, sigma: float, cap: int) -> int:
+            return min(cap, max(1, round(rng.lognormvariate(math.log(median), sigma))))
+
+        return [(draw(self.input_len, self.input_sigma, self.input_cap),
+                 draw(self.output_len, self.output_sigma, self.output_cap))
+                for _ in range(n)]  # fmt: skip
+
+
 def make_prompts(n: int, input_len: int, id_range: tuple[int, int], seed: int,
                  stream: str = "prompts") -> list[list[int]]:  # fmt: skip
-    """Seeded random token ids; distinct, so that none can hit the prefix cache. The length
-    is part of the seed: with one seed, the prompts of a longer run would otherwise begin
-    with those of a shorter one (prompt k of 2L tokens = prompts 2k and 2k + 1 of L), and a
-    server that outlives one run (a peer) would serve the next one's prefixes from its
-    cache."""
-    rng = random.Random(f"{seed}/{stream}/{input_len}")  # a string seed: stable across processes
+    """``n`` prompts of ``input_len`` tokens (prompts_of_lengths)."""
+    return prompts_of_lengths([input_len] * n, id_range, seed, stream)
+
+
+def prompts_of_lengths(lengths: list[int], id_range: tuple[int, int], seed: int,
+                       stream: str = "prompts") -> list[list[int]]:  # fmt: skip
+    """Seeded random token ids; distinct, so that none can hit the prefix cache. The
+    lengths are part of the seed: with one seed, the prompts of a longer run would
+    otherwise begin with those of a shorter one (prompt k of 2L tokens = prompts 2k and
+    2k + 1 of L), and a server that outlives one run (a peer) would serve the next one's
+    prefixes from its cache."""
+    if len(set(lengths)) <= 1:  # fixed lengths: the seeds (and prompts) of earlier results
+        key = str(lengths[0] if lengths else 0)
+    else:
+        key = f"{len(lengths)}x{zlib.crc32(repr(lengths).encode()):08x}"
+    rng = random.Random(f"{seed}/{stream}/{key}")  # a string seed: stable across processes
     low, high = id_range
-    prompts = [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(n)]
-    if len({tuple(p) for p in prompts}) != n:  # only possible with a tiny --input-len
-        raise RuntimeError("random prompts collided; use a longer --input-len")
+    prompts = [[rng.randrange(low, high) for _ in range(length)] for length in lengths]
+    if len({tuple(p) for p in prompts}) != len(prompts):  # only possible with tiny prompts
+        raise RuntimeError("random prompts collided; use longer prompts (--input-len)")
     return prompts
 
 
-def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
-    """Seconds from the start at which each request is sent: a Poisson process (as vLLM's
-    burstiness 1), or all at 0 for an infinite rate. The first request goes at 0."""
+def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Seconds from the start at which each request is sent, as vLLM's bench sends them:
+    gaps drawn from a gamma distribution of shape ``burstiness`` and mean 1 / rate (shape
+    1 is a Poisson process; below 1 burstier, above 1 more even), or all at 0 for an
+    infinite rate. The first request goes at 0. The draws depend on the seed and shape,
+    not on the rate: a sweep's rates share one arrival pattern, compressed."""
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(f"{seed}/arrivals")
     offsets = [0.0]
     for _ in range(n - 1):
-        offsets.append(offsets[-1] + rng.expovariate(rate))
+        offsets.append(offsets[-1] + rng.gammavariate(burstiness, 1.0) / (burstiness * rate))
     return offsets[:n]
 
 
