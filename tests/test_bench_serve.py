@@ -20,14 +20,18 @@ from aiohttp import web
 from pdserve.cli.bench_serve import format_table
 from pdserve.cli.main import main
 from pdserve.cli.serve_load import (
+    Load,
     RequestRecord,
+    Workload,
     arrival_offsets,
     compute_metrics,
     make_prompts,
     percentile,
+    prompts_of_lengths,
 )
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
+from tests.test_bench_peer import openai_server
 
 
 def record(i: int, ttft: float, e2e: float, itl: list[float], out: int = 4) -> RequestRecord:
@@ -84,6 +88,40 @@ def test_arrivals_are_seeded_poisson_or_all_at_once() -> None:
     assert a == arrival_offsets(2000, 10.0, 7) and a != arrival_offsets(2000, 10.0, 8)
     assert a[0] == 0.0 and all(x <= y for x, y in itertools.pairwise(a))
     assert a[-1] / (len(a) - 1) == pytest.approx(0.1, rel=0.1)  # mean gap 1 / rate
+
+
+def test_burstiness_shapes_the_gaps_not_their_mean() -> None:
+    for shape in (0.25, 1.0, 4.0):  # the gaps' coefficient of variation is 1 / sqrt(shape)
+        a = arrival_offsets(4000, 10.0, 3, burstiness=shape)
+        gaps = [y - x for x, y in itertools.pairwise(a)]
+        mean = sum(gaps) / len(gaps)
+        cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+        assert mean == pytest.approx(0.1, rel=0.1) and cv == pytest.approx(shape**-0.5, rel=0.15)
+    # one pattern for every rate of a sweep, compressed: rates differ only in their rate
+    slow, fast = arrival_offsets(50, 1.0, 3, 0.5), arrival_offsets(50, 4.0, 3, 0.5)
+    assert fast == pytest.approx([x / 4 for x in slow])
+
+
+def test_lognormal_lengths_are_seeded_long_tailed_and_capped() -> None:
+    w = Workload(dist="lognormal", input_len=200, output_len=50, max_output_len=120)
+    lengths = w.lengths(2000, seed=1)
+    assert lengths == w.lengths(2000, seed=1) and lengths != w.lengths(2000, seed=2)
+    ins, outs = sorted(i for i, _ in lengths), sorted(o for _, o in lengths)
+    assert 180 <= ins[1000] <= 220 and 45 <= outs[1000] <= 55  # the medians
+    assert ins[1800] > 3 * ins[1000]  # sigma 1: the 90th percentile ~3.6x the median
+    assert min(ins) >= 1 and max(ins) <= 1600 and min(outs) >= 1 and max(outs) == 120
+    assert w.longest == 1600 + 120
+    fixed = Workload(input_len=8, output_len=3)
+    assert fixed.lengths(2, seed=0) == [(8, 3), (8, 3)] and fixed.longest == 11
+    prompts = prompts_of_lengths([i for i, _ in lengths[:20]], (0, 1000), seed=0)
+    assert [len(p) for p in prompts] == [i for i, _ in lengths[:20]]
+
+
+def test_a_load_is_named_by_what_the_sweep_varies() -> None:
+    rates = [Load(1.0, None), Load(2.5, None)]
+    assert [x.name("colocated", rates) for x in rates] == ["colocated r=1", "colocated r=2.5"]
+    both = [Load(1.0, 4), Load(math.inf, 8)]
+    assert both[1].name("d", both) == "d r=inf c=8" and both[0].name("d", both[:1]) == "d"
 
 
 def test_prompts_are_exact_distinct_and_in_range() -> None:
@@ -169,6 +207,68 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     assert all(r["output_tokens"] == 3 and r["chunks"] == 3 for r in done)
     assert run["server"]["token_id_range"] == [1000, 30000]
     assert "TTFT p99 (ms)" in capsys.readouterr().out
+
+
+def test_goodput_sweep_against_real_sockets(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A rate sweep with lognormal lengths against two small servers (pdserve's place and
+    a peer's): each load gets the same lengths and arrivals on both; every run scored."""
+    out = tmp_path / "goodput.json"
+    with openai_server("ours", vocab=500) as (url, ours), \
+            openai_server("theirs", vocab=None) as (peer, theirs):  # fmt: skip
+        rc = main(["bench", "serve", "--url", url, "--peer-url", peer, "--label", "pdserve",
+                   "--num-prompts", "6", "--request-rate", "40,80", "--burstiness", "0.5",
+                   "--length-dist", "lognormal", "--input-len", "16", "--output-len", "4",
+                   "--max-output-len", "12", "--goodput", "ttft:5000", "tpot:1000",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    lengths = [(len(b["prompt"]), b["max_tokens"]) for b in ours]
+    assert len(lengths) == 14 and len({o for _, o in lengths[1:]}) > 1  # warm-up + 6, twice
+    assert lengths[1:7] == lengths[8:]  # the same lengths at every rate
+    assert sorted(lengths) == sorted((len(b["prompt"]), b["max_tokens"]) for b in theirs)
+    payload = json.loads(out.read_text())
+    assert payload["config"]["request_rate"] == [40.0, 80.0]
+    assert payload["config"]["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 1000.0}
+    assert payload["config"]["max_output_len"] == 12 and "loadavg_1m" in payload["config"]
+    runs = payload["runs"]
+    assert [(r["label"], r["request_rate"]) for r in runs] == [
+        ("pdserve r=40", 40.0), ("pdserve r=80", 80.0), ("peer r=40", 40.0), ("peer r=80", 80.0)]  # fmt: skip
+    assert all(r["goodput"]["attainment"] == {"ttft": 1.0, "tpot": 1.0, "all": 1.0} for r in runs)
+    series = payload["goodput"]["series"]
+    assert [(s["mode"], s["goodput_rps"], s["bound"]) for s in series] == [
+        ("pdserve", 80.0, "above_highest"), ("peer", 80.0, "above_highest")]  # fmt: skip
+    assert series[0]["goodput_rps_per_device"] is None  # --url: the device count is unknown
+    printed = capsys.readouterr().out
+    assert "SLO attainment (TTFT <= 5000 ms, TPOT <= 1000 ms" in printed
+    assert ">= 80.00" in printed
+    from benchmarks.plot_serve import main as plot
+
+    plot(str(out), str(tmp_path / "goodput.png"))  # attainment against rate
+    assert (tmp_path / "goodput.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """CI's goodput sweep: disaggregated and colocated on the tiny model, two rates."""
+    monkeypatch.setenv("PDSERVE_ENGINE__KV_CACHE_MEMORY_GB", "0.25")
+    monkeypatch.setenv("PDSERVE_TORCH_THREADS", "1")
+    out = tmp_path / "goodput.json"
+    rc = main(["bench", "serve", "--compare", "--model", str(model_dir), "--num-prompts", "4",
+               "--request-rate", "2,8", "--input-len", "32", "--output-len", "4",
+               "--goodput", "ttft:60000", "tpot:60000", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    runs = payload["runs"]
+    assert [(r["mode"], r["request_rate"]) for r in runs] == [
+        ("disaggregated", 2.0), ("disaggregated", 8.0), ("colocated", 2.0), ("colocated", 8.0)]  # fmt: skip
+    assert all(r["metrics"]["completed"] == 4 for r in runs)
+    # targets of a minute: every request is good, at both rates, in both modes
+    assert all(r["goodput"]["attainment"]["all"] == 1.0 for r in runs)
+    assert [(s["mode"], s["goodput_rps"], s["bound"], s["goodput_rps_per_device"])
+            for s in payload["goodput"]["series"]] == [
+        ("disaggregated", 8.0, "above_highest", 8.0), ("colocated", 8.0, "above_highest", 8.0)]  # fmt: skip
+    assert payload["config"]["git_commit"] and payload["config"]["command"].startswith("pdserve")
 
 
 @pytest.mark.slow
