@@ -104,13 +104,14 @@ def goodput_rate(points: list[tuple[float, float]], target: float = TARGET) -> d
 
 
 def describe(result: dict[str, Any], per_device: float | None = None) -> str:
-    """A goodput for the table: "1.52", ">= 4.00 (every rate)", "< 0.50 (lowest rate)"."""
+    """A goodput for the table: "1.52", ">= 4.00" (met at every rate), "< 0.50" (missed
+    at the lowest), each with its per-device figure when the device count is known."""
     rate, bound = result["rate"], result["bound"]
     if rate is None:
         return "- (no finite rate swept)"
-    text = {"interpolated": f"{rate:.2f}", "above_highest": f">= {rate:.2f}",
-            "below_lowest": f"< {rate:.2f}"}[bound]  # fmt: skip
-    return text if per_device is None else f"{text} ({per_device:.2f} per device)"
+    sign = {"interpolated": "", "above_highest": ">= ", "below_lowest": "< "}[bound]
+    text = f"{sign}{rate:.2f}"
+    return text if per_device is None else f"{text} ({sign}{per_device:.2f} per device)"
 
 
 def series(runs: list[dict[str, Any]], num_devices: int | None) -> list[dict[str, Any]]:
