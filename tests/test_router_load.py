@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -330,3 +332,29 @@ def test_a_lost_sdk_client_is_logged_once_not_per_token(dep: Deployment) -> None
     wait_until(lambda: router_metrics(dep)["pdserve:num_requests_running"] == 0, 30,
                "the router to abort the lost client's request")  # fmt: skip
     assert log.read_text().count("client_send_failed") - before <= 1
+
+
+def test_requests_right_after_a_router_stall_are_served(dep: Deployment) -> None:
+    """Issue item 5: after a router stall over 5 s (ZeroMQ's heartbeat drops the links to
+    the services), new requests got 503 for a while. They wait for the instances to answer
+    a ping again instead."""
+    import urllib.error
+    import urllib.request
+
+    def status() -> int:
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"{dep.url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    router = dep.procs["router"].pid
+    os.kill(router, signal.SIGSTOP)
+    try:
+        time.sleep(6.0)
+    finally:
+        os.kill(router, signal.SIGCONT)
+    assert [status() for _ in range(20)] == [200] * 20

@@ -53,6 +53,8 @@ class Instances:
         self._scrapes: dict[str, asyncio.Future[p.MetricsReport]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.throttle = LogThrottle()  # a full or lost peer fails every send: few lines
+        self._last_tick = time.monotonic()  # the ping loop's last round
+        self._stalled_at = -float("inf")  # when this loop last came back from a stall
 
     async def start(self) -> None:
         if not self.cfg.colocated:
@@ -81,6 +83,18 @@ class Instances:
     @property
     def links(self) -> list[Link]:
         return self.prefills + self.decodes
+
+    def stall_mark(self) -> float | None:
+        """None, unless this loop is late for its ping round or was stalled less than
+        ``peer_timeout_seconds`` ago: then a peer counts as up only once it answered a ping
+        after the time returned (inf while the loop is late: no ping went out since).
+        Across a stall over ZeroMQ's 5 s heartbeat the connections were dropped, and a
+        request sent before the drop is noticed would be lost with them; a peer that
+        looks down may be down only in this loop's eyes, and answers within a round."""
+        now = time.monotonic()
+        if now - self._last_tick > 2 * self.ping_seconds:
+            return float("inf")
+        return self._stalled_at if now - self._stalled_at < self.peer_timeout else None
 
     def health_detail(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -140,6 +154,7 @@ class Instances:
                 continue
             if isinstance(msg, p.Pong):
                 link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
+                link.heard = link.last_pong
             elif isinstance(msg, p.MetricsReport):
                 fut = self._scrapes.pop(link.name, None)
                 if fut is not None and not fut.done():
@@ -159,6 +174,9 @@ class Instances:
         while True:
             now = time.monotonic()
             stalled = lag.tick()
+            self._last_tick = now
+            if stalled > self.ping_seconds:
+                self._stalled_at = now
             for link in self.links:
                 if stalled and link.last_pong:  # our stall, not its silence
                     link.last_pong += stalled

@@ -19,7 +19,8 @@ class Link:
     address: str
     sock: Any
     ready: bool = False  # as its last Pong said; False from the moment it is found down
-    last_pong: float = 0.0
+    last_pong: float = 0.0  # moved forward past the router's own stalls (loop_lag.py)
+    heard: float = 0.0  # when its last Pong really came (time.monotonic())
     up: bool = False  # alive at the last ping round (each change is logged once)
     lost: bool = False  # found down (silent or disconnected), not heard from since
     outstanding_tokens: int = 0

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from pdserve.common.engine.block_pool import hash_blocks
+from pdserve.common.engine.block_pool import BlockHash, hash_blocks
 from pdserve.common.errors import RequestError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
@@ -40,6 +40,8 @@ from pdserve.services.router.request_state import (
 __all__ = ["MAX_LABEL_CHARS", "Event", "Router"]
 
 log = structlog.get_logger("pdserve.router")
+
+STALL_POLL_SECONDS = 0.05
 
 
 class Router(Instances):
@@ -118,6 +120,8 @@ class Router(Instances):
         if held >= self.cfg.max_requests_per_client:  # one client cannot take every slot
             return ("overloaded", f"this client holds {held} requests, its share "
                     "(max_requests_per_client); retry when some have finished")  # fmt: skip
+        if self.stall_mark() is not None:  # peers may look down for our own stall: _pick waits
+            return None
         now = time.monotonic()
         for role, links in (("prefill", [] if self.cfg.colocated else self.prefills),
                             ("decode", self.decodes)):  # fmt: skip
@@ -126,6 +130,20 @@ class Router(Instances):
             ):
                 return ("peer_down", f"no {role} instance is up; retry later")
         return None
+
+    async def _pick(self, links: list[Link], hashes: list[BlockHash] | None = None) -> Link | None:
+        """A live instance. Right after this loop stalled, only one that answered a ping
+        since, waiting up to ``peer_timeout_seconds`` for one to (``stall_mark``): the
+        request waits instead of failing 503, or of being sent down a connection about to
+        be found dropped."""
+        deadline = time.monotonic() + self.peer_timeout
+        while True:
+            mark = self.stall_mark()
+            heard = links if mark is None else [link for link in links if link.heard > mark]
+            link = pick(heard, hashes, self.peer_timeout)
+            if link is not None or mark is None or time.monotonic() >= deadline:
+                return link
+            await asyncio.sleep(STALL_POLL_SECONDS)
 
     async def _labelled(
         self, state: RequestState, events: AsyncIterator[Event]
@@ -255,7 +273,7 @@ class Router(Instances):
                 first_logprobs = done.first_logprobs
                 prompt_logprobs = done.prompt_logprobs
                 state.marks.update(done.timings)
-            decode = pick(self.decodes, timeout=self.peer_timeout)
+            decode = await self._pick(self.decodes)
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
                 return
@@ -326,7 +344,7 @@ class Router(Instances):
         self, state: RequestState, ids: list[int], sampling: p.SamplingParams
     ) -> p.PrefillDone | p.Failed | p.Finished:
         hashes = hash_blocks(ids, self.block_size)
-        link = pick(self.prefills, hashes, self.peer_timeout)
+        link = await self._pick(self.prefills, hashes)
         if link is None:
             return self._failed(state, "peer_down", "no prefill instance is up; retry later")
         self._dispatch(
