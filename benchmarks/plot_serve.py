@@ -68,8 +68,9 @@ def main(src: str, dst: str) -> None:
 
 def plot_goodput(plt: Any, payload: dict[str, Any], dst: str) -> None:
     cfg, sweep = payload["config"], payload["goodput"]
-    names = [*sweep["slos_ms"], "all"]
-    titles = {"ttft": "TTFT only", "tpot": "TPOT only", "e2el": "E2E latency only"}
+    slos = sweep["slos_ms"]
+    names = [*slos, "all"]
+    titles = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2E latency"}
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
     for i, s in enumerate(sweep["series"]):
         # an infinite rate (all at once) has no place on a rate axis
@@ -77,25 +78,33 @@ def plot_goodput(plt: Any, payload: dict[str, Any], dst: str) -> None:
         name = (
             s["mode"] if s["max_concurrency"] is None else f"{s['mode']} c={s['max_concurrency']}"
         )
+        sign = {"interpolated": "", "above_highest": ">= ", "below_lowest": "< "}.get(s["bound"])
+        if sign is not None:
+            name += f" (goodput {sign}{s['goodput_rps']:.2f} req/s)"
         for ax, slo in zip(axes[0], names, strict=True):
             ys = [100 * s["attainment"][slo][k] for _, k in points]
             ax.plot([r for r, _ in points], ys, "-o", color=f"C{i}", label=name)
-            if slo == "all" and s["goodput_rps"] is not None and s["bound"] == "interpolated":
+            if slo == "all" and s["bound"] == "interpolated":
                 ax.axvline(s["goodput_rps"], color=f"C{i}", ls=":", lw=1)
     for ax, slo in zip(axes[0], names, strict=True):
-        target = f"{slo} <= {sweep['slos_ms'][slo]:g} ms" if slo != "all" else "every target"
-        ax.set_title(f"{titles.get(slo, 'all SLOs (good)')}: {target}", fontsize=10)
+        if slo == "all":
+            title = " and ".join(titles[n] for n in slos) + " (good)"
+        else:
+            title = f"{titles[slo]} only: <= {slos[slo]:g} ms"
+        ax.set_title(title, fontsize=10)
         ax.axhline(100 * sweep["target"], color="grey", ls="--", lw=1)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylim(-3, 103)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("SLO attainment (% of requests)")
     axes[0][-1].legend(fontsize=8)
-    lengths = (f"input {cfg['input_len']}, output {cfg['output_len']}"
-               + ("" if cfg.get("length_dist", "fixed") == "fixed" else " (lognormal medians)"))  # fmt: skip
+    lengths = f"input {cfg['input_len']}, output {cfg['output_len']}"
+    if cfg.get("length_dist", "fixed") != "fixed":
+        lengths += f" (lognormal medians, caps {cfg['max_input_len']} / {cfg['max_output_len']})"
     fig.suptitle(
-        f"goodput: {Path(str(payload['runs'][0]['server']['model'])).name}, "
-        f"{cfg['num_prompts']} prompts a rate, {lengths}; dotted: goodput"
+        f"SLO attainment: {Path(str(payload['runs'][0]['server']['model'])).name}, "
+        f"{cfg['num_prompts']} prompts a rate, {lengths}; dotted: goodput (90% good)",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
