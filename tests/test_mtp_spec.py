@@ -249,7 +249,7 @@ def test_mtp_layer_matches_transformers(checkpoints: dict[str, Path], kind: str)
     req = eng.scheduler.running[0]
     tokens = req.all_token_ids  # t_0..t_P
     n = len(prompt)
-    [hidden] = mtp._target_hidden([req], [(0, n)])  # from the target's paged KV
+    [hidden] = mtp.hidden.of([req], [(0, n)])  # from the target's paged KV
     want_hidden = ref.target_hidden(tokens[:-1])
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
     seq = ScheduledSeq("r", tokens[1:], 0, req.block_ids, True)

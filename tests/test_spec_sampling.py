@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from pdserve.common.engine.sampling import SamplingParams
+from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.engine.spec_decode.rejection import rejection_sample
 from pdserve.common.model.random import save_random_model
+from pdserve.common.model.random_dspark import save_random_dspark
 from tests.test_spec_decode import draft, engine_of, ngram, perturbed_copy
 
 ALPHA = 1e-3  # significance of every chi-square test here
@@ -30,7 +32,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         initializer_range=0.2, tie_word_embeddings=False,
     )  # fmt: skip
-    return {"small": small, "small_draft": perturbed_copy(small, root / "small_draft", 0.5)}
+    return {
+        "small": small,
+        "small_draft": perturbed_copy(small, root / "small_draft", 0.5),
+        # DSpark (tests/test_dspark.py): drafts from the target's hidden states, the random
+        # confidence head cutting some blocks short at threshold 0.5
+        "small_dspark": save_random_dspark(root / "small_dspark", small, num_layers=1,
+                                           markov_rank=4, confidence_head=True, std=0.2),
+    }  # fmt: skip
 
 
 # -- the rejection sampler is exact ----------------------------------------------------------
@@ -109,10 +118,15 @@ def exact_marginals(model: Path, prompt: list[int], temperature: float) -> torch
     return torch.stack([m1, m2]).double()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "dspark"])
 def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) -> None:
     """Output tokens 2 and 3 come out of the first verify step (positions 0 and 1)."""
-    spec = ngram(3) if method == "ngram" else draft(models["small_draft"], 3)
+    spec = {
+        "ngram": ngram(3),
+        "draft": draft(models["small_draft"], 3),
+        "dspark": SpeculativeConfig(method="dspark", model=str(models["small_dspark"]),
+                                    num_speculative_tokens=3, confidence_threshold=0.5),
+    }[method]  # fmt: skip
     prompt = [3, 5, 7, 3, 5]
     eng = engine_of(models["small"], spec, max_num_seqs=512, max_num_batched_tokens=4096,
                     num_kv_blocks=2048, enable_prefix_caching=False)  # fmt: skip
@@ -127,4 +141,9 @@ def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) ->
     for pos in (1, 2):
         counts = torch.bincount(tokens[:, pos], minlength=16).double()
         assert chi_square_p(counts, exact[pos - 1]) > ALPHA, (pos, counts, exact[pos - 1])
-    assert eng.speculator is not None and eng.speculator.stats.num_drafts >= num
+    assert eng.speculator is not None
+    stats = eng.speculator.stats
+    if method == "dspark":  # blocks the confidence head cut to nothing are no drafts
+        assert num // 4 <= stats.num_drafts < num and stats.num_accepted_tokens > 0
+    else:
+        assert stats.num_drafts >= num

@@ -125,9 +125,13 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # MTP speculation (common/engine/spec_decode/mtp.py): with keep_hidden, a forward
-        # leaves the final hidden states before the final norm of its logits rows here
+        # leaves the final hidden states before the final norm of its logits rows here;
+        # with hidden_layers too (DSpark, common/engine/spec_decode/dspark.py) the residual
+        # stream after each layer named there instead (-1: the embeddings), side by side
         self.keep_hidden = False
-        self.hidden: torch.Tensor | None = None  # [S, hidden]
+        self.hidden_layers: tuple[int, ...] | None = None
+        self.hidden: torch.Tensor | None = None  # [S, hidden] or [S, len(layers) * hidden]
+        self._taps: list[torch.Tensor] = []  # the last forward's streams of hidden_layers
         self.head: Linear | None = None  # lm_head's GEMM, prepacked (pack_weights)
 
     def _layers(
@@ -141,8 +145,14 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary.cos_sin(positions)
         rope = (cos.to(x.dtype), sin.to(x.dtype))  # once per step, not per layer
         residual: torch.Tensor | None = None
-        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
+        taps = self.hidden_layers if self.keep_hidden else None
+        self._taps = [x] if taps and taps[0] == -1 else []
+        for i, (layer, (group, slot)) in enumerate(
+            zip(self.model.layers, self.kv_slots, strict=True)
+        ):
             x, residual = layer(x, residual, rope, kv_cache[:, slot], meta.of_group(group))
+            if taps and i in taps:
+                self._taps.append(x + residual)  # HF's hidden_states[i + 1]
         return x, residual
 
     def forward(
@@ -160,7 +170,10 @@ class CausalLM(nn.Module):
         else:
             x, pre = self.model.norm.add(x[logits_indices], residual[logits_indices])
         if self.keep_hidden:
-            self.hidden = pre
+            self.hidden = (
+                torch.cat([t[logits_indices] for t in self._taps], -1) if self._taps else pre
+            )
+            self._taps = []
         return (self.head(x) if self.head is not None else self.lm_head(x)).float()
 
     def hidden_states(
@@ -170,7 +183,12 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]: every token's final hidden state before the final norm
+        """(with keep_hidden and hidden_layers: [T, len(layers) * hidden], those layers'
+        outputs, as ``hidden`` holds them for logits rows)."""
         x, residual = self._layers(input_ids, positions, kv_cache, meta)
+        if self._taps:
+            taps, self._taps = self._taps, []
+            return torch.cat(taps, -1)
         return x if residual is None else x + residual
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:

@@ -44,6 +44,7 @@ COUNTERS = {
     "pdserve:spec_decode_num_draft_tokens": "draft tokens proposed",
     "pdserve:spec_decode_num_accepted_tokens": "draft tokens accepted",
     "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
+    "pdserve:spec_decode_num_deferred": "verify steps without drafts: the DSpark draft's state was being rebuilt",
 }
 GAUGES = {
     "pdserve:kv_blocks_free": "free KV blocks",

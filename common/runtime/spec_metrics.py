@@ -12,6 +12,7 @@ TOTALS = {
     "pdserve:spec_decode_num_drafts": "num_drafts",
     "pdserve:spec_decode_num_draft_tokens": "num_draft_tokens",
     "pdserve:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    "pdserve:spec_decode_num_deferred": "num_deferred",
 }
 PER_POS = "pdserve:spec_decode_num_accepted_tokens_per_pos"
 

@@ -7,14 +7,16 @@ import msgspec
 
 from pdserve.common.errors import PdserveError
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "dspark")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2}`` or ``{"method": "draft_model", "model": PATH,
     "num_speculative_tokens": 5}`` or ``{"method": "mtp", "num_speculative_tokens": 1}``
-    (a DeepSeek checkpoint's own multi-token-prediction layer). Every decode step proposes exactly
+    (a DeepSeek checkpoint's own multi-token-prediction layer) or ``{"method": "dspark",
+    "model": PATH, "num_speculative_tokens": 5, "confidence_threshold": 0.5}`` (a DeepSpec
+    DSpark draft; its confidence head may verify fewer). Every decode step proposes exactly
     ``num_speculative_tokens`` tokens a sequence (fewer only where max_tokens or
     max_model_len leave less room) and the target verifies them in one forward."""
 
@@ -22,7 +24,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default 4)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default 1)
-    model: str | None = None  # draft_model: HF directory or GGUF file
+    model: str | None = None  # draft_model: HF directory or GGUF file; dspark: its directory
+    # dspark: verify the drafts up to the first whose confidence (the sigmoid of the
+    # confidence head) is below this; 0 (default) or a draft without the head: all of them
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -35,6 +40,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 "speculative_config: num_speculative_tokens must be at least 1, "
                 f"got {self.num_speculative_tokens}"
             )
+        if self.confidence_threshold is not None:
+            if self.method != "dspark":
+                raise PdserveError(
+                    "speculative_config: confidence_threshold belongs to method 'dspark'"
+                )
+            if not 0.0 <= self.confidence_threshold <= 1.0:
+                raise PdserveError(
+                    "speculative_config: confidence_threshold must be within [0, 1], got "
+                    f"{self.confidence_threshold}"
+                )
         if self.method == "ngram":
             if self.model is not None:
                 raise PdserveError("speculative_config: method 'ngram' takes no 'model'")
@@ -53,6 +68,17 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise PdserveError(
                     "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
                 )
+        elif self.method == "dspark":
+            if not self.model:
+                raise PdserveError(
+                    "speculative_config: method 'dspark' needs 'model' (a DeepSpec DSpark "
+                    "draft directory: config.json and safetensors); drafting from a "
+                    "DeepSeek-V4 checkpoint's own mtp.* weights is not built"
+                )
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise PdserveError(
+                    "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
+                )
         else:
             if not self.model:
                 raise PdserveError(
@@ -63,6 +89,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise PdserveError(
                     "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
                 )
+
+    @property
+    def threshold(self) -> float:
+        return self.confidence_threshold or 0.0
 
     @property
     def lookup_max(self) -> int:

@@ -29,8 +29,6 @@ own KV and the output are untouched).
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import torch
 
@@ -41,6 +39,7 @@ from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import row_probs, token_generator
 from pdserve.common.engine.spec_decode.draft_model import DRAFT_STREAM
 from pdserve.common.engine.spec_decode.proposal import Draft
+from pdserve.common.engine.spec_decode.target_hidden import TargetHidden
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
@@ -61,7 +60,7 @@ class MTPProposer:
                 "(decode tensor parallel 1); it reads the target's hidden states"
             )
         self.runner = runner
-        self.chunk = config.max_num_batched_tokens  # the longest forward of a catch-up
+        self.hidden = TargetHidden(runner, config.max_num_batched_tokens)
         runner.model.keep_hidden = True
         if runner.graphs is not None:  # captured without the hidden states: again with them
             runner.recapture_graphs()
@@ -69,81 +68,14 @@ class MTPProposer:
             target, runner.model_dir, runner.model, runner.dtype, runner.device
         )
         self.kv_cache = self._new_cache()
-        # request id -> (first position, the target's hidden states from there) [n, hidden]
-        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
 
     def _new_cache(self) -> torch.Tensor:  # [N, 1, ...]: the target's layout, one layer
         layout = msgspec.structs.replace(self.runner.layout, num_layers=1)
         return new_cache(layout, self.runner.device)
 
-    # -- the target's hidden states ---------------------------------------------------------
-
     def keep(self, kept: list[tuple[str, int, int, int]]) -> None:
-        """After the target's step: per request (id, logits row, position of that row, rows
-        to keep), the target's hidden states of those rows. Requests not named lose theirs."""
-        hidden = self.runner.model.hidden
-        self._pending = {}
-        if hidden is None:
-            return
-        for request_id, row, position, num in kept:
-            # a copy: a CUDA graph's output is overwritten by its next replay
-            self._pending[request_id] = (position, hidden[row : row + num].clone())
-
-    @torch.inference_mode()
-    def _target_hidden(
-        self, reqs: list[Request], spans: list[tuple[int, int]]
-    ) -> list[torch.Tensor]:
-        """Per request the target's hidden states of positions [a, b): kept from the last
-        step where they cover the span, else recomputed from the target's KV cache."""
-        out: list[torch.Tensor | None] = [None] * len(reqs)
-        redo: list[int] = []
-        for i, (req, (a, b)) in enumerate(zip(reqs, spans, strict=True)):
-            held = self._pending.get(req.request_id)
-            if held is not None and held[0] <= a and b <= held[0] + held[1].shape[0]:
-                out[i] = held[1][a - held[0] : b - held[0]]
-            else:
-                redo.append(i)
-        # pieces of at most max_num_batched_tokens, as many to a forward as that many hold
-        seqs = [
-            ScheduledSeq(reqs[i].request_id, reqs[i].token_ids_between(x, y), x,
-                         reqs[i].block_ids, False)
-            for i in redo
-            for x, y in self._chunks(*spans[i])
-        ]  # fmt: skip
-        owner = [i for i in redo for _ in self._chunks(*spans[i])]
-        got: list[torch.Tensor | None] = [None] * len(seqs)
-        runner = self.runner
-        for group in self._forwards(seqs):
-            ids, positions, meta, _ = runner.prepare(StepPlan([seqs[n] for n in group]))
-            # read the target's KV, write none of it (a negative slot writes nothing)
-            meta = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
-            hidden = runner.model.hidden_states(ids, positions, runner.kv_cache, meta)
-            for n, piece in zip(group, hidden.split([len(seqs[n].token_ids) for n in group]),
-                                strict=True):  # fmt: skip
-                got[n] = piece
-        for i in redo:
-            out[i] = torch.cat(
-                [g for g, o in zip(got, owner, strict=True) if o == i and g is not None]
-            )
-        return [h for h in out if h is not None]
-
-    def _chunks(self, a: int, b: int) -> list[tuple[int, int]]:
-        """[a, b) in pieces of at most max_num_batched_tokens positions."""
-        n = self.chunk
-        return [(x, min(x + n, b)) for x in range(a, b, n)]
-
-    def _forwards(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
-        """``seqs`` (in order) grouped into forwards of at most max_num_batched_tokens tokens,
-        each group's one-token seqs first (the runner's order: decodes, then the rest)."""
-        groups: list[list[int]] = []
-        total = 0
-        for n, seq in enumerate(seqs):
-            if not groups or total + len(seq.token_ids) > self.chunk:
-                groups.append([])
-                total = 0
-            groups[-1].append(n)
-            total += len(seq.token_ids)
-        return [sorted(g, key=lambda n: len(seqs[n].token_ids) != 1) for g in groups]
+        """After the target's step: the hidden states of the rows named (TargetHidden.keep)."""
+        self.hidden.keep(kept)
 
     # -- proposing --------------------------------------------------------------------------
 
@@ -155,7 +87,7 @@ class MTPProposer:
         nums = [s.num_drafts for s in seqs]
         ends = [s.start_position for s in seqs]  # s: the position of the last real token
         starts = [min(r.num_draft_computed, s) for r, s in zip(reqs, ends, strict=True)]
-        hidden = self._target_hidden(reqs, list(zip(starts, ends, strict=True)))
+        hidden = self.hidden.of(reqs, list(zip(starts, ends, strict=True)))
         self._lead_in(reqs, starts, ends, hidden)  # starts, hidden: now of step 0's last piece
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -206,7 +138,7 @@ class MTPProposer:
         seqs: list[ScheduledSeq] = []
         fed: list[torch.Tensor] = []
         for i, req in enumerate(reqs):
-            a, pieces = starts[i], self._chunks(starts[i], ends[i])
+            a, pieces = starts[i], self.hidden.chunks(starts[i], ends[i])
             for x, y in pieces[:-1]:
                 ids = req.token_ids_between(x + 1, y + 1)
                 seqs.append(ScheduledSeq(req.request_id, ids, x, req.block_ids, True))
@@ -214,7 +146,7 @@ class MTPProposer:
             if len(pieces) > 1:
                 starts[i] = pieces[-1][0]
                 hidden[i] = hidden[i][starts[i] - a :]
-        for group in self._forwards(seqs):
+        for group in self.hidden.forwards(seqs):
             self.run_layer([seqs[n] for n in group], [fed[n] for n in group])
 
     def _run(self, seqs: list[ScheduledSeq], hidden: list[torch.Tensor]) -> torch.Tensor:

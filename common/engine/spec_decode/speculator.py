@@ -27,6 +27,7 @@ from pdserve.common.engine.sampling import (
 )
 from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.engine.spec_decode.draft_model import DraftModelProposer
+from pdserve.common.engine.spec_decode.dspark import DSparkProposer
 from pdserve.common.engine.spec_decode.mtp import MTPProposer
 from pdserve.common.engine.spec_decode.ngram import ngram_propose
 from pdserve.common.engine.spec_decode.proposal import Draft
@@ -58,9 +59,12 @@ class Speculator:
         if spec.method == "draft_model":
             assert spec.model is not None  # SpeculativeConfig checked it
             self.draft = DraftModelProposer(spec.model, config, target, tokenizer, num_blocks)
-        self.mtp: MTPProposer | None = None
+        # the proposers that read the target's hidden states (kept after each verify)
+        self.mtp: MTPProposer | DSparkProposer | None = None
         if spec.method == "mtp":
             self.mtp = MTPProposer(config, target, runner)
+        elif spec.method == "dspark":
+            self.mtp = DSparkProposer(spec, config, target, runner, self.stats)
         self._drafts: dict[str, Draft] = {}
 
     def fill(self, plan: StepPlan, reqs: list[Request]) -> StepPlan:
@@ -84,7 +88,10 @@ class Speculator:
         for i, draft in zip(picked, drafts, strict=True):
             seq = seqs[i]
             real = seq.token_ids[: len(seq.token_ids) - seq.num_drafts]
-            seqs[i] = msgspec.structs.replace(seq, token_ids=real + draft.token_ids)
+            # fewer drafts than slots (DSpark's confidence head, a deferred proposal): the
+            # rest hold a filler the verify never reads; rolled back like rejected ones
+            filler = (real + draft.token_ids)[-1:] * (seq.num_drafts - len(draft.token_ids))
+            seqs[i] = msgspec.structs.replace(seq, token_ids=real + draft.token_ids + filler)
             self._drafts[seq.request_id] = draft
         return StepPlan(seqs)
 
@@ -111,10 +118,10 @@ class Speculator:
                 row += 1
                 continue
             draft = self._drafts.pop(req.request_id)
-            rows = logits[row : row + 1 + seq.num_drafts]  # [d+1, V]
+            rows = logits[row : row + 1 + len(draft.token_ids)]  # [d+1, V]: filler left out
             tokens = self._accept(rows, draft, req, sampler.eos_token_ids)
             num_accepted = len(tokens) - 1
-            self.stats.add(seq.num_drafts, num_accepted)
+            self.stats.add(len(draft.token_ids), num_accepted)
             kept.append((req.request_id, row, seq.start_position, 1 + num_accepted))
             lps = self._logprobs(rows, req.sampling, tokens)
             out.append((req, tokens, lps, seq.num_drafts - num_accepted))
