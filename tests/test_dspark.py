@@ -67,18 +67,20 @@ def greedy(eng: LLMEngine, prompts: list[list[int]] = PROMPTS, n: int = 32) -> l
 
 def bigram_draft(path: Path, target: Path, outputs: list[list[int]], **kw: Any) -> Path:
     """A random draft whose Markov head is a bigram table of ``outputs`` (each token to the
-    one that most often follows it there) and whose LM head is near zero: its drafts follow
-    the target's own habits, so some are accepted and some rejected."""
-    save_random_dspark(path, target, markov_rank=VOCAB, confidence_head=True, **kw)
-    state = load_file(path / "model.safetensors")
+    one that most often follows it there; rank: the tokens seen) and whose LM head is near
+    zero: its drafts follow the target's own habits, so some are accepted, some rejected."""
     follow: dict[int, Counter[int]] = {}
     for seq in outputs:
         for a, b in zip(seq, seq[1:], strict=False):
             follow.setdefault(a, Counter())[b] += 1
-    w2 = torch.zeros(VOCAB, VOCAB)
-    for a, c in follow.items():
-        w2[c.most_common(1)[0][0], a] = 20.0
-    state["markov_head.markov_w1.weight"] = torch.eye(VOCAB)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    save_random_dspark(path, target, markov_rank=len(follow), confidence_head=True, **kw)
+    state = load_file(path / "model.safetensors")
+    w1, w2 = torch.zeros(vocab, len(follow)), torch.zeros(vocab, len(follow))
+    for n, (a, c) in enumerate(sorted(follow.items())):
+        w1[a, n] = 1.0
+        w2[c.most_common(1)[0][0], n] = 20.0
+    state["markov_head.markov_w1.weight"] = w1
     state["markov_head.markov_w2.weight"] = w2
     state["lm_head.weight"] = state["lm_head.weight"] * 0.01
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

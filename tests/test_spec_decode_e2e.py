@@ -2,9 +2,10 @@
 speculation (the draft model computes its own prompt KV on the decode side; so does the MTP
 layer, from the target's hidden states recomputed over the pulled prompt KV). Greedy output,
 streamed text with a stop string included, must equal the monolithic engine's without
-speculation; the acceptance counters must add up in the router's /metrics. Three
+speculation; the acceptance counters must add up in the router's /metrics. Four
 deployments: the embedded model with n-gram, a random checkpoint with a draft model, a
-random DeepSeek-V3 checkpoint (MLA) with its MTP layer."""
+random DeepSeek-V3 checkpoint (MLA) with its MTP layer, a random Qwen3 checkpoint with a
+DSpark draft (k = 5; decode rebuilds the draft's state from the pulled prompt KV)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import pytest
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.random import save_random_llama, save_random_model
 from tests.e2e import deployment
+from tests.test_dspark import TARGET as DSPARK_TARGET
+from tests.test_dspark import bigram_draft
 from tests.test_mtp_spec import mtp_checkpoint
 from tests.test_serving import assert_pools_full
 from tests.test_spec_decode import perturbed_copy
@@ -60,7 +63,7 @@ def counter(url: str, name: str) -> float:
     )
 
 
-@pytest.mark.parametrize("kind", ["embedded-ngram", "random-draft", "deepseek-mtp"])
+@pytest.mark.parametrize("kind", ["embedded-ngram", "random-draft", "deepseek-mtp", "qwen3-dspark"])
 def test_disaggregated_speculation_matches_the_monolithic_engine(
     tmp_path: Path, model_dir: Path, kind: str
 ) -> None:
@@ -73,6 +76,11 @@ def test_disaggregated_speculation_matches_the_monolithic_engine(
     elif kind == "deepseek-mtp":  # an MTP layer whose drafts get accepted (tests/test_mtp_spec.py)
         model = mtp_checkpoint(tmp_path / "mtp", "dense", model_dir, echo=True)
         spec = {"method": "mtp", "num_speculative_tokens": k}
+    elif kind == "qwen3-dspark":  # k = 5, a draft made of the target's bigrams (test_dspark.py)
+        k = 5
+        model = save_random_model(tmp_path / "qwen3", "qwen3", seed=0,
+                                  **{**DSPARK_TARGET, "vocab_size": None})  # fmt: skip
+        spec = {"method": "dspark", "num_speculative_tokens": k}
     else:
         model = save_random_llama(tmp_path / "target", num_layers=2, hidden_size=64,
                                   num_heads=4, num_kv_heads=2, intermediate_size=128)  # fmt: skip
@@ -84,6 +92,9 @@ def test_disaggregated_speculation_matches_the_monolithic_engine(
     mono = LLMEngine(EngineConfig(model=str(model), kv_cache_memory_gb=0.25))
     prompts = cases(mono)
     want = mono.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    if kind == "qwen3-dspark":  # decode rebuilds the draft's state from the pulled KV
+        draft = bigram_draft(tmp_path / "dspark", model, [w.token_ids for w in want], num_layers=2)
+        spec["model"] = str(draft)
     stop = want[0].text[len(want[0].text) // 2 :][:4]
     [want_stop] = mono.generate(prompts[:1], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)))
     engine = {"speculative_config": spec}
