@@ -138,3 +138,55 @@ def test_cuda_mtp_greedy_identical(
         got, (accepted, drafted) = run(k)
         assert got == want, k
         assert 0 < accepted <= drafted
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_dspark_greedy_identical(
+    tmp_path_factory: pytest.TempPathFactory, graphs: bool
+) -> None:
+    """Method dspark (k = 5) on CUDA, a random Qwen3 target with a draft made of its bigrams
+    (tests/test_dspark.py): greedy output equal to the engine's without speculation, drafts
+    accepted; with graphs, verify steps replay the decode graphs, which hand the draft the
+    target's chosen layers (cuda_graphs.py keeps ``CausalLM.hidden`` per graph). The draft's
+    own forward runs eagerly (torch SDPA over its gathered context)."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.common.model.random import save_random_model
+    from tests.test_dspark import PROMPTS, TARGET, bigram_draft
+
+    root = tmp_path_factory.mktemp("dspark-gpu")
+    model = save_random_model(root / "target", "qwen3", seed=0, **TARGET)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(draft: Path | None) -> tuple[list[list[int]], tuple[int, int]]:
+        spec = None if draft is None else SpeculativeConfig(
+            method="dspark", model=str(draft), num_speculative_tokens=5
+        )  # fmt: skip
+        engine = LLMEngine(
+            EngineConfig(model=str(model), device="cuda", dtype="float32", cuda_graphs=graphs,
+                         gpu_memory_utilization=gpu_memory_share(), speculative_config=spec)
+        )  # fmt: skip
+        replays: list[int] = []
+        runner_graphs = getattr(engine.runner, "graphs", None)
+        if runner_graphs is not None:
+            runner_graphs.on_replay = lambda plan: replays.extend(verify_rows(plan))
+        out = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        if graphs and draft is not None:
+            assert replays, "no verify step replayed a CUDA graph"
+        counts = (0, 0)
+        if draft is not None:
+            assert engine.speculator is not None
+            stats = engine.speculator.stats
+            counts = (stats.num_accepted_tokens, stats.num_draft_tokens)
+        del engine, runner_graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out, counts
+
+    want, _ = run(None)
+    got, (accepted, drafted) = run(bigram_draft(root / "draft", model, want, num_layers=2))
+    assert got == want
+    assert 0 < accepted <= drafted
