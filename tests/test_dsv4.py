@@ -8,9 +8,10 @@ kind of layer: sliding, CSA (entries of 4, two overlapping series, a lightning i
 keeping 6) and HCA (entries of 16 here), hash_moe and moe layers, 4 hyper-connection
 streams, a window of 16. Prompts of 40, 300 and 1,500 tokens.
 
-The engine rebuilds each layer's window and compressed entries from the paged cache rows
-every step (common/model/dsv4_attention.py), so chunks, preemption and prefix-cache hits
-need no other state; greedy output must equal HF ``generate``'s in each case.
+The engine keeps a window of each layer's per-token rows and its compressed entries as KV
+cache groups (common/engine/kv_groups.py cache_groups); greedy output must equal HF
+``generate``'s with chunks, preemption and prefix-cache hits (bounded replay), and the
+blocks a sequence holds follow the formula.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
@@ -120,7 +122,13 @@ def test_config_reads_v4_as_transformers_does(v4_model: Path) -> None:
     # one row a token and layer: K=V (32), CSA's two series of kv and gate (4 x 32), its
     # indexer's (4 x 16)
     assert cache_head(cfg, "float32") == (32 + 128 + 64, 1, "float32")
-    assert cfg.layer_windows == (None,) * 4  # every block kept (no bounded window yet)
+    # every layer's rows over a window of 16 (CSA's 2 x 4 and HCA's 16 fit in it), then
+    # the entries of the CSA layers (1 / 4) and the HCA layer (1 / 16): groups of one layer
+    groups = cache_groups(cfg)
+    assert [(g.layers, g.sliding_window, g.rate) for g in groups] == [
+        ((0,), 16, 1), ((1,), 16, 1), ((2,), 16, 1), ((3,), 16, 1),
+        ((1,), None, 4), ((3,), None, 4), ((2,), None, 16),
+    ]  # fmt: skip
 
 
 def test_what_is_not_implemented_is_refused_by_name(v4_model: Path) -> None:
@@ -175,7 +183,7 @@ def test_preemption_and_resume(
         EngineConfig(
             model=str(v4_model),
             block_size=16,
-            num_kv_blocks=28,
+            num_kv_blocks=40,  # blocks of one layer: 7 groups (see the config test)
             max_num_batched_tokens=64,
             enable_prefix_caching=False,
         )
@@ -187,18 +195,81 @@ def test_preemption_and_resume(
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
-def test_prefix_cache_hit_rebuilds_windows_and_entries_from_the_blocks(
+def test_prefix_cache_hit_replays_at_most_a_window_and_a_stride(
     v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    """The 1,500-token prompt after the 300-token one, its prefix: the hit's blocks hold
-    every row the window and the entries are rebuilt from; only the tail is computed."""
-    engine = LLMEngine(EngineConfig(model=str(v4_model), block_size=16, num_kv_blocks=256))
+    """The 1,500-token prompt after a request sharing its first 1,000 tokens: the hit takes
+    the window's blocks and the entries' (the open CSA and HCA blocks copied on write),
+    computes only the tail; then with a block inside the window of the hit lost, the hit
+    is cut back and at most the window plus a stride (16 + 16) is replayed, as the counter
+    says. Blocks of 8, so that the window spans two of them."""
+    from pdserve.common.engine.block_pool import hash_blocks
+    from pdserve.common.runtime.engine_thread import report_engine
+    from pdserve.common.runtime.metrics import Metrics
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(v4_model), block_size=8, num_kv_blocks=1024, max_num_batched_tokens=256
+        )
+    )
     sampling = SamplingParams(max_tokens=NUM_TOKENS)
-    assert engine.generate([prompts[1]], sampling)[0].token_ids == reference[1]
+    engine.generate([prompts[2][:1000]], sampling)
     before = engine.scheduler.num_computed_tokens
-    assert engine.generate([prompts[2]], sampling)[0].token_ids == reference[2]
+    [hit] = engine.generate([prompts[2]], sampling)
+    assert hit.token_ids == reference[2]
+    assert engine.scheduler.num_computed_tokens - before == 1500 - 1000 + NUM_TOKENS - 1
+    assert engine.scheduler.num_replayed_tokens == 0
+    # the second request's blocks now hit at 1,496 (187 blocks); the rows' window of 1,496
+    # is blocks 185 and 186: lose layer 0's 185
+    hashes = hash_blocks(prompts[2], 8)
+    assert engine.pool.evict(hashes[185])
+    before = engine.scheduler.num_computed_tokens
+    [again] = engine.generate([prompts[2]], sampling)
+    assert again.token_ids == reference[2]
+    metrics = Metrics("decode", 0)
+    report_engine(metrics, engine, 0, 0)
+    replayed = metrics.value("pdserve:prefix_cache_replayed_tokens")
+    window, stride = 16, 16
+    assert 0 < replayed <= window + stride
+    # the tail from where the hit was cut back to (1,480: its CSA and HCA blocks open)
+    assert replayed == 16
     computed = engine.scheduler.num_computed_tokens - before
-    assert computed <= len(prompts[2]) - 288 + NUM_TOKENS, computed
+    assert computed == 1500 - 1496 + replayed + NUM_TOKENS - 1
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_blocks_a_sequence_holds_follow_the_formula() -> None:
+    """The engine's own accounting (the pure scheduler, no model run) of one sequence of
+    1k and 8k tokens on the test model's groups, blocks of 16: every layer's rows bounded
+    by the window (W' = 16: ceil(16 / 16) + 1 blocks at most), CSA entries tokens / 4 (one
+    block a 64 tokens), HCA entries tokens / 16 here (one block a 256 tokens); before
+    groups, every layer kept every token (4 x tokens / 16 blocks of one layer)."""
+    from pdserve.common.engine.block_pool import BlockPool
+    from pdserve.common.engine.request import Request
+    from pdserve.common.engine.scheduler import Scheduler
+
+    raw = transformers.DeepseekV4Config(**V4).to_dict()
+    groups = cache_groups(ModelConfig.from_dict(raw))
+    for num in (1024, 8192):
+        pool = BlockPool(4096)
+        sched = Scheduler(pool, 16, 4, 512, groups=groups)
+        req = Request("a", list(range(num)), SamplingParams(max_tokens=1))
+        sched.add(req)
+        while req.num_computed_tokens < num:
+            plan, reqs = sched.schedule()
+            sched.on_step_done(reqs, plan)
+        held = [len(req.held_of_group(g)) for g in range(len(groups))]
+        assert held[:4] == [1] * 4  # the window's rows: behind it, blocks went back
+        assert held[4:6] == [-(-num // 64)] * 2  # CSA: tokens / 4 entries, 16 a block
+        assert held[6] == -(-num // 256)  # HCA (rate 16 here): tokens / 16 entries
+        # the bound admission counts with (decoding: a window of W' plus one block)
+        bound = sched.tables.max_blocks(num, chunk=1)
+        assert bound == 4 * 2 + 2 * -(-num // 64) + -(-num // 256)
+        assert sum(held) <= bound < 4 * num // 16
+    # V4-Flash's kinds: a window of 128 (HCA's 128 and CSA's 2 x 4 fit), entries 1/4, 1/128
+    flash = ModelConfig.from_dict({**raw, "sliding_window": 128, "compress_rates": None})
+    kinds = [(g.sliding_window, g.rate) for g in cache_groups(flash)]
+    assert kinds[:4] == [(128, 1)] * 4 and sorted(kinds[4:]) == [(None, 4)] * 2 + [(None, 128)]
 
 
 TEXTS = [

@@ -55,7 +55,9 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._free_plain: list[int] = list(range(num_blocks))  # min-heap of unhashed free ids
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # hashed free ids, LRU first
-        self._hash_of: dict[int, BlockHash] = {}
+        # a block's hashes: one, or (a compressed group's block, common/engine/kv_groups.py)
+        # one per token block whose closed entries it ends
+        self._hash_of: dict[int, list[BlockHash]] = {}
         self._block_of: dict[BlockHash, int] = {}
         # The serial of the newest step that may still run on the device (None: none);
         # frees made meanwhile wait in ``_fenced`` under it.
@@ -105,7 +107,7 @@ class BlockPool:
                 block = heapq.heappop(self._free_plain)
             else:
                 block, _ = self._free_cached.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                self._forget(block)
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -164,9 +166,13 @@ class BlockPool:
         if block is None or self._ref_counts[block]:
             return False
         del self._free_cached[block]
-        del self._block_of[self._hash_of.pop(block)]
+        self._forget(block)
         heapq.heappush(self._free_plain, block)
         return True
+
+    def _forget(self, block: int) -> None:
+        for block_hash in self._hash_of.pop(block):
+            del self._block_of[block_hash]
 
     def count_cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks are cached, without taking them."""
@@ -180,16 +186,15 @@ class BlockPool:
         return num
 
     def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Make a full, computed block findable by its hash (first writer wins)."""
-        if not self.enable_prefix_caching or block_id in self._hash_of:
+        """Make a full, computed block findable by its hash (first writer wins); a block may
+        be registered under several hashes (what each names must never change after)."""
+        if not self.enable_prefix_caching or block_hash in self._block_of:
             return
-        if block_hash in self._block_of:
-            return
-        self._hash_of[block_id] = block_hash
+        self._hash_of.setdefault(block_id, []).append(block_hash)
         self._block_of[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._free_cached):
-            del self._block_of[self._hash_of.pop(block)]
+            self._forget(block)
             heapq.heappush(self._free_plain, block)
         self._free_cached.clear()

@@ -16,7 +16,7 @@ import torch
 from pdserve.common.engine.async_steps import NAN_MESSAGE, InFlight, is_plain, launch_greedy
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
-from pdserve.common.engine.kv_groups import page_groups
+from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import RequestOutput, TextTracker
@@ -71,7 +71,7 @@ class EngineCore(Generic[OutputT]):
         self.pool = BlockPool(self.runner.layout.num_blocks, config.enable_prefix_caching)
         # One block table per KV cache group (common/engine/kv_groups.py): sliding groups
         # return the blocks behind their window, full groups keep every block.
-        self.kv_groups = page_groups(self.model_config.layer_windows)
+        self.kv_groups = cache_groups(self.model_config)
         spec = config.speculative_config if self.holds_output else None
         self.speculator = (
             None

@@ -3,12 +3,16 @@
 A step's tokens, positions and context lengths are the same for every group; what differs
 is where each token's K/V goes (``slot_mapping``) and the block tables. The runners build
 group 0's metadata as they always did; these functions add the other groups' from each
-sequence's ``ScheduledSeq.table(g)``, in the same token order.
+sequence's ``ScheduledSeq.table(g)``, in the same token order. A compressed group
+(``rates[g]`` > 1: its slots are entries, which the model writes itself) gets no slot
+mapping; with one, every group gets the step's sequences and their tables
+(``AttentionMetadata.seq_spans``, ``seq_block_tables``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -31,9 +35,31 @@ def _tables(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), width)
 
 
-def with_groups(meta: AttentionMetadata, plan: StepPlan, block_size: int) -> AttentionMetadata:
+def _with_seqs(
+    metas: list[AttentionMetadata], plan: StepPlan, rates: Sequence[int]
+) -> list[AttentionMetadata]:
+    if all(r == 1 for r in rates):
+        return metas
+    spans = tuple((s.start_position, s.context_len) for s in plan.seqs)
+    dev = metas[0].slot_mapping.device
+    return [
+        dataclasses.replace(
+            m, seq_spans=spans, seq_block_tables=_tables([s.table(g) for s in plan.seqs], dev)
+        )
+        for g, m in enumerate(metas)
+    ]
+
+
+def _rate(rates: Sequence[int], group: int) -> int:
+    return rates[group] if rates else 1
+
+
+def with_groups(
+    meta: AttentionMetadata, plan: StepPlan, block_size: int, rates: Sequence[int] = ()
+) -> AttentionMetadata:
     """``meta`` (group 0's, of ``ModelRunner.prepare``: decodes first, then prefill
-    chunks) with the metadata of every other group of the plan's sequences."""
+    chunks) with the metadata of every other group of the plan's sequences (``rates``:
+    each group's tokens per slot; none: all 1)."""
     num = num_groups_of(plan)
     if num == 1:
         return meta
@@ -45,6 +71,7 @@ def with_groups(meta: AttentionMetadata, plan: StepPlan, block_size: int) -> Att
         slots = [
             slot
             for s in plan.seqs
+            if _rate(rates, g) == 1
             for slot in _slots(s.table(g), s.start_position, s.context_len, block_size)
         ]
         groups.append(
@@ -55,11 +82,17 @@ def with_groups(meta: AttentionMetadata, plan: StepPlan, block_size: int) -> Att
                 prefill_block_tables=_tables([s.table(g) for s in prefills], dev),
             )
         )
-    return dataclasses.replace(meta, groups=tuple(groups))
+    first, *rest = _with_seqs([meta, *groups], plan, rates)
+    return dataclasses.replace(first, groups=tuple(rest))
 
 
 def with_groups_pcp(
-    meta: AttentionMetadata, plan: StepPlan, block_size: int, pcp_size: int, pcp_rank: int
+    meta: AttentionMetadata,
+    plan: StepPlan,
+    block_size: int,
+    pcp_size: int,
+    pcp_rank: int,
+    rates: Sequence[int] = (),
 ) -> AttentionMetadata:
     """``with_groups`` for ``ModelRunner.prepare_pcp``'s metadata: slots of every rank's
     zigzag pieces, each rank's list padded with -1 to the longest; one table per own piece."""
@@ -76,7 +109,8 @@ def with_groups_pcp(
             for rank in range(pcp_size):
                 for a, b in rank_pieces(len(seq.token_ids), pcp_size, rank):
                     start = seq.start_position
-                    of_rank[rank] += _slots(table, start + a, start + b, block_size)
+                    if _rate(rates, g) == 1:
+                        of_rank[rank] += _slots(table, start + a, start + b, block_size)
                     if rank == pcp_rank:
                         pieces.append(table)
         pad_to = max(len(s) for s in of_rank)
@@ -88,4 +122,5 @@ def with_groups_pcp(
                 prefill_block_tables=_tables(pieces, dev),
             )
         )
-    return dataclasses.replace(meta, groups=tuple(groups))
+    first, *rest = _with_seqs([meta, *groups], plan, rates)
+    return dataclasses.replace(first, groups=tuple(rest))

@@ -16,6 +16,11 @@ tokens. Layer ``l`` keeps its K/V in slot ``j`` of the blocks of its group ``g``
 one block table per group (``Request.tables``): a full group keeps every block, a sliding
 group returns those behind its window. A model with one kind (Llama: full; Mistral: one
 window) is one group of every layer, the cache and tables as before groups existed.
+
+A compressed group (``rate`` m > 1: DeepSeek-V4's compressed entries, one per m tokens)
+holds in a block the entries of ``block_size`` windows, so its table entry i covers
+positions ``i * B * m ..`` and its table is ``1 / m`` as long; it keeps every block (its
+entries are read for as long as the sequence runs). ``cache_groups`` names a model's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from pdserve.common.model.config import ModelConfig
+
 # A table entry whose block left the sliding window and went back to the pool.
 NULL_BLOCK = -1
 
@@ -31,10 +38,23 @@ NULL_BLOCK = -1
 class KVCacheGroup(msgspec.Struct, frozen=True, kw_only=True):
     layers: tuple[int, ...]
     sliding_window: int | None = None  # None: full attention
+    rate: int = 1  # tokens a slot stands for: 1, or a compressed group's tokens per entry
 
     @property
     def is_sliding(self) -> bool:
         return self.sliding_window is not None
+
+    def num_entries(self, num_tokens: int, block_size: int) -> int:
+        """Table entries covering ``num_tokens`` positions (a compressed group: the blocks
+        its entries of those positions' windows take, the last one open)."""
+        return -(-num_tokens // (block_size * self.rate))
+
+    def last_entry(self, num_full: int, block_size: int) -> int:
+        """The table entry holding the last slot written once ``num_full`` token blocks are
+        computed (-1: none yet): block ``num_full - 1``, or a compressed group's block of
+        its last closed window."""
+        closed = num_full * block_size // self.rate
+        return (closed - 1) // block_size
 
     def num_blocks_outside(self, num_computed_tokens: int, block_size: int) -> int:
         """Leading blocks that no query at a position >= ``num_computed_tokens`` sees: the
@@ -47,7 +67,7 @@ class KVCacheGroup(msgspec.Struct, frozen=True, kw_only=True):
         """The most blocks a sequence of ``num_tokens`` holds here, computing ``chunk``
         tokens a step: a window of W keys plus the chunk spans ``ceil((W - 1 + chunk) /
         B) + 1`` blocks at most (decode, chunk 1: ``ceil(W / B) + 1``)."""
-        full = -(-num_tokens // block_size)
+        full = self.num_entries(num_tokens, block_size)
         if self.sliding_window is None:
             return full
         return min(full, -(-(self.sliding_window - 1 + chunk) // block_size) + 1)
@@ -64,7 +84,24 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
 def page_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
     """The cache's groups: each kind's layers (``kv_cache_groups``) cut into groups of
     ``page_layers`` layers, so one block of the pool serves any group. One kind: one group."""
-    kinds = kv_cache_groups(layer_windows)
+    return pages_of(kv_cache_groups(layer_windows))
+
+
+def cache_groups(cfg: ModelConfig) -> list[KVCacheGroup]:
+    """The KV cache groups of a model: by window (``page_groups``), or DeepSeek-V4's window
+    of every layer plus its compressed entries (common/model/dsv4_config.py)."""
+    if cfg.v4 is not None:
+        return pages_of(
+            [
+                KVCacheGroup(layers=layers, sliding_window=window, rate=rate)
+                for layers, window, rate in cfg.v4.cache_kinds(cfg.sliding_window or 128)
+            ]
+        )
+    return page_groups(cfg.layer_windows)
+
+
+def pages_of(kinds: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:
+    """Each kind's layers cut into groups of the smallest kind's layer count."""
     if not kinds:
         return [KVCacheGroup(layers=())]
     size = min(len(k.layers) for k in kinds)
@@ -72,7 +109,7 @@ def page_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
     for kind in kinds:
         for start in range(0, len(kind.layers), size):
             part = kind.layers[start : start + size]
-            groups.append(KVCacheGroup(layers=part, sliding_window=kind.sliding_window))
+            groups.append(msgspec.structs.replace(kind, layers=part))
     return groups
 
 
@@ -90,22 +127,32 @@ def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[i
     return slots
 
 
-def num_pulled_blocks(num_tokens: int, block_size: int, first_blocks: Sequence[int]) -> int:
-    """Blocks a KV handle lists: each group's table entries from its first kept one."""
-    num_entries = -(-num_tokens // block_size)
-    return sum(num_entries - first for first in first_blocks)
+def num_pulled_blocks(
+    num_tokens: int, block_size: int, first_blocks: Sequence[int], rates: Sequence[int] = ()
+) -> int:
+    """Blocks a KV handle lists: each group's table entries from its first kept one
+    (``rates``: each group's tokens per slot; none: all 1)."""
+    rates = list(rates) or [1] * len(first_blocks)
+    return sum(
+        -(-num_tokens // (block_size * rate)) - first
+        for first, rate in zip(first_blocks, rates, strict=True)
+    )
 
 
 def tables_of_pulled(
-    block_ids: Sequence[int], num_tokens: int, block_size: int, first_blocks: Sequence[int]
+    block_ids: Sequence[int],
+    num_tokens: int,
+    block_size: int,
+    first_blocks: Sequence[int],
+    rates: Sequence[int] = (),
 ) -> list[list[int]]:
     """The block table of each group from a handle's flat ``block_ids`` (group after group,
     each from its table entry ``first_blocks[g]``; the entries before are NULL_BLOCK)."""
-    num_entries = -(-num_tokens // block_size)
+    rates = list(rates) or [1] * len(first_blocks)
     tables: list[list[int]] = []
     at = 0
-    for first in first_blocks:
-        num = num_entries - first
+    for first, rate in zip(first_blocks, rates, strict=True):
+        num = -(-num_tokens // (block_size * rate)) - first
         tables.append([NULL_BLOCK] * first + list(block_ids[at : at + num]))
         at += num
     if at != len(block_ids):

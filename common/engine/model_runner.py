@@ -19,7 +19,7 @@ from pdserve.common.engine.cuda_graphs import DecodeGraphs, padded_batch
 from pdserve.common.engine.group_meta import with_groups, with_groups_pcp
 from pdserve.common.engine.host_malloc import keep_freed_buffers
 from pdserve.common.engine.kv_cache import new_cache
-from pdserve.common.engine.kv_groups import page_groups, page_layers
+from pdserve.common.engine.kv_groups import cache_groups, page_layers
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.model_loader import load_model
@@ -87,7 +87,8 @@ class ModelRunner:
         except ValueError as exc:
             raise ModelLoadError(f"{model_dir}: --kv-cache-dtype: {exc}") from exc
         # A block holds the layers of one KV cache group (common/engine/kv_groups.py).
-        groups = page_groups(cfg.layer_windows)
+        groups = cache_groups(cfg)
+        self.group_rates = [g.rate for g in groups]
         probe = KVLayout(
             num_blocks=1,
             num_layers=page_layers(groups) if len(groups) > 1 else cfg.num_hidden_layers,
@@ -219,6 +220,9 @@ class ModelRunner:
         sequences in ``last_prompt_logprobs``). ``carry``: tokens of the plan that the
         step in flight sampled, read on the device (common/engine/async_steps.py)."""
         self.last_prompt_logprobs = {}
+        for seq in plan.seqs:  # before any write: a prefix hit's open compressed block
+            for src, dst in seq.block_copies:
+                self.kv_cache[dst].copy_(self.kv_cache[src])
         plan = as_decode_rows(plan) or plan
         scored = any(s.score_next_ids for s in plan.seqs)
         if self.graphs is not None and not scored:
@@ -284,7 +288,7 @@ class ModelRunner:
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )
-        meta = with_groups(meta, plan, block_size)
+        meta = with_groups(meta, plan, block_size, self.group_rates)
         return (
             as_tensor(tokens, torch.int64),
             as_tensor(positions, torch.int64),
@@ -353,7 +357,7 @@ class ModelRunner:
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )
-        meta = with_groups_pcp(meta, plan, block_size, par.pcp_size, par.pcp_rank)
+        meta = with_groups_pcp(meta, plan, block_size, par.pcp_size, par.pcp_rank, self.group_rates)
         return (
             torch.tensor(tokens, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

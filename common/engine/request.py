@@ -62,6 +62,11 @@ class Request:
         # NULL_BLOCK (returned: behind its sliding window). Group 0's table is ``block_ids``.
         self.tables: list[list[int]] = [[]]
         self.dropped: list[int] = [0]
+        # A prefix hit's open block of a compressed group, (group, entry): copied on write
+        # when the request is next allocated for; the copies its next step makes first
+        # (source, destination block), common/engine/group_tables.py.
+        self.open_shared: list[tuple[int, int]] = []
+        self.block_copies: list[tuple[int, int]] = []
         self.block_hashes: list[BlockHash] = []
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
@@ -110,6 +115,10 @@ class Request:
         """The blocks this request references: each group's table without its dropped
         entries, group after group (the order a KVHandle lists them in)."""
         return [b for t, d in zip(self.tables, self.dropped, strict=True) for b in t[d:]]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def held_of_group(self, group: int) -> list[int]:
         return self.tables[group][self.dropped[group] :]

@@ -166,6 +166,7 @@ class Scheduler:
             score_top=top or 0,
             num_drafts=req.num_drafts,
             group_block_ids=[list(t) for t in req.tables[1:]],
+            block_copies=req.take_block_copies(),
         )
 
     def _blocks_needed(self, req: Request, num: int) -> int:

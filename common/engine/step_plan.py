@@ -24,6 +24,9 @@ class ScheduledSeq(msgspec.Struct, array_like=True, frozen=True):
     # The block tables of KV cache groups 1.. (common/engine/kv_groups.py); group 0's is
     # block_ids. Empty when the cache is one group.
     group_block_ids: list[list[int]] = []
+    # Blocks to copy (source, destination) before the step writes anything: a prefix hit's
+    # open block of a compressed group (common/engine/group_tables.py).
+    block_copies: list[tuple[int, int]] = []
 
     def table(self, group: int) -> list[int]:
         return self.block_ids if group == 0 else self.group_block_ids[group - 1]

@@ -38,6 +38,11 @@ class AttentionMetadata:
     # KV cache groups 1.. (common/engine/kv_groups.py): the same step with each group's
     # slot_mapping and block tables; this object is group 0's. Empty: one group.
     groups: tuple[AttentionMetadata, ...] = ()
+    # Caches with compressed groups (DeepSeek-V4): the step's sequences in plan order, not
+    # PCP pieces: (first position, end) of each, and this group's block table of each (the
+    # per-sequence state beyond a window is updated from them on every rank).
+    seq_spans: tuple[tuple[int, int], ...] = ()
+    seq_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.groups[group - 1]

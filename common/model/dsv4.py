@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, rms
@@ -158,12 +159,13 @@ class V4Layer(nn.Module):
         input_ids: torch.Tensor,  # [T]
         rope: Rope,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        caches: tuple[
+            torch.Tensor, AttentionMetadata, torch.Tensor | None, AttentionMetadata | None
+        ],
     ) -> torch.Tensor:  # [T, n, hidden]
         dtype = streams.dtype
         post, comb, collapsed = self._mix("attn", streams)
-        out = self.attn(self.attn_norm(collapsed), rope, cos_sin, layer_cache, meta)
+        out = self.attn(self.attn_norm(collapsed), rope, cos_sin, *caches)
         streams = post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
             comb.to(dtype).transpose(-1, -2), streams
         )
@@ -200,7 +202,18 @@ class DeepseekV4Model(nn.Module):
             "main": Rope(v4.rope_dim, cfg.rope_theta, None),
             "compress": Rope(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling),
         }
+        # Each layer's (group, slot) of its per-token rows and, compressed, of its entries
+        # (common/engine/kv_groups.py cache_groups); kv_slots is what the loader sets for
+        # every model and is not read here.
         self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
+        self.rows_slots: list[tuple[int, int]] = [(0, 0)] * cfg.num_hidden_layers
+        self.entries_slots: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
+        for g, group in enumerate(cache_groups(cfg)):
+            for j, layer_id in enumerate(group.layers):
+                if group.rate == 1:
+                    self.rows_slots[layer_id] = (g, j)
+                else:
+                    self.entries_slots[layer_id] = (g, j)
         self.keep_hidden = False  # MTP speculation is not wired for V4
         self.hidden: torch.Tensor | None = None
 
@@ -217,16 +230,23 @@ class DeepseekV4Model(nn.Module):
         x = self.model.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
         cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
-        for layer, (group, slot) in zip(self.model.layers, self.kv_slots, strict=True):
+        for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
             name = "main" if layer.attn.kind == SLIDING else "compress"
+            group, slot = self.rows_slots[i]
+            entries = self.entries_slots[i]
+            caches = (
+                kv_cache[:, slot],
+                meta.of_group(group),
+                None if entries is None else kv_cache[:, entries[1]],
+                None if entries is None else meta.of_group(entries[0]),
+            )
             streams = layer(
                 streams,
                 input_ids,
                 self.ropes[name],
                 (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
-                kv_cache[:, slot],
-                meta.of_group(group),
+                caches,
             )
         h = self.model.norm(self.model.hc_head(streams[logits_indices]))
         return self.head(h).float()

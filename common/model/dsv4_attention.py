@@ -15,13 +15,12 @@ of window w - 1 and the second of window w (2m slots). A query at p sees the win
 ``p - W < k <= p`` and the entries ``w < (p + 1) // m`` (those whose window closed); in CSA
 only the ``index_topk`` of them its lightning indexer scores highest.
 
-State on the paged cache: each token's row holds its K=V row and the compressor's (and
-the indexer compressor's) per-token kv and gate projections (common/model/dsv4_config.py),
-and a step recomputes the closed windows' entries of its sequences from those rows. So a
-chunk, a preempted and resumed request or a prefix-cache hit finds everything it needs in
-its blocks, with no state outside them. The price: the rows hold every token's
-projections (V4-Flash: 3,072 values a token and layer), where transformers keeps the
-entries (1/4 or 1/128 of the tokens) and a window; the bounded form is not implemented.
+State on the paged cache, as KV cache groups (common/engine/kv_groups.py cache_groups):
+each token's row (its K=V row and the compressor's, and the indexer compressor's, per-token
+kv and gate projections) in a sliding group whose window also covers what the compressors
+still pool; the entries (K=V, and CSA's indexer key) in a compressed group, B entries a
+block. A step writes its rows, pools the windows it closed into entries, and attends over
+the window's rows and every closed entry.
 """
 
 from __future__ import annotations
@@ -34,8 +33,18 @@ from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsa import sequences, write_rows
 from pdserve.common.model.dsv4_config import CSA, SLIDING
-from pdserve.common.model.mla_prefill import gather_rows
 from pdserve.common.model.rope import inv_frequencies
+
+
+def rows_at(
+    cache: torch.Tensor,  # [N, 1, 1, B, row]
+    table: torch.Tensor,  # [max_blocks] int: one sequence's block table of the cache's group
+    start: int,
+    end: int,
+) -> torch.Tensor:  # [end - start, row]: the slots start .. end - 1 of the sequence
+    size = cache.shape[3]
+    pos = torch.arange(start, end, device=cache.device)
+    return cache[table.to(cache.device)[pos // size].long(), 0, 0, pos % size]
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,20 +116,28 @@ class Compressor(nn.Module):
         return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
 
     def entries(
-        self, rows: torch.Tensor, rope: Rope
-    ) -> torch.Tensor:  # rows [ctx, width] -> [ctx // rate, dim]
-        n = rows.shape[0] // self.rate
-        kv, gate = rows[: n * self.rate].view(n, self.rate, rows.shape[-1]).chunk(2, dim=-1)
+        self, rows: torch.Tensor, first: int, rope: Rope
+    ) -> torch.Tensor:  # rows [k * rate, width] -> [n, dim]
+        """The entries of windows ``first ..`` from the rows of their tokens (with
+        ``overlap`` and ``first`` > 0, the rows start a window earlier: CSA's first series)."""
+        m, d = self.rate, self.dim
+        prev = 1 if self.overlap and first > 0 else 0
+        total = rows.shape[0] // m
+        n = total - prev
+        kv, gate = rows[: total * m].view(total, m, rows.shape[-1]).chunk(2, dim=-1)
         gate = gate + self.ape
         if self.overlap:  # entry w: window w - 1's first series, then window w's second
-            d, m = self.dim, self.rate
             pooled_kv = kv.new_zeros((n, 2 * m, d))
             pooled_gate = gate.new_full((n, 2 * m, d), float("-inf"))
-            pooled_kv[:, m:], pooled_gate[:, m:] = kv[..., d:], gate[..., d:]
-            pooled_kv[1:, :m], pooled_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+            pooled_kv[:, m:], pooled_gate[:, m:] = kv[prev:, :, d:], gate[prev:, :, d:]
+            skip = 1 - prev  # window 0 has no window before it
+            pooled_kv[skip:, :m], pooled_gate[skip:, :m] = (
+                kv[: total - 1, :, :d],
+                gate[: total - 1, :, :d],
+            )
             kv, gate = pooled_kv, pooled_gate
         out = self.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
-        positions = torch.arange(n, device=rows.device) * self.rate
+        positions = (torch.arange(n, device=rows.device) + first) * m
         return Rope.apply(out, *rope.cos_sin(positions))
 
 
@@ -192,8 +209,10 @@ class V4Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         rope: Rope,  # this layer's: main (sliding) or compress
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # rope's, of the step's positions
-        layer_cache: torch.Tensor,  # [N, 1, 1, B, row]
-        meta: AttentionMetadata,
+        rows_cache: torch.Tensor,  # [N, 1, 1, B, row]: per-token rows, a window's kept
+        meta: AttentionMetadata,  # of the rows' group
+        entries_cache: torch.Tensor | None,  # [N, 1, 1, B, row]: compressed entries
+        entries_meta: AttentionMetadata | None,  # of the entries' group
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
         q_resid = self.q_norm(self.wq_a(x))
@@ -206,18 +225,66 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             parts.append(self.indexer.compressor.project(x))
         row = torch.cat(parts, dim=-1)
-        layer_cache_width = layer_cache.shape[-1]
-        row = F.pad(row, (0, layer_cache_width - row.shape[-1]))
+        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1]))
         if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
             row = meta.kv_gather(row[None])[0]
-        write_rows(layer_cache, row, meta.slot_mapping)
+        write_rows(rows_cache, row, meta.slot_mapping)
+        seqs = sequences(meta)
+        entry_tables: list[torch.Tensor | None] = [None] * len(seqs)
+        if self.compressor is not None:
+            assert entries_cache is not None and entries_meta is not None
+            self._close_windows(rows_cache, meta, entries_cache, entries_meta, rope)
+            entry_tables = [table for *_, table in sequences(entries_meta)]
         out = torch.empty_like(q)  # [T, H, D]
-        for lo, hi, ctx, table in sequences(meta):
-            rows = gather_rows(layer_cache, table[None], [ctx], 0, q.dtype)  # [ctx, row]
+        for (lo, hi, ctx, table), entry_table in zip(seqs, entry_tables, strict=True):
+            first = max(0, ctx - (hi - lo) - self.window + 1)
+            rows = rows_at(rows_cache, table, first, ctx).to(q.dtype)  # [ctx - first, row]
+            entries = None
+            if entry_table is not None and entries_cache is not None and self.compressor:
+                num = ctx // self.compressor.rate  # every closed entry of the sequence
+                entries = rows_at(entries_cache, entry_table, 0, num).to(q.dtype)
             cs = (cos_sin[0][lo:hi], cos_sin[1][lo:hi])
-            out[lo:hi] = self._attend(q[lo:hi], q_resid[lo:hi], x[lo:hi], cs, rows, ctx, rope)
+            out[lo:hi] = self._attend(
+                q[lo:hi], q_resid[lo:hi], x[lo:hi], cs, rows, first, ctx, entries
+            )
         out = Rope.apply(out, cos_sin[0], -cos_sin[1])  # the values' rotation undone
         return self._project_out(out)
+
+    def _close_windows(
+        self,
+        rows_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        entries_cache: torch.Tensor,
+        entries_meta: AttentionMetadata,
+        rope: Rope,
+    ) -> None:
+        """Pool the windows each sequence's step closed into entries (every rank, every
+        sequence: the state must be whole on each PCP rank). A window w closes at position
+        ``w * m + m - 1``: a step of positions s .. e - 1 closes ``s // m .. e // m - 1``;
+        their tokens' rows are in the rows' window (its span covers 2m, common/model/
+        dsv4_config.py ``cache_kinds``)."""
+        comp = self.compressor
+        assert comp is not None and meta.seq_block_tables is not None
+        assert entries_meta.seq_block_tables is not None
+        m, d = comp.rate, self.head_dim
+        for i, (start, end) in enumerate(meta.seq_spans):
+            first, stop = start // m, end // m
+            if first == stop:
+                continue
+            lo = (first - 1) * m if comp.overlap and first > 0 else first * m
+            rows = rows_at(rows_cache, meta.seq_block_tables[i], lo, stop * m)
+            rows = rows.to(self.wkv.weight.dtype)
+            parts = [comp.entries(rows[:, d : d + comp.width], first, rope)]
+            if self.indexer is not None:
+                at = d + comp.width
+                index = self.indexer.compressor
+                parts.append(index.entries(rows[:, at : at + index.width], first, rope))
+            entry = torch.cat(parts, dim=-1)  # [stop - first, D (+ index_head_dim)]
+            entry = F.pad(entry, (0, entries_cache.shape[-1] - entry.shape[-1]))
+            w = torch.arange(first, stop, device=entry.device)
+            size = entries_cache.shape[3]
+            table = entries_meta.seq_block_tables[i].to(w.device).long()
+            entries_cache[table[w // size], 0, 0, w % size] = entry.to(entries_cache.dtype)
 
     def _attend(
         self,
@@ -225,26 +292,25 @@ class V4Attention(nn.Module):
         q_resid: torch.Tensor,  # [n, q_lora_rank]
         x: torch.Tensor,  # [n, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor,  # [ctx, row]
+        rows: torch.Tensor,  # [ctx - first, row]: the rows of positions first .. ctx - 1
+        first: int,
         ctx: int,
-        rope: Rope,
+        entries: torch.Tensor | None,  # [E, row]: the closed entries (D, indexer key)
     ) -> torch.Tensor:  # [n, H, D]
         n, d = q.shape[0], self.head_dim
         device = q.device
         pos = torch.arange(ctx - n, ctx, device=device)[:, None]  # [n, 1]
-        keys = torch.arange(ctx, device=device)[None, :]
-        visible = (keys <= pos) & (keys > pos - self.window)  # [n, ctx]
+        keys = torch.arange(first, ctx, device=device)[None, :]
+        visible = (keys <= pos) & (keys > pos - self.window)  # [n, ctx - first]
         kv = rows[:, :d]
-        if self.compressor is not None:
-            comp = self.compressor
-            entries = comp.entries(rows[:, d : d + comp.width], rope)  # [E, D]
-            closed = torch.arange(entries.shape[0], device=device)[None, :] < (pos + 1) // comp.rate
+        if entries is not None:
+            assert self.compressor is not None
+            num = entries.shape[0]
+            closed = torch.arange(num, device=device)[None, :] < (pos + 1) // self.compressor.rate
             if self.indexer is not None:
-                at = d + comp.width
-                index_rows = rows[:, at : at + self.indexer.compressor.width]
-                index_keys = self.indexer.compressor.entries(index_rows, rope)
+                index_keys = entries[:, d : d + self.indexer.head_dim]
                 closed = self.indexer.select(q_resid, x, cos_sin, index_keys, closed)
-            kv = torch.cat((kv, entries), dim=0)
+            kv = torch.cat((kv, entries[:, :d]), dim=0)
             visible = torch.cat((visible, closed), dim=-1)
         # transformers' eager attention with sinks, op for op
         logits = torch.matmul(q.transpose(0, 1), kv.t()) * d**-0.5  # [H, n, K]

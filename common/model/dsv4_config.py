@@ -50,6 +50,21 @@ class V4Config(msgspec.Struct, frozen=True, kw_only=True):
         """Tokens per compressed entry of ``layer`` (0: a sliding layer)."""
         return self.compress_rates.get(self.layer_kinds[layer], 0)
 
+    def cache_kinds(self, window: int) -> list[tuple[tuple[int, ...], int | None, int]]:
+        """(layers, sliding window, tokens per slot) of each kind of KV cache group
+        (common/engine/kv_groups.py): every layer's per-token rows over a window that also
+        holds what the compressors still pool (an open window of m tokens, and CSA's
+        previous one: 2m), then the compressed entries of each kind's layers."""
+        kinds = self.layer_kinds
+        span = max([window] + [2 * self.rate(i) if k == CSA else self.rate(i)
+                               for i, k in enumerate(kinds)])  # fmt: skip
+        out: list[tuple[tuple[int, ...], int | None, int]] = [(tuple(range(len(kinds))), span, 1)]
+        for kind in (CSA, HCA):
+            layers = tuple(i for i, k in enumerate(kinds) if k == kind)
+            if layers:
+                out.append((layers, None, self.compress_rates[kind]))
+        return out
+
     def row_width(self, head_dim: int) -> int:
         """Values of one token's cache row in every layer (the widest layer's)."""
         width = head_dim

@@ -83,10 +83,13 @@ def check_handle(handle: p.KVHandle, num_prompt_tokens: int) -> str | None:
     firsts = [handle.first_block, *handle.group_first_blocks]
     if min(firsts) < 0:
         return f"the KV handle's first_block is negative ({min(firsts)})"
-    num_entries = -(-handle.num_tokens // layout.block_size)
-    if max(firsts) > num_entries:
-        return f"the KV handle's first_block {max(firsts)} is past its {num_entries} entries"
-    expected = sum(num_entries - first for first in firsts)
+    rates = handle.group_rates or [1] * len(firsts)
+    if len(rates) != len(firsts) or min(rates) < 1:
+        return f"the KV handle's group_rates {rates} do not fit its {len(firsts)} groups"
+    entries = [-(-handle.num_tokens // (layout.block_size * rate)) for rate in rates]
+    if any(first > num for first, num in zip(firsts, entries, strict=True)):
+        return f"the KV handle's first_block {max(firsts)} is past its {max(entries)} entries"
+    expected = sum(num - first for first, num in zip(firsts, entries, strict=True))
     if len(handle.block_ids) != expected:
         return (
             f"the KV handle lists {len(handle.block_ids)} blocks; {handle.num_tokens} tokens "

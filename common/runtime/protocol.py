@@ -116,6 +116,9 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     # A cache of several groups (common/engine/kv_groups.py): block_ids list group 0's kept
     # blocks, then group 1's, ...; these are the first kept table entries of groups 1...
     group_first_blocks: list[int] = []
+    # Tokens a slot of each group stands for (DeepSeek-V4's compressed entries: 4, 128;
+    # a group's table is 1 / rate as long, common/engine/kv_groups.py); empty: all 1.
+    group_rates: list[int] = []
     # A secret of this request's lease, known only to whoever received the handle (the
     # router, then the one decode it picked): a Release or Heartbeat must name it.
     token: str = ""

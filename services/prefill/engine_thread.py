@@ -105,6 +105,9 @@ class PrefillEngineThread(EngineThread):
             for r in replies
         ]
         self.leases = LeaseTable(num_ranks=len(replies), lease_seconds=cfg.lease_seconds)
+        # what a handle says of compressed groups (none: the field stays empty)
+        rates = [g.rate for g in self.engine.kv_groups]
+        self._group_rates = rates if any(r > 1 for r in rates) else []
         self.metrics = ctx.metrics
         self.limits = Limits(
             vocab_size=self.engine.model_config.vocab_size,
@@ -261,6 +264,7 @@ class PrefillEngineThread(EngineThread):
             block_ids=done.block_ids,
             first_block=done.first_block,
             group_first_blocks=done.group_first_blocks,
+            group_rates=self._group_rates,
             num_tokens=done.num_tokens,
             replicas=self.replicas,
             lease_deadline=deadline,

@@ -10,8 +10,8 @@ The layers: common/model/dsv4.py and common/model/dsv4_attention.py.
 As transformers' ``DeepseekV4Config`` reads config.json (its legacy keys ``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim`` folded in as it folds them). What runs: CPU at
 TP 1, monolithic, chunked, preempted, prefix-cached, disaggregated and with a PCP prefill:
-every state a step needs is rebuilt from the paged cache rows, which pulls and PCP
-replicas carry like any other. Refused by name: CUDA (common/engine/model_loader.py), TP >
+a window of per-token rows and the compressed entries are KV cache groups
+(common/engine/kv_groups.py cache_groups), which pulls and PCP replicas carry like any other. Refused by name: CUDA (common/engine/model_loader.py), TP >
 1 (here), an fp8 KV cache (common/engine/latent_format.py), a softmax or sigmoid router,
 a main rope other than the default one.
 """
@@ -112,8 +112,9 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=float((main or {}).get("rope_theta", raw.get("rope_theta", 10000.0))),
         sliding_window=raw.get("sliding_window", 128),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        # every layer keeps every block: a compressed layer reads its whole history
-        layer_types=("full_attention",) * n,
+        # every layer's per-token rows slide over a window (KV cache groups of their own:
+        # common/engine/kv_groups.py cache_groups), its entries are kept whole
+        layer_types=("sliding_attention",) * n,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_token_ids(raw),
         v4=v4,
