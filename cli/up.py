@@ -45,6 +45,13 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         help="how tool calls are read from chat answers (default auto: from the chat template)",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="how chat answers' thinking is split off: qwen3, deepseek_r1, none "
+        "(default auto: from the chat template)",
+    )
+    p.add_argument(
         "--allowed-origins",
         nargs="+",
         default=None,
@@ -130,6 +137,7 @@ def _start(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         model=args.model,
         device=args.device,
         prefill_instances=args.prefill_instances,

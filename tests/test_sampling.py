@@ -190,3 +190,48 @@ def test_structured_output_constrains_every_token(model_dir: Any) -> None:
     assert tokenizer.decode([*first, token]) in ('"a', '"al', '"alpha', '"b', '"be', '"beta')
     with pytest.raises(RequestError, match="does not compile"):
         grammars.compile(StructuredOutput(kind="json", spec="{not json"))
+
+
+def test_structured_output_holds_after_the_thinking(model_dir: Any) -> None:
+    """A reasoning model's grammar (StructuredOutput.think_*): free while it thinks, held
+    from the token after the end marker; with a start marker, the first step allows it
+    beside the grammar's first tokens, and a first token that is not it starts the answer."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from pdserve.common.engine.sampling_params import StructuredOutput
+    from pdserve.common.engine.structured import GrammarTable
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    vocab = 49152
+    sampler = Sampler(frozenset(tokenizer.eos_token_ids), GrammarTable(model_dir, vocab))
+    [start], [end], [free] = (tokenizer.encode(w, add_special_tokens=False)
+                              for w in ("Let", " ok", " sky"))  # fmt: skip
+    choice = json.dumps(["yes", "no way"])
+    spec = StructuredOutput(kind="choice", spec=choice, think_end_id=end, think_start_id=start)
+    p = SamplingParams(structured=spec)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(output: list[int], rid: str, favour: int, shun: int | None = None) -> int:
+        logits = torch.randn(1, vocab, generator=gen)
+        logits[0, favour] = 100.0
+        if shun is not None:
+            logits[0, shun] = -100.0
+        return sampler(logits, [p], [len(output)], [([1], output)], [rid])[0]
+
+    output: list[int] = []
+    for favour in (start, free, free, end):  # it opens its thinking; inside it, anything
+        output.append(step(output, "r1", favour))
+    assert output == [start, free, free, end]
+    while output[-1] not in tokenizer.eos_token_ids:
+        output.append(step(output, "r1", free))  # " sky" is no longer allowed
+        assert len(output) < 12
+    assert tokenizer.decode(output[4:]) in ("yes", "no way")
+    # a first token that is not the start marker: the grammar holds from the first token
+    first = step([], "r2", free, shun=start)
+    assert tokenizer.decode([first]) in ("y", "ye", "yes", "n", "no", "no way")
+    # decode's matcher, made mid-way, takes only the tokens after the end marker
+    thinking = [start, free, end, *tokenizer.encode("no", add_special_tokens=False)]
+    token = step(thinking, "r3", free)
+    assert "no way".startswith(tokenizer.decode([*thinking[3:], token]))

@@ -98,7 +98,8 @@ class Sampler:
         elif bool(torch.isnan(row_logits[token])):
             raise ValueError("the model's logits for this request are NaN")
         if p.structured is not None and self.grammars is not None and request_ids:
-            self.grammars.accept(request_ids[row], token)
+            output = histories[row][1] if histories is not None else ()
+            self.grammars.accept(request_ids[row], token, p.structured, output)
         return token
 
     def _grammar_mask(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import msgspec
 
@@ -37,6 +38,24 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: str
     spec: str = ""
+    # Reasoning models (services/router/reasoning.py): the answer follows a free thinking
+    # part, and the grammar holds from the token after ``think_end_id`` on. With
+    # ``think_start_id`` the thinking is the model's choice: it thinks only when its first
+    # token is that one (which the first step's mask allows), else the grammar holds from
+    # the first token.
+    think_end_id: int | None = None
+    think_start_id: int | None = None
+
+    def constrained(self, output: Sequence[int]) -> Sequence[int] | None:
+        """The part of ``output`` the grammar has taken; None while the model thinks."""
+        if self.think_end_id is None:
+            return output
+        if self.think_start_id is not None:
+            if not output or output[0] != self.think_start_id:
+                return output  # it did not open a thinking part: constrained throughout
+        if self.think_end_id not in output:
+            return None
+        return output[output.index(self.think_end_id) + 1 :]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +131,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
                 f"got {self.structured.kind!r}"
             )
+        if self.structured is not None and vocab_size is not None:
+            for name in ("think_end_id", "think_start_id"):
+                token = getattr(self.structured, name)
+                if token is not None and not 0 <= token < vocab_size:
+                    raise RequestError(f"structured.{name}: token id {token} is outside "
+                                       f"the vocabulary (0..{vocab_size - 1})")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -79,13 +79,19 @@ class GrammarTable:
     ) -> None:
         matcher = self._matchers.get(request_id)
         if matcher is None:
+            constrained = spec.constrained(output)
+            if constrained is None:  # a reasoning model thinking: free until its end marker
+                return
             matcher = self._xgr_matcher(spec)
-            for token in output:  # decode: the token(s) sampled elsewhere first
+            for token in constrained:  # decode: the token(s) sampled elsewhere first
                 matcher.accept_token(token)
             self._matchers[request_id] = matcher
         xgr = self._xgr
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
         matcher.fill_next_token_bitmask(bitmask, 0)
+        if spec.think_start_id is not None and not output:  # the model may open its thinking
+            word, bit = divmod(spec.think_start_id, 32)
+            bitmask[0, word] |= _bit(bit)
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits[None], bitmask)
         else:
@@ -95,9 +101,17 @@ class GrammarTable:
         compiled = self.compile(spec)  # loads xgrammar on first use
         return self._xgr.GrammarMatcher(compiled)
 
-    def accept(self, request_id: str, token: int) -> None:
+    def accept(self, request_id: str, token: int, spec: StructuredOutput,
+               output: Sequence[int]) -> None:  # fmt: skip
+        """``token`` sampled after ``output``."""
         matcher = self._matchers.get(request_id)
-        if matcher is not None and not matcher.is_terminated():
+        if matcher is None:
+            return
+        if not output and token == spec.think_start_id:
+            # it opened its thinking: the grammar waits for the end marker (mask makes
+            # the matcher anew then, from the tokens after it)
+            del self._matchers[request_id]
+        elif not matcher.is_terminated():
             matcher.accept_token(token)
 
     def prune(self, live: Iterable[str]) -> None:
@@ -109,3 +123,8 @@ class GrammarTable:
     @property
     def num_matchers(self) -> int:
         return len(self._matchers)
+
+
+def _bit(index: int) -> int:
+    """Bit ``index`` of an int32 bitmask word, as the signed value torch stores."""
+    return (1 << index) - (1 << 32) if index == 31 else 1 << index

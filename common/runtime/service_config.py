@@ -19,6 +19,12 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import PdserveError
 
 ENV_PREFIX = "PDSERVE_"
+# services/router/reasoning.py's parsers (a test keeps the two lists the same)
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+REASONING_REFUSED = {
+    "deepseek_v4": ": DeepSeek-V4's thinking markers are not known to pdserve yet (no "
+    "DeepSeek-V4 tokenizer or chat template is installed to read them from); use none"
+}
 POLICIES = ("fail", "recompute")
 
 
@@ -69,6 +75,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # how chat answers' tool calls are read (services/router/tool_calls.py): llama3_json,
     # hermes, or auto (from the chat template)
     tool_call_parser: str = "auto"
+    # how chat answers' thinking is split from the answer (services/router/reasoning.py):
+    # qwen3, deepseek_r1, none, or auto (from the chat template)
+    reasoning_parser: str = "auto"
     router_address: str = ""  # the ZMQ SDK's front door; derived when empty
     prefill_instances: int = 1
     decode_instances: int = 1
@@ -193,6 +202,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.tool_call_parser not in ("auto", "llama3_json", "hermes"):
             raise PdserveError(f"tool_call_parser must be auto, llama3_json or hermes, got "
                                f"{self.tool_call_parser!r}")  # fmt: skip
+        if self.reasoning_parser not in REASONING_PARSERS:
+            why = REASONING_REFUSED.get(self.reasoning_parser, "")
+            raise PdserveError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                               f"got {self.reasoning_parser!r}{why}")  # fmt: skip
         if any(not name for name in self.served_model_names):
             raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:

@@ -11,6 +11,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import RouterCore
 from pdserve.services.router.http_errors import ApiError
+from pdserve.services.router.reasoning import template_reads, template_reads_key
 from pdserve.services.router.tool_calls import ToolError, functions_of, template_messages
 
 
@@ -64,18 +65,48 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_gene
 
 
 def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
-    chat = template_messages([{"role": m.role, "content": content_text(m.content, i),
-                               "name": m.name, "tool_calls": m.tool_calls,
-                               "tool_call_id": m.tool_call_id}
-                              for i, m in enumerate(req.messages)])  # fmt: skip
-    kwargs = req.chat_template_kwargs or {}
+    text = _render(core, req, req.wants_generation_prompt)
+    # The template already wrote BOS and friends as text; adding them again would double them.
+    ids = core.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError(
+            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
+        )
+    return ids
+
+
+def chat_prompt_and_tail(core: RouterCore,
+                         req: oa.ChatCompletionRequest) -> tuple[list[int], list[int] | None]:  # fmt: skip
+    """The prompt and the ids of the generation prompt the template added after the
+    messages (None without one), where a reasoning model's thinking may already open
+    or close (reasoning.py)."""
+    ids = chat_prompt(core, req)
+    if not req.wants_generation_prompt:
+        return ids, None
+    text, head = _render(core, req, True), _render(core, req, False)
+    if not text.startswith(head):  # a template that renders the messages otherwise
+        return ids, None
+    return ids, core.tokenizer.encode(text[len(head) :], add_special_tokens=False)
+
+
+def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: bool) -> str:
+    template = core.tokenizer.chat_template
+    chat = template_messages([_message(m, i, template) for i, m in enumerate(req.messages)])
+    kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if reserved:
         raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}; use the "
                        "request's own fields", param="chat_template_kwargs",
                        code="invalid_value")  # fmt: skip
+    if req.reasoning_effort is not None:
+        if not template_reads(template, "reasoning_effort"):
+            raise ApiError(400, "reasoning_effort: this model's chat template has no notion of "
+                           "reasoning effort (docs/api.md lists the models that take it); "
+                           "leave it out", param="reasoning_effort",
+                           code="unsupported_parameter")  # fmt: skip
+        kwargs["reasoning_effort"] = req.reasoning_effort
     try:
-        text = core.tokenizer.apply_chat_template(chat, req.wants_generation_prompt, kwargs,
+        text = core.tokenizer.apply_chat_template(chat, generation_prompt, kwargs,
                                                   tools=req.tools or None)  # fmt: skip
     except PdserveError as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
@@ -92,13 +123,25 @@ def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
                            "found in the rendered prompt (is it empty?)",
                            param="continue_final_message", code="invalid_value")  # fmt: skip
         text = text[: at + len(final)]
-    # The template already wrote BOS and friends as text; adding them again would double them.
-    ids = core.tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise ApiError(
-            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
-        )
-    return ids
+    return text
+
+
+def _message(message: oa.ChatMessageIn, index: int, template: str | None) -> dict[str, Any]:
+    out = {"role": message.role, "content": content_text(message.content, index),
+           "name": message.name, "tool_calls": message.tool_calls,
+           "tool_call_id": message.tool_call_id}  # fmt: skip
+    thinking = message.thinking
+    if thinking is not None:
+        if not (template_reads_key(template, "reasoning_content")
+                or template_reads_key(template, "reasoning")):  # fmt: skip
+            name = "reasoning" if message.reasoning is not None else "reasoning_content"
+            raise ApiError(400, f"messages[{index}].{name}: this model's chat template does "
+                           "not render an assistant's reasoning, so it would be dropped; "
+                           "leave it out", param=f"messages[{index}].{name}",
+                           code="unsupported_parameter")  # fmt: skip
+        # under both names: templates read one or the other (Qwen3: reasoning_content)
+        out["reasoning_content"] = out["reasoning"] = thinking
+    return out
 
 
 def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest) -> tuple[list[int], list[str]]:
@@ -116,6 +159,9 @@ def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest) -> tuple[list[int
             functions_of(req.tools or [])
         except ToolError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        refused = oa.reasoning_unsupported(req.messages or [])
+        if refused is not None:
+            raise ApiError(400, refused[1], param=refused[0], code="invalid_value")
         chat = oa.ChatCompletionRequest(
             messages=req.messages or [], add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,

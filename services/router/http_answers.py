@@ -28,12 +28,16 @@ async def collect(batch: Batch, renderer: Renderer, num_choices: int, n: int,
                   scored: ScoredPrompt | None = None) -> web.Response:  # fmt: skip
     """``n`` candidates per prompt, of which the ``keep`` most likely are answered."""
     texts: list[list[str]] = [[e] for e in echoes] if echoes else [[] for _ in range(num_choices)]
+    thoughts: list[list[str]] = [[] for _ in range(num_choices)]
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
     prompts: list[PromptScored | None] = [None] * num_choices
     finished: list[Finished | None] = [None] * num_choices
     async for index, event in batch.events():
         if isinstance(event, TokenChunk):
-            texts[index].append(event.text)
+            # as a stream splits it (renderer.delta), so both give the same thinking
+            thought, text = renderer.split(index, event.token_ids, event.text)
+            texts[index].append(text)
+            thoughts[index].append(thought)
             logprobs[index] += event.logprobs
             if scored is not None and event.prompt_logprobs is not None:
                 prompts[index] = scored(index, event.prompt_logprobs)
@@ -42,7 +46,8 @@ async def collect(batch: Batch, renderer: Renderer, num_choices: int, n: int,
         else:
             raise ApiError.from_failed(event)
     done = [f for f in finished if f is not None]
-    usage = oa.usage_of([f.usage for f in done], n)  # every candidate was generated
+    # every candidate was generated
+    usage = oa.usage_of([f.usage for f in done], n, renderer.reasoning_tokens())
     chosen = list(range(len(done)))
     if keep < n:  # best_of: per prompt, the candidates with the highest summed logprob
         chosen = [i for start in range(0, len(done), n) for i in sorted(
@@ -55,6 +60,7 @@ async def collect(batch: Batch, renderer: Renderer, num_choices: int, n: int,
         [logprobs[i] if show_logprobs else [] for i in chosen],
         [echoes[i] for i in chosen] if echoes else [],
         [prompts[i] for i in chosen],
+        ["".join(thoughts[i]) for i in chosen],
     )
     return json_response(body)
 
@@ -87,9 +93,9 @@ async def stream(
                     prompt = scored(index, event.prompt_logprobs)
                     echo = echoes[index] if echoes else ""
                     await send_event(response, renderer.prompt_delta(index, echo, prompt))
-                # a partial character yields no text: no empty delta, unless logprobs
-                if event.text or event.logprobs:
-                    await send_event(response, renderer.delta(index, event.text, event.logprobs))
+                # a partial character or a marker alone: the renderer sends nothing
+                await send_event(response, renderer.delta(index, event.text, event.logprobs,
+                                                          event.token_ids))  # fmt: skip
             elif isinstance(event, Finished):
                 done[index] = event
                 for chunk in renderer.finish_chunks(index, event.finish_reason):
@@ -99,7 +105,8 @@ async def stream(
                 break
         else:
             if include_usage:
-                usage = oa.usage_of([f.usage for f in done if f is not None], n)
+                usage = oa.usage_of([f.usage for f in done if f is not None], n,
+                                    renderer.reasoning_tokens())  # fmt: skip
                 await send_event(response, renderer.usage_chunk(usage))
         await response.write(b"data: [DONE]\n\n")
     except ConnectionResetError:

@@ -34,11 +34,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from pdserve.common.engine.sampling_params import TokenLogprobs
+from pdserve.common.engine.sampling_params import StructuredOutput, TokenLogprobs
 from pdserve.common.runtime.protocol import Failed, Generate
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.chat_prompts import (
     chat_prompt,
+    chat_prompt_and_tail,
     completion_echoes,
     completion_prompts,
     content_text,
@@ -65,6 +66,7 @@ from pdserve.services.router.http_errors import (
 )
 from pdserve.services.router.input_limits import num_prompts, text_chars
 from pdserve.services.router.openapi import openapi
+from pdserve.services.router.reasoning import ReasoningParser, Start, ThinkingSplit, parser_of
 from pdserve.services.router.renderers import (
     ChatRenderer,
     CompletionRenderer,
@@ -89,14 +91,18 @@ T = TypeVar("T")
 class OpenAIApi:
     def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
                  tool_call_parser: str = "auto", pool: TokenizePool | None = None,
-                 max_prompts: int = 128) -> None:  # fmt: skip
+                 max_prompts: int = 128, reasoning_parser: str = "auto") -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
         carry when a request names none); empty: the core's model name alone.
         ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template).
         ``pool``: where long texts are tokenised (else a thread); ``max_prompts``: per
-        request."""
+        request. ``reasoning_parser``: how chat answers' thinking is split off
+        (reasoning.py: a name, auto or none); PdserveError when it cannot be."""
         self.core = core
         self.tool_call_parser = tool_call_parser
+        self.reasoning = parser_of(reasoning_parser, core.tokenizer)
+        log.info("reasoning_parser", requested=reasoning_parser,
+                 used=self.reasoning.name if self.reasoning else "none")  # fmt: skip
         self.pool = pool
         self.max_prompts = max_prompts
         # A text longer than this cannot fit max_model_len: refused before tokenising.
@@ -184,7 +190,13 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await decode_body(request, oa.ChatCompletionRequest)
         model = self._check(req, req.unsupported())
-        prompt = await self._tokenize(request, chat_prompt, req)
+        thinking: Callable[[], ThinkingSplit] | None = None
+        gate: oa.Gate | None = None
+        if self.reasoning is None:
+            prompt = await self._tokenize(request, chat_prompt, req)
+        else:
+            prompt, tail = await self._tokenize(request, chat_prompt_and_tail, req)
+            thinking, gate = self._thinking(self.reasoning, self.reasoning.start(prompt, tail))
         echoes = None
         if req.echo:  # vLLM's: a final assistant message is the start of the answer
             last = req.messages[-1]
@@ -193,9 +205,23 @@ class OpenAIApi:
         parser = self.tool_call_parser
         if parser == "auto":
             parser = detect_parser(self.core.tokenizer.chat_template)
-        renderer = ChatRenderer(request_id, model, self._token_text, req.tool_mode, parser)
+        renderer = ChatRenderer(request_id, model, self._token_text, req.tool_mode, parser,
+                                thinking)  # fmt: skip
         return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
-                                    renderer, echoes)  # fmt: skip
+                                    renderer, echoes, gate=gate)  # fmt: skip
+
+    def _thinking(self, parser: ReasoningParser,
+                  start: Start) -> tuple[Callable[[], ThinkingSplit], oa.Gate]:  # fmt: skip
+        """A choice's splitter, and its constraint's gate: after the thinking."""
+        decode = self.core.tokenizer.decode
+
+        def split() -> ThinkingSplit:
+            return ThinkingSplit(parser, start, decode)
+
+        def gate(structured: StructuredOutput | None) -> StructuredOutput | None:
+            return parser.gate(structured, start)
+
+        return split, gate
 
     def _token_text(self, token_id: int) -> str:
         return self.core.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -259,8 +285,10 @@ class OpenAIApi:
         renderer: Renderer,
         echoes: list[str] | None = None,
         scoring_only: bool = False,
+        gate: oa.Gate | None = None,
     ) -> web.StreamResponse:
         """``scoring_only``: the generated token is left out of the answer (max_tokens 0).
+        ``gate``: where a constraint starts (after a reasoning model's thinking).
         One Generate per candidate: best_of (else n) per prompt, index = prompt index x
         n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
         n = req.num_candidates
@@ -275,7 +303,7 @@ class OpenAIApi:
             prompt = prompts[index // n]
             max_tokens = self._max_tokens(prompt, prompt_param, default_max_tokens,
                                           requested_max_tokens)  # fmt: skip
-            sampling = req.sampling(max_tokens, index % n)
+            sampling = req.sampling(max_tokens, index % n, gate)
             sampling.validate(vocab)  # the core checks again; failing here names no peer
             gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
                                  sampling=sampling, stream=req.is_stream))  # fmt: skip
@@ -345,6 +373,7 @@ def _package_version() -> str:
 def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
              api_key: str | Sequence[str] = "",
              allowed_origins: Sequence[str] = (), tool_call_parser: str = "auto",
+             reasoning_parser: str = "auto",
              pool: TokenizePool | None = None, max_prompts: int = 128,
              max_body_bytes: int = MAX_BODY_BYTES,
              body_read_timeout: float = DEFAULT_BODY_TIMEOUT) -> web.Application:  # fmt: skip
@@ -352,6 +381,7 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
     ``api_key``: when set (one key, or several), every route but OPEN_PATHS wants
     ``Authorization: Bearer`` with one of them;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off);
+    ``reasoning_parser``: how chat answers' thinking is split off (reasoning.py);
     ``body_read_timeout``: seconds to receive a whole body (408 past it)."""
     middlewares: list[Any] = [error_middleware]
     keys = [api_key] if isinstance(api_key, str) else list(api_key)
@@ -366,7 +396,8 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
         Cors(allowed_origins).install(app)
     app[MAX_BODY_KEY] = max_body_bytes
     app[BODY_TIMEOUT_KEY] = body_read_timeout
-    api = OpenAIApi(core, served_model_names, tool_call_parser, pool, max_prompts)
+    api = OpenAIApi(core, served_model_names, tool_call_parser, pool, max_prompts,
+                    reasoning_parser)  # fmt: skip
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)

@@ -51,7 +51,8 @@ async def serve(cfg: DeploymentConfig) -> None:
     # The drain has already ended every request when the runner is cleaned up.
     app = make_app(router, served_model_names=cfg.served_model_names, api_key=cfg.http_keys,
                    allowed_origins=cfg.allowed_origins,
-                   tool_call_parser=cfg.tool_call_parser, pool=pool,
+                   tool_call_parser=cfg.tool_call_parser,
+                   reasoning_parser=cfg.reasoning_parser, pool=pool,
                    max_prompts=cfg.max_prompts_per_request,
                    max_body_bytes=cfg.max_body_bytes,
                    body_read_timeout=cfg.body_read_timeout_seconds)  # fmt: skip

@@ -13,6 +13,7 @@ from pdserve.services.router.tool_calls import DeltaToolCall, ToolCall
 
 __all__ = [
     "PromptTokensDetails",
+    "CompletionTokensDetails",
     "UsageInfo",
     "CompletionLogprobs",
     "PromptLogprob",
@@ -43,11 +44,17 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0  # the thinking's, its markers included
+
+
 class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # only when some were cached
+    # only where a reasoning parser splits the answers
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -108,6 +115,10 @@ class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str
     content: str | None  # null when the answer is only tool calls
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking (reasoning.py), under vLLM's name and DeepSeek's
+    # (clients read one or the other): the same text; null without a reasoning parser.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -130,6 +141,8 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # the thinking, as in ChatMessageOut: both names
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -192,12 +205,17 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     detail: dict[str, Any] | None = None
 
 
-def usage_of(usages: list[Usage], n: int = 1) -> UsageInfo:
+def usage_of(usages: list[Usage], n: int = 1, reasoning_tokens: int | None = None) -> UsageInfo:
     """``usages`` in choice order, ``n`` choices per prompt: a prompt counts once, as
-    OpenAI counts it, however many choices it has."""
+    OpenAI counts it, however many choices it has. ``reasoning_tokens``: the thinking's
+    of every choice (None: no reasoning parser, no details)."""
     prompt = sum(u.prompt_tokens for u in usages[::n])
     completion = sum(u.completion_tokens for u in usages)
     cached = sum(u.cached_tokens for u in usages[::n])
     details = PromptTokensDetails(cached_tokens=cached) if cached else None
+    thinking = None
+    if reasoning_tokens is not None:
+        thinking = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion, prompt_tokens_details=details)  # fmt: skip
+                     total_tokens=prompt + completion, prompt_tokens_details=details,
+                     completion_tokens_details=thinking)  # fmt: skip

@@ -16,6 +16,7 @@ fuzzers read cannot drift from what the server decodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -34,6 +35,7 @@ from pdserve.services.router.openai_types import (
     NumLogprobs,
     Penalty,
     Prompt,
+    ReasoningEffort,
     ResponseFormat,
     Seed,
     StreamOptions,
@@ -63,6 +65,7 @@ NO_PROMPT_LOGPROBS = (
 # so that they are seen (an unknown field is ignored, as OpenAI does); null is always the
 # default. Each is refused with a 400 naming it rather than silently ignored.
 _Refusal = tuple[str, tuple[Any, ...], str]
+Gate = Callable[[StructuredOutput | None], StructuredOutput | None]
 _COMMON_REFUSALS: tuple[_Refusal, ...] = (
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("bad_words", (None, []), "bad_words is not supported"),
@@ -148,9 +151,15 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     def is_stream(self) -> bool:
         return bool(self.stream)
 
-    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, choice: int = 0, gate: Gate | None = None
+    ) -> SamplingParams:
         """The engine's parameters for choice ``choice`` (of n): a seeded request gives
-        each choice its own seed, so the n choices differ yet repeat run to run."""
+        each choice its own seed, so the n choices differ yet repeat run to run. ``gate``:
+        where the constraint starts (a reasoning model's after its thinking)."""
+        structured = self.constraint()
+        if gate is not None:
+            structured = gate(structured)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return SamplingParams(
@@ -173,7 +182,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             logprobs=0
             if self.requested_logprobs is None and self.num_candidates > self.num_choices
             else self.requested_logprobs,
-            structured=self.constraint(),
+            structured=structured,
             prompt_logprobs=self.requested_prompt_logprobs,
         )
 
@@ -246,6 +255,13 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
     tool_call_id: str | None = None  # a tool message's answer to that call
     function_call: NullableAny = None
+    # an assistant's thinking sent back (interleaved thinking): vLLM's name, DeepSeek's
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
 _CHAT_REFUSALS: tuple[_Refusal, ...] = (
@@ -274,11 +290,16 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     functions: NullableAny = None
     function_call: NullableAny = None
     documents: NullableAny = None
+    # a template variable, for the templates that read it (chat_prompts.py)
+    reasoning_effort: ReasoningEffort | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         refused = self._refused(_CHAT_REFUSALS)
         if refused is not None:
             return refused
+        thinking = reasoning_unsupported(self.messages)
+        if thinking is not None:
+            return thinking
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.continue_final_message and self.add_generation_prompt:
@@ -333,6 +354,21 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         if self.add_generation_prompt is None:
             return not self.continue_final_message
         return self.add_generation_prompt
+
+
+def reasoning_unsupported(messages: list[ChatMessageIn]) -> tuple[str, str] | None:
+    """(param, message) for thinking sent back where it cannot go: on a message that is
+    not the assistant's, or as two different texts under its two names."""
+    for i, message in enumerate(messages):
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(message, name) is not None and message.role != "assistant":
+                return f"messages[{i}].{name}", (f"messages[{i}].{name}: only assistant "
+                                                 "messages carry reasoning")  # fmt: skip
+        if None not in (message.reasoning, message.reasoning_content) and \
+                message.reasoning != message.reasoning_content:  # fmt: skip
+            return f"messages[{i}].reasoning", (f"messages[{i}]: reasoning and "
+                                                "reasoning_content differ; send one of them")  # fmt: skip
+    return None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

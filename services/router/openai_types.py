@@ -4,7 +4,7 @@ strict decoding every request goes through: a wrong type or an out-of-range valu
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -81,3 +81,5 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's range
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 NullableAny = Annotated[Any, only({"type": "null"})]
+# OpenAI's values; handed to the chat template, for the templates that read it
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]

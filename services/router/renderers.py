@@ -29,6 +29,7 @@ from pdserve.services.router.openai_schema import (
     TopLogprob,
     UsageInfo,
 )
+from pdserve.services.router.reasoning import ThinkingSplit
 from pdserve.services.router.tool_calls import ToolMode, ToolStream, call_deltas
 
 TokenText = Callable[[int], str]
@@ -56,9 +57,20 @@ class Renderer(abc.ABC):
     def start(self, index: int) -> msgspec.Struct | None:
         return None
 
+    def split(self, index: int, token_ids: list[int], text: str) -> tuple[str, str]:
+        """(thinking, answer) of a chunk of choice ``index`` (chat with a reasoning parser:
+        reasoning.py); else it is all answer."""
+        return "", text
+
+    def reasoning_tokens(self) -> int | None:
+        """The thinking's tokens over every choice so far; None: no reasoning parser."""
+        return None
+
     @abc.abstractmethod
-    def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> msgspec.Struct | None: ...  # noqa: B006 - read only  # fmt: skip
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = [],  # noqa: B006 - read only
+              token_ids: list[int] | None = None) -> msgspec.Struct | None:  # fmt: skip
+        """A stream's chunk, or None when there is nothing to send. ``token_ids``: the
+        model's tokens of ``text`` (None: text that is not the model's, an echo)."""
 
     @abc.abstractmethod
     def finish(self, index: int, finish_reason: str) -> msgspec.Struct: ...
@@ -73,7 +85,9 @@ class Renderer(abc.ABC):
     @abc.abstractmethod
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
              logprobs: list[list[TokenLogprobs]], echoes: list[str],
-             prompts: list[PromptScored | None] | None = None) -> msgspec.Struct: ...  # fmt: skip
+             prompts: list[PromptScored | None] | None = None,
+             thoughts: list[str] | None = None) -> msgspec.Struct:  # fmt: skip
+        """``texts``: each choice's answer; ``thoughts``: its thinking (``split``)."""
 
     def prompt_delta(self, index: int, text: str, prompt: PromptScored) -> msgspec.Struct:
         """The echoed prompt of a stream, with its logprobs (completions only)."""
@@ -150,7 +164,10 @@ class CompletionRenderer(Renderer):
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
                                              logprobs=legacy, prompt_logprobs=vllm)])  # fmt: skip
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = []) -> Completion:  # noqa: B006 - read only
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = [],  # noqa: B006 - read only
+              token_ids: list[int] | None = None) -> Completion | None:  # fmt: skip
+        if not text and not logprobs:  # a partial character: no empty chunk
+            return None
         lps = self._logprobs(index, text, logprobs)
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None,
                                              logprobs=lps)])  # fmt: skip
@@ -163,7 +180,8 @@ class CompletionRenderer(Renderer):
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
              logprobs: list[list[TokenLogprobs]], echoes: list[str],
-             prompts: list[PromptScored | None] | None = None) -> Completion:  # fmt: skip
+             prompts: list[PromptScored | None] | None = None,
+             thoughts: list[str] | None = None) -> Completion:  # fmt: skip
         choices = []
         for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
             self._offsets[i] = len(echoes[i]) if echoes else 0
@@ -186,14 +204,31 @@ class CompletionRenderer(Renderer):
 
 class ChatRenderer(Renderer):
     def __init__(self, request_id: str, model: str, token_text: TokenText = str,
-                 tools: ToolMode | None = None, parser: str = "llama3_json") -> None:  # fmt: skip
-        """``tools``: the request's (tool_calls.py), whose calls are parsed out of the text
-        in ``parser``'s format."""
+                 tools: ToolMode | None = None, parser: str = "llama3_json",
+                 thinking: Callable[[], ThinkingSplit] | None = None) -> None:  # fmt: skip
+        """``tools``: the request's (tool_calls.py), whose calls are parsed out of the
+        answer in ``parser``'s format. ``thinking``: a reasoning model's splitter of one
+        choice's output (reasoning.py); the tool calls are read from the answer only."""
         super().__init__(request_id, model, token_text)
         self.tools = tools if tools is not None and tools.parses else None
         self.parser = parser
+        self.thinking = thinking
         self._streams: dict[int, ToolStream] = {}
         self._held_logprobs: dict[int, list[TokenLogprobs]] = {}
+        self._splits: dict[int, ThinkingSplit] = {}
+
+    def split(self, index: int, token_ids: list[int], text: str) -> tuple[str, str]:
+        if self.thinking is None:
+            return "", text
+        split = self._splits.get(index)
+        if split is None:
+            split = self._splits[index] = self.thinking()
+        return split.feed(token_ids, text)
+
+    def reasoning_tokens(self) -> int | None:
+        if self.thinking is None:
+            return None
+        return sum(split.num_reasoning_tokens for split in self._splits.values())
 
     def _chunk(self, choices: list[ChatChunkChoice],
                usage: UsageInfo | None = None) -> ChatCompletionChunk:  # fmt: skip
@@ -221,8 +256,11 @@ class ChatRenderer(Renderer):
         delta = Delta(role="assistant", content="")
         return self._chunk([ChatChunkChoice(index=index, delta=delta)])
 
-    def delta(self, index: int, text: str,
-              logprobs: list[TokenLogprobs] = []) -> ChatCompletionChunk | None:  # noqa: B006 - read only  # fmt: skip
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] = [],  # noqa: B006 - read only
+              token_ids: list[int] | None = None) -> ChatCompletionChunk | None:  # fmt: skip
+        thought = ""
+        if token_ids is not None:
+            thought, text = self.split(index, token_ids, text)
         if self.tools is not None:
             stream = self._streams.setdefault(
                 index, ToolStream(self.parser, forced=self.tools.forced is not None)
@@ -231,11 +269,12 @@ class ChatRenderer(Renderer):
             if stream.holding:  # a call's tokens: their logprobs go with the call
                 self._held_logprobs.setdefault(index, []).extend(logprobs)
                 logprobs = []
-            if not text and not logprobs:
-                return None
-        choice = ChatChunkChoice(index=index, delta=Delta(content=text),
-                                 logprobs=self._logprobs(logprobs))  # fmt: skip
-        return self._chunk([choice])
+        if not text and not thought and not logprobs:
+            return None
+        delta = Delta(content=text if text or not thought else None,
+                      reasoning=thought or None, reasoning_content=thought or None)  # fmt: skip
+        return self._chunk([ChatChunkChoice(index=index, delta=delta,
+                                            logprobs=self._logprobs(logprobs))])  # fmt: skip
 
     def finish_chunks(self, index: int, finish_reason: str) -> list[msgspec.Struct]:
         stream = self._streams.pop(index, None)
@@ -267,7 +306,8 @@ class ChatRenderer(Renderer):
 
     def body(self, texts: list[str], reasons: list[str], usage: UsageInfo,
              logprobs: list[list[TokenLogprobs]], echoes: list[str],
-             prompts: list[PromptScored | None] | None = None) -> ChatCompletion:  # fmt: skip
+             prompts: list[PromptScored | None] | None = None,
+             thoughts: list[str] | None = None) -> ChatCompletion:  # fmt: skip
         choices = []
         for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
             content: str | None = text
@@ -277,7 +317,9 @@ class ChatRenderer(Renderer):
                 if found:
                     calls = found
                     reason = "tool_calls" if reason == "stop" else reason
-            message = ChatMessageOut(role="assistant", content=content, tool_calls=calls)
+            thought = (thoughts[i] if thoughts else "") or None
+            message = ChatMessageOut(role="assistant", content=content, tool_calls=calls,
+                                     reasoning=thought, reasoning_content=thought)  # fmt: skip
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=self._logprobs(logprobs[i])))  # fmt: skip
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created,
