@@ -5,7 +5,7 @@ choice starts, the grammar's gate, and the parser chosen from a chat template.""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,7 +41,7 @@ def decode_skipping(ids: Sequence[int]) -> str:
 
 
 def run(chunks: list[list[int]], start: Start = "maybe", parser: ReasoningParser = QWEN3,
-        dec=decode, lag: int = 0) -> tuple[str, str]:  # type: ignore[no-untyped-def]  # fmt: skip
+        dec: Callable[[Sequence[int]], str] = decode, lag: int = 0) -> tuple[str, str]:  # fmt: skip
     """Feed ``chunks`` as the engine sends them; ``lag``: its text comes this many chunks
     after its tokens (held back: a partial character, a possible stop string)."""
     split = ThinkingSplit(parser, start, dec)
