@@ -157,3 +157,21 @@ def test_template_reads_a_name_not_a_word() -> None:
     assert template_reads_key("{{ m.reasoning }}", "reasoning")
     assert not template_reads_key("{{ m.reasoning_content }}", "reasoning")
     assert not template_reads_key("Think with good reasoning.", "reasoning")
+
+
+def test_reasoning_parser_is_a_config_key_an_env_variable_and_a_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.cli.main import build_parser
+    from pdserve.common.runtime.service_config import load_config
+
+    toml = tmp_path / "deploy.toml"
+    toml.write_text('reasoning_parser = "deepseek_r1"\n')
+    assert load_config(toml).reasoning_parser == "deepseek_r1"
+    monkeypatch.setenv("PDSERVE_REASONING_PARSER", "none")
+    assert load_config(toml).reasoning_parser == "none"  # env over file
+    assert load_config(toml, reasoning_parser="qwen3").reasoning_parser == "qwen3"  # flag over env
+    with pytest.raises(PdserveError, match="DeepSeek-V4's thinking markers are not known"):
+        load_config(None, reasoning_parser="deepseek_v4")
+    args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3"])
+    assert args.reasoning_parser == "qwen3"
