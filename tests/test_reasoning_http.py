@@ -154,6 +154,9 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(model_dir: Path) -> N
         body = {"messages": ASK, "reasoning_effort": "low", "max_tokens": 1}
         assert request(server.port, "POST", "/v1/chat/completions", body)[0] == 200
         assert core.tokenizer.decode(core.submitted[-1].prompt_token_ids).startswith("low:")
+        body["chat_template_kwargs"] = {"reasoning_effort": "high"}  # two answers: which?
+        error = error_of(*request(server.port, "POST", "/v1/chat/completions", body)[::2], 400)
+        assert error["param"] == "reasoning_effort"
     finally:
         server.stop()
 

@@ -65,14 +65,7 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_gene
 
 
 def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
-    text = _render(core, req, req.wants_generation_prompt)
-    # The template already wrote BOS and friends as text; adding them again would double them.
-    ids = core.tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise ApiError(
-            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
-        )
-    return ids
+    return _encode(core, _render(core, req, req.wants_generation_prompt))
 
 
 def chat_prompt_and_tail(core: RouterCore,
@@ -80,13 +73,24 @@ def chat_prompt_and_tail(core: RouterCore,
     """The prompt and the ids of the generation prompt the template added after the
     messages (None without one), where a reasoning model's thinking may already open
     or close (reasoning.py)."""
-    ids = chat_prompt(core, req)
+    text = _render(core, req, req.wants_generation_prompt)
+    ids = _encode(core, text)
     if not req.wants_generation_prompt:
         return ids, None
-    text, head = _render(core, req, True), _render(core, req, False)
+    head = _render(core, req, False)
     if not text.startswith(head):  # a template that renders the messages otherwise
         return ids, None
     return ids, core.tokenizer.encode(text[len(head) :], add_special_tokens=False)
+
+
+def _encode(core: RouterCore, text: str) -> list[int]:
+    # The template already wrote BOS and friends as text; adding them again would double them.
+    ids = core.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError(
+            400, "the messages render to an empty prompt", param="messages", code="invalid_value"
+        )
+    return ids
 
 
 def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: bool) -> str:
@@ -104,6 +108,10 @@ def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: 
                            "reasoning effort (docs/api.md lists the models that take it); "
                            "leave it out", param="reasoning_effort",
                            code="unsupported_parameter")  # fmt: skip
+        if kwargs.get("reasoning_effort", req.reasoning_effort) != req.reasoning_effort:
+            raise ApiError(400, "reasoning_effort and chat_template_kwargs.reasoning_effort "
+                           "differ; send one of them", param="reasoning_effort",
+                           code="invalid_value")  # fmt: skip
         kwargs["reasoning_effort"] = req.reasoning_effort
     try:
         text = core.tokenizer.apply_chat_template(chat, generation_prompt, kwargs,
