@@ -12,13 +12,13 @@ from pdserve.common.engine.kv_groups import (
     NULL_BLOCK,
     KVCacheGroup,
     group_hash,
-    layer_slots,
     page_groups,
     page_layers,
 )
 from pdserve.common.engine.request import RemoteKV, Request, Status
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.scheduler import Scheduler
+from pdserve.common.model.decoder import layer_slots
 
 B = 4
 FULL = KVCacheGroup(layers=(0, 1))
@@ -31,11 +31,11 @@ def sliding(window: int) -> KVCacheGroup:
 def test_layers_split_into_groups_of_equal_pages() -> None:
     groups = page_groups([None, None, 16, 16])
     assert groups == [FULL, sliding(16)] and page_layers(groups) == 2
-    assert layer_slots(groups, 4) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert layer_slots([g.layers for g in groups], 4) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # 3 full + 1 sliding: pages of one layer, the full kind in three groups
     groups = page_groups([None, 8, None, None])
     assert [g.layers for g in groups] == [(0,), (2,), (3,), (1,)]
-    assert page_layers(groups) == 1 and layer_slots(groups, 4)[1] == (3, 0)
+    assert page_layers(groups) == 1 and layer_slots([g.layers for g in groups], 4)[1] == (3, 0)
     # 3 full + 2 sliding: pages of two layers, the last full group uses one slot
     groups = page_groups([None, None, None, 8, 8])
     assert [g.layers for g in groups] == [(0, 1), (2,), (3, 4)]

@@ -12,7 +12,7 @@ the layers of each attention kind are cut into groups of ``page_layers`` layers 
 smallest kind's count; a larger kind becomes several groups, its last one padded), and a
 block of the one shared pool holds the K/V of one group's layers for ``block_size``
 tokens. Layer ``l`` keeps its K/V in slot ``j`` of the blocks of its group ``g``
-(``layer_slots``); the cache tensor is ``[N, page_layers, 2, H, B, D]``. Each request has
+(common/model/decoder.py ``layer_slots``); the cache tensor is ``[N, page_layers, 2, H, B, D]``. Each request has
 one block table per group (``Request.tables``): a full group keeps every block, a sliding
 group returns those behind its window. A model with one kind (Llama: full; Mistral: one
 window) is one group of every layer, the cache and tables as before groups existed.
@@ -116,15 +116,6 @@ def pages_of(kinds: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:
 def page_layers(groups: Sequence[KVCacheGroup]) -> int:
     """Layers one block holds: the largest group's (the others leave slots unused)."""
     return max((len(g.layers) for g in groups), default=0)
-
-
-def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[int, int]]:
-    """Per layer: (its group, its slot in that group's blocks)."""
-    slots: list[tuple[int, int]] = [(0, i) for i in range(num_layers)]
-    for g, group in enumerate(groups):
-        for j, layer in enumerate(group.layers):
-            slots[layer] = (g, j)
-    return slots
 
 
 def num_pulled_blocks(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.engine.kv_groups import cache_groups, layer_slots
+from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.decoder import CausalLM, shard_state_dict
@@ -71,7 +71,7 @@ def load_model(
     build = family_named(cfg.architecture).load().build_model
     with meta_modules():
         model = build(cfg, par)
-    model.kv_slots = layer_slots(cache_groups(cfg), cfg.num_hidden_layers)
+    model.place_kv([(g.layers, g.rate) for g in cache_groups(cfg)])
     # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
     state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)
     if cfg.tie_word_embeddings:

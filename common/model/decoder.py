@@ -23,7 +23,7 @@ from ~45 to ~10.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -104,6 +104,15 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def layer_slots(groups: Sequence[Sequence[int]], num_layers: int) -> list[tuple[int, int]]:
+    """Per layer: (its group, its slot in that group's blocks), from each group's layers."""
+    slots: list[tuple[int, int]] = [(0, i) for i in range(num_layers)]
+    for g, layers in enumerate(groups):
+        for j, layer in enumerate(layers):
+            slots[layer] = (g, j)
+    return slots
+
+
 class CausalLM(nn.Module):
     def __init__(
         self,
@@ -154,6 +163,11 @@ class CausalLM(nn.Module):
             if taps and i in taps:
                 self._taps.append(x + residual)  # HF's hidden_states[i + 1]
         return x, residual
+
+    def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:
+        """Where each layer's KV lives, from the engine's cache groups in order
+        (common/engine/kv_groups.py cache_groups): each group's layers and tokens per slot."""
+        self.kv_slots = layer_slots([layers for layers, _ in groups], self.config.num_hidden_layers)
 
     def forward(
         self,

@@ -22,11 +22,12 @@ attention gathers every rank's new rows).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, rms
@@ -202,20 +203,25 @@ class DeepseekV4Model(nn.Module):
             "main": Rope(v4.rope_dim, cfg.rope_theta, None),
             "compress": Rope(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling),
         }
-        # Each layer's (group, slot) of its per-token rows and, compressed, of its entries
-        # (common/engine/kv_groups.py cache_groups); kv_slots is what the loader sets for
-        # every model and is not read here.
+        # Each layer's (group, slot) of its per-token rows and, compressed, of its entries:
+        # the engine's cache groups, handed over by the loader (place_kv).
         self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
-        self.rows_slots: list[tuple[int, int]] = [(0, 0)] * cfg.num_hidden_layers
+        self.rows_slots: list[tuple[int, int]] = [(0, i) for i in range(cfg.num_hidden_layers)]
         self.entries_slots: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
-        for g, group in enumerate(cache_groups(cfg)):
-            for j, layer_id in enumerate(group.layers):
-                if group.rate == 1:
+        self.keep_hidden = False  # MTP speculation is not wired for V4
+        self.hidden: torch.Tensor | None = None
+
+    def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:
+        """Each layer's slot of its per-token rows (groups of 1 token a slot) and of its
+        compressed entries (groups of ``rate`` tokens a slot), from the engine's cache
+        groups in order (common/engine/kv_groups.py cache_groups)."""
+        for g, (layers, rate) in enumerate(groups):
+            for j, layer_id in enumerate(layers):
+                self.kv_slots[layer_id] = (g, j)  # as every model's (not read here)
+                if rate == 1:
                     self.rows_slots[layer_id] = (g, j)
                 else:
                     self.entries_slots[layer_id] = (g, j)
-        self.keep_hidden = False  # MTP speculation is not wired for V4
-        self.hidden: torch.Tensor | None = None
 
     def forward(
         self,
