@@ -5,7 +5,10 @@ the request's output tokens so far: on prefill that is the first token; on decod
 matcher first takes the token prefill sampled, so both services constrain the same
 sequence without shipping matcher state. Each step fills the row's token bitmask, masks
 the logits (before penalties and sampling), and the matcher then accepts the chosen
-token. Once the grammar is complete only a stop token is allowed.
+token. Once the grammar is complete only a stop token is allowed. A reasoning model's
+grammar (``StructuredOutput.think_end_id``) has no matcher while the model thinks; the
+first step after the end marker makes it from the tokens after the marker, on either
+service alike.
 
 xgrammar (and transformers, for the tokenizer's vocabulary) are imported on the first
 structured request, so engines that never see one do not pay the ~10 s import. Measured
