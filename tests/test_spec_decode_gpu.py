@@ -142,7 +142,7 @@ def test_cuda_mtp_greedy_identical(
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_cuda_dspark_greedy_identical(
-    tmp_path_factory: pytest.TempPathFactory, graphs: bool
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, graphs: bool
 ) -> None:
     """Method dspark (k = 5) on CUDA, a random Qwen3 target with a draft made of its bigrams
     (tests/test_dspark.py): greedy output equal to the engine's without speculation, drafts
@@ -157,7 +157,8 @@ def test_cuda_dspark_greedy_identical(
     from tests.test_dspark import PROMPTS, TARGET, bigram_draft
 
     root = tmp_path_factory.mktemp("dspark-gpu")
-    model = save_random_model(root / "target", "qwen3", seed=0, **TARGET)
+    # the tokenizer of the test model: the GPU machine has no embedded model to copy it from
+    model = save_random_model(root / "target", "qwen3", seed=0, tokenizer_from=model_dir, **TARGET)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 
     def run(draft: Path | None) -> tuple[list[list[int]], tuple[int, int]]:
