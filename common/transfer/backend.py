@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.runtime.protocol import HandshakeReply, Release
+from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +86,18 @@ class TransferBackend(Protocol):
 
     def consumer(self, spec: CacheSpec) -> Puller:
         """The consumer role of one cache: pulls into it, releases producers."""
+
+
+def release_of(handle: KVHandle, request_id: str, trace_id: str, rank: int) -> Release:
+    """The release a consumer sends replica ``rank`` of ``handle`` once its READs are done."""
+    return Release(
+        request_id=request_id,
+        trace_id=trace_id,
+        engine_id=handle.engine_id,
+        epoch=handle.epoch,
+        rank=rank,
+        token=handle.token,
+    )
 
 
 def backend_mismatch(reply: HandshakeReply, name: str) -> str | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release
-from pdserve.common.transfer.backend import CacheSpec, ProducerSpec, backend_mismatch
+from pdserve.common.transfer.backend import CacheSpec, ProducerSpec, backend_mismatch, release_of
 from pdserve.common.transfer.kv_pull_state import Remote, check_heads, check_ids
 from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
 from pdserve.common.transfer.kv_transfer import KVTransferError, incompatibilities, peer_name
@@ -137,16 +137,7 @@ class InProcessConsumer:
             if producer is None:
                 unreached.append(index)
                 continue
-            producer.deliver(
-                Release(
-                    request_id=rid,
-                    trace_id=trace_id,
-                    engine_id=handle.engine_id,
-                    epoch=handle.epoch,
-                    rank=index,
-                    token=handle.token,
-                )
-            )
+            producer.deliver(release_of(handle, rid, trace_id, index))
         return unreached
 
     def close(self) -> None:

@@ -17,7 +17,8 @@ import structlog
 import torch
 
 from pdserve.common.engine.kv_layout import KVLayout
-from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, Release, encode
+from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, encode
+from pdserve.common.transfer.backend import release_of
 from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
 from pdserve.common.transfer.kv_pull_state import Pull, Remote, check_heads, check_ids
 from pdserve.common.transfer.kv_transfer import (
@@ -312,16 +313,7 @@ class KVConsumer(_CacheAgent):
         Returns the replica indices not notified: the caller falls back to the side channel."""
         failed = []
         for index, replica in enumerate(handle.replicas):
-            message = encode(
-                Release(
-                    request_id=request_id,
-                    trace_id=trace_id,
-                    engine_id=handle.engine_id,
-                    epoch=handle.epoch,
-                    rank=index,
-                    token=handle.token,
-                )
-            )
+            message = encode(release_of(handle, request_id, trace_id, index))
             key = (handle.engine_id, handle.epoch, replica.agent_name)
             try:
                 if key not in self._remotes:
