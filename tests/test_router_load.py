@@ -44,7 +44,7 @@ SEATS = 4  # decode's max_num_seqs: the router dispatches 4 + 1 at once (dispatc
 # A 20 KB text of 80-character tokens: tokenised in the pool like any long prompt, but
 # ~250 tokens, so 250 of them prefill in seconds on a CPU.
 LONG_TOKENS = "#" * 20_000
-NUM_UPLOADS = 12
+NUM_UPLOADS = 30  # the issue's count
 
 # The busy client, in a process of its own at a low CPU priority: a client is another
 # machine, not a share of the two cores the services run on here.
@@ -131,9 +131,11 @@ async def chunked(text: str, chunk: int = 65_536) -> AsyncIterator[bytes]:
 
 def test_chunked_long_prompts_beside_streams(dep: Deployment) -> None:
     """Issue item 1: 30 concurrent chunked 0.62 MB prompts stalled the loop 9.9 s, and
-    decode aborted 8 other users' streams (peer_down). Here 12 chunked 0.62 MB prompts
-    (each tokenised in the pool, 0.4 s of one core, then refused: 230k tokens) beside 8
-    streams: 30 took the one worker past its deadline on this 2-core machine (504s)."""
+    decode aborted 8 other users' streams (peer_down). Here the same 30 beside 8 streams:
+    each is tokenised in the pool (0.4 s of one core) and refused (230k tokens), or, once
+    the one worker is behind by more than the tokenize deadline (on a busy 2-core machine
+    the last of the 30 can be), failed with a 504 that says so; /health is polled for the
+    whole run."""
     import aiohttp
 
     from pdserve.services.router.client import AsyncClient
@@ -154,7 +156,7 @@ def test_chunked_long_prompts_beside_streams(dep: Deployment) -> None:
                                              for _ in range(NUM_UPLOADS)))  # fmt: skip
             return uploads, [len(r.token_ids) for r in await asyncio.gather(*streams)]
 
-    poller = health_poller(dep, 6.0)
+    poller = health_poller(dep, NUM_UPLOADS * 0.4)
     started = time.monotonic()
     uploads, lengths = asyncio.run(main())
     took = time.monotonic() - started
@@ -165,7 +167,10 @@ def test_chunked_long_prompts_beside_streams(dep: Deployment) -> None:
           f"{worst_health * 1000:.0f} ms")  # fmt: skip
     assert lengths == [48] * 8
     for status, body, _ in uploads:
-        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert (status, body["error"]["code"]) in (
+            (400, "context_length_exceeded"),
+            (504, "timeout"),
+        ), body
     after = router_metrics(dep)
     assert after["pdserve:peer_down_total"] == before["pdserve:peer_down_total"]
     assert after["pdserve:loop_stalls_total"] == before["pdserve:loop_stalls_total"]
