@@ -28,7 +28,13 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
-from tests.test_families import NUM_TOKENS, engine_greedy, hf_greedy
+from tests.test_families import (
+    NUM_TOKENS,
+    engine_greedy,
+    greedy_under_preemption,
+    hf_greedy,
+    sentence_prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,11 +83,7 @@ def v32_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
-
-    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 200
-    ids = Tokenizer.from_dir(model_dir).encode(text)
-    return [ids[:n] for n in PROMPT_LENGTHS]
+    return sentence_prompts(model_dir, PROMPT_LENGTHS, 200)
 
 
 @pytest.fixture(scope="module")
@@ -157,18 +159,9 @@ def test_preemption_and_resume(
 ) -> None:
     """28 blocks of 16 tokens for three sequences of up to 316 (no prefix cache to share
     blocks): the pool runs dry, some are preempted, their rows recomputed on resume."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(v32_model),
-            block_size=16,
-            num_kv_blocks=28,
-            max_num_batched_tokens=64,
-            enable_prefix_caching=False,
-        )
-    )
     batch = [prompts[0], prompts[1], prompts[1]]
-    got = engine.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
-    assert [o.token_ids for o in got] == [reference[0], reference[1], reference[1]]
+    engine, got = greedy_under_preemption(v32_model, batch, num_kv_blocks=28)
+    assert got == [reference[0], reference[1], reference[1]]
     assert engine.scheduler.num_preemptions > 0
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 

@@ -29,7 +29,13 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
-from tests.test_families import NUM_TOKENS, engine_greedy, hf_greedy
+from tests.test_families import (
+    NUM_TOKENS,
+    engine_greedy,
+    greedy_under_preemption,
+    hf_greedy,
+    sentence_prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,11 +104,7 @@ def v4_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
-
-    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 200
-    ids = Tokenizer.from_dir(model_dir).encode(text)
-    return [ids[:n] for n in PROMPT_LENGTHS]
+    return sentence_prompts(model_dir, PROMPT_LENGTHS, 200)
 
 
 @pytest.fixture(scope="module")
@@ -179,18 +181,11 @@ def test_chunks_not_aligned_to_entries_or_blocks(
 def test_preemption_and_resume(
     v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(v4_model),
-            block_size=16,
-            num_kv_blocks=40,  # blocks of one layer: 7 groups (see the config test)
-            max_num_batched_tokens=64,
-            enable_prefix_caching=False,
-        )
-    )
     batch = [prompts[0], prompts[1], prompts[1]]
-    got = engine.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
-    assert [o.token_ids for o in got] == [reference[0], reference[1], reference[1]]
+    engine, got = greedy_under_preemption(
+        v4_model, batch, num_kv_blocks=40
+    )  # blocks of one layer: 7 groups (see the config test)
+    assert got == [reference[0], reference[1], reference[1]]
     assert engine.scheduler.num_preemptions > 0
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 

@@ -99,13 +99,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: build(root, family) for family in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir: Path) -> list[list[int]]:
+def sentence_prompts(model_dir: Path, lengths: tuple[int, ...], repeats: int) -> list[list[int]]:
+    """Prompts of ``lengths`` tokens cut from one sentence said ``repeats`` times."""
     from pdserve.common.model.tokenizer import Tokenizer
 
-    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 120
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * repeats
     ids = Tokenizer.from_dir(model_dir).encode(text)
-    return [ids[:n] for n in PROMPT_LENGTHS]
+    return [ids[:n] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    return sentence_prompts(model_dir, PROMPT_LENGTHS, 120)
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], num: int = NUM_TOKENS) -> list[list[int]]:
@@ -126,6 +131,24 @@ def engine_greedy(model_dir: Path, prompts: list[list[int]], **engine: Any) -> l
     outs = eng.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS))
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
     return [o.token_ids for o in outs]
+
+
+def greedy_under_preemption(
+    model_dir: Path, batch: list[list[int]], num_kv_blocks: int
+) -> tuple[LLMEngine, list[list[int]]]:
+    """Greedy tokens of ``batch`` in blocks of 16 too few for it at once (no prefix cache
+    to share them): some sequences are preempted and their rows recomputed on resume."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            block_size=16,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=False,
+        )
+    )
+    got = engine.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
+    return engine, [o.token_ids for o in got]
 
 
 def test_config_reads_each_family_as_transformers_does(checkpoints: dict[str, Path]) -> None:
