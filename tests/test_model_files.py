@@ -132,9 +132,7 @@ def test_second_resolve_reuses_the_cache(
         raise AssertionError("converted again instead of reusing the cache")
 
     monkeypatch.setattr(model_files, "convert_gguf", refuse)
-    start = time.perf_counter()
     assert resolve_model(None) == real_model_dir
-    assert time.perf_counter() - start < 0.5
 
 
 def test_a_model_dir_resolves_to_itself(real_model_dir: Path) -> None:
