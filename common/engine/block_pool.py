@@ -9,6 +9,9 @@ contiguous runs -- what makes KV transfers few, large descriptors.
 With asynchronous scheduling a step may still run on the device when the host frees
 blocks it reads or writes; while ``fence`` is set, frees are held under it and take
 effect in ``unfence`` (common/engine/async_steps.py).
+
+With a host tier (``tier``, common/engine/host_tier.py) a cached block the pool evicts is
+copied down first, and ``hold_prefix`` brings tier hits back up into device blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import msgspec
+
+from pdserve.common.engine.host_tier import HostTier
 
 BlockHash = bytes
 
@@ -66,6 +71,8 @@ class BlockPool:
         # Waits until no step runs on the device (set by the engine that fences; None:
         # the device runs each step to its end before the host goes on, as the CPU does)
         self.wait_idle: Callable[[], None] | None = None
+        # The host tier under the prefix cache (None: an evicted block is forgotten)
+        self.tier: HostTier | None = None
 
     @property
     def num_fenced(self) -> int:
@@ -107,6 +114,8 @@ class BlockPool:
                 block = heapq.heappop(self._free_plain)
             else:
                 block, _ = self._free_cached.popitem(last=False)
+                if self.tier is not None:
+                    self.tier.offload(block, self._hash_of[block])
                 self._forget(block)
             self._ref_counts[block] = 1
             blocks.append(block)
@@ -143,6 +152,39 @@ class BlockPool:
             found.append(block)
         self.take(found)
         return found
+
+    def hold_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Reference the blocks of the longest run of leading ``hashes`` cached on the
+        device or in the tier, tier hits copied up into blocks of the pool (registered
+        under their hashes: device hits from now on). The references only keep the run
+        from evicting itself while it is brought up: the caller takes its own
+        (``match_prefix``, ``GroupTables.match``), then ``drop``s these."""
+        held: list[int] = []
+        if not self.enable_prefix_caching:
+            return held
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is not None:
+                self.take([block])
+            else:
+                slot = None if self.tier is None else self.tier.slot_of(h)
+                if slot is None or not self.num_free_blocks:
+                    break
+                assert self.tier is not None
+                self.tier.touch(slot)  # most recently used: the copy-down below spares it
+                (block,) = self.allocate(1)  # may copy another block down first
+                if self.tier.slot_of(h) != slot:  # a one-slot tier recycled it after all
+                    self._free_now([block])
+                    break
+                self.tier.reload(slot, block)
+                for slot_hash in self.tier.hashes_of(slot):
+                    self.register(block, slot_hash)
+            held.append(block)
+        return held
+
+    def drop(self, blocks: Sequence[int]) -> None:
+        """Free references no step ever saw (``hold_prefix``'s): at once, fence or not."""
+        self._free_now(blocks)
 
     def cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, if the prefix cache still has it."""
@@ -194,6 +236,8 @@ class BlockPool:
         self._block_of[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
+        if self.tier is not None:
+            self.tier.clear()
         for block in list(self._free_cached):
             self._forget(block)
             heapq.heappush(self._free_plain, block)

@@ -26,6 +26,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # GiB of host memory for a tier under the prefix cache (common/engine/host_tier.py):
+    # blocks the device pool evicts are kept there and copied back up on a prefix hit;
+    # 0: no tier
+    kv_host_cache_gb: float = 0.0
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Storage order of the KV cache (common/engine/kv_layout.py): "head" suits readers of a head
     # slice (decode TP != prefill TP), "block" readers of every head; "auto" lets the
@@ -65,6 +69,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_order not in ("auto", "head", "block"):
             raise PdserveError(f"kv_order must be auto, head or block, got {self.kv_order!r}")
+        if self.kv_host_cache_gb < 0:
+            raise PdserveError(
+                f"kv_host_cache_gb must be 0 (no host tier) or more, got {self.kv_host_cache_gb}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise PdserveError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
 

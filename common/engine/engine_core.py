@@ -16,6 +16,7 @@ import torch
 from pdserve.common.engine.async_steps import NAN_MESSAGE, InFlight, is_plain, launch_greedy
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.host_tier import HostTier
 from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
@@ -27,7 +28,8 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.spec_decode.speculator import Speculator
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.engine.structured import GrammarTable
-from pdserve.common.errors import RequestError
+from pdserve.common.engine.tier_buffer import TierBuffer, num_tier_slots
+from pdserve.common.errors import PdserveError, RequestError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.files import resolve_model
 from pdserve.common.model.tokenizer import Tokenizer
@@ -94,6 +96,8 @@ class EngineCore(Generic[OutputT]):
             max_model_len=self.max_model_len,
             groups=self.kv_groups,
         )
+        if config.kv_host_cache_gb > 0:
+            self.pool.tier = self._host_tier(config.kv_host_cache_gb)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
         )
@@ -119,6 +123,34 @@ class EngineCore(Generic[OutputT]):
         self._in_flight: InFlight | None = None
         self._serials = itertools.count(1)
         self.last_step_launched = False  # the last step() launched a step
+
+    def _host_tier(self, gigabytes: float) -> HostTier:
+        """A host tier of ``gigabytes`` GiB under the pool (common/engine/host_tier.py)."""
+        groups = self.kv_groups
+        if len(groups) != 1 or groups[0].is_sliding or groups[0].rate != 1:
+            raise PdserveError(
+                f"kv_host_cache_gb: {self.model_dir.name} has sliding-window or compressed KV "
+                "cache groups; the host tier holds one full-attention group only (set 0)"
+            )
+        if not isinstance(self.runner, ModelRunner) or self.speculator is not None:
+            raise PdserveError(
+                "kv_host_cache_gb: the host tier needs a one-rank engine (TP 1, PCP 1) without "
+                "speculative decoding for now; set 0"
+            )
+        layout = self.runner.layout
+        buffer = TierBuffer(self.runner, layout, num_tier_slots(gigabytes, layout))
+        log.info(
+            "host_tier_ready",
+            num_blocks=buffer.layout.num_blocks,
+            host_mib=round(buffer.layout.total_bytes / 2**20),
+        )
+        return HostTier(buffer.layout.num_blocks, buffer)
+
+    def close(self) -> None:
+        """Give back what outlives the requests: the host tier's blocks and memory."""
+        if self.pool.tier is not None:
+            self.pool.tier.clear()
+            self.pool.tier = None
 
     # -- requests -------------------------------------------------------------------------
 

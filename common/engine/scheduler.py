@@ -3,7 +3,9 @@
 Each step it takes running requests first (decodes and unfinished prefill chunks), then
 admits waiting requests while token budget, sequence slots and blocks allow. When the pool
 runs dry mid-decode, the latest arrival is preempted: its blocks are freed and it is
-recomputed later (its full blocks usually come back from the prefix cache).
+recomputed later (its full blocks usually come back from the prefix cache). With a host
+tier under the pool (common/engine/host_tier.py) a prompt's prefix may also come back from
+host memory: those blocks are copied up at admission and count as cached tokens.
 
 Each request has a block table per KV cache group (``groups``, common/engine/kv_groups.py;
 common/engine/group_tables.py keeps them): in a sliding group, blocks that fall wholly
@@ -198,7 +200,11 @@ class Scheduler:
             return  # every prompt position must be computed to be scored
         # The last token is always computed so that there are logits to sample from.
         max_blocks = (req.num_tokens - 1) // self.block_size
-        num = self.tables.match(req, req.block_hashes[:max_blocks])
+        hashes = req.block_hashes[:max_blocks]
+        # host-tier hits come up into device blocks first (block_pool.hold_prefix)
+        held = self.pool.hold_prefix(hashes) if self.pool.tier is not None else []
+        num = self.tables.match(req, hashes)
+        self.pool.drop(held)
         req.num_computed_tokens = num * self.block_size
         if req.num_cached_tokens == 0:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)

@@ -1,0 +1,165 @@
+"""The host tier under the prefix cache (common/engine/host_tier.py): the pool's index of it
+(pure) and an engine on a tiny random Llama whose device pool is too small to keep a
+prompt's prefix, so that the prefix comes back from the tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.host_tier import HostTier
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.errors import PdserveError
+from pdserve.common.model.random import save_random_llama
+
+B = 4
+
+
+class Recorder:
+    """A TierMover that records the copies it is asked for."""
+
+    block_bytes = 100
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[str, int, int]] = []
+
+    def copy_down(self, block: int, slot: int) -> None:
+        self.copies.append(("down", block, slot))
+
+    def copy_up(self, slot: int, block: int) -> None:
+        self.copies.append(("up", slot, block))
+
+
+def cached_pool(num_blocks: int, num_slots: int) -> tuple[BlockPool, Recorder]:
+    pool = BlockPool(num_blocks)
+    mover = Recorder()
+    pool.tier = HostTier(num_slots, mover)
+    return pool, mover
+
+
+def fill(pool: BlockPool, hashes: list[bytes]) -> list[int]:
+    """Blocks computed for ``hashes``, registered and freed (cached, unreferenced)."""
+    blocks = pool.allocate(len(hashes))
+    for block, h in zip(blocks, hashes, strict=True):
+        pool.register(block, h)
+    pool.free(blocks)
+    return blocks
+
+
+def test_an_evicted_block_is_copied_down_and_comes_back_up() -> None:
+    pool, mover = cached_pool(num_blocks=2, num_slots=4)
+    a = hash_blocks(list(range(2 * B)), B)
+    blocks = fill(pool, a)
+    pool.allocate(2)  # evicts both cached blocks: each copied down once
+    assert [c[0] for c in mover.copies] == ["down", "down"]
+    assert {c[1] for c in mover.copies} == set(blocks)
+    assert pool.tier is not None and pool.tier.num_blocks == 2
+    assert pool.count_cached_prefix(a) == 0
+    pool.free([0, 1])
+    held = pool.hold_prefix(a)
+    assert len(held) == 2 and [c[0] for c in mover.copies[2:]] == ["up", "up"]
+    assert pool.match_prefix(a) == held  # now device hits
+    pool.drop(held)
+    assert [pool.ref_count(b) for b in held] == [1, 1]
+    assert pool.tier.num_hits == 2
+
+
+def test_the_tier_never_holds_a_block_twice_and_recycles_least_recent_first() -> None:
+    pool, mover = cached_pool(num_blocks=2, num_slots=2)
+    tier = pool.tier
+    assert tier is not None
+    a, b = hash_blocks(list(range(B)), B), hash_blocks(list(range(100, 100 + B)), B)
+    fill(pool, a + b)
+    pool.free(pool.allocate(2))  # a and b go down
+    assert tier.num_offloaded == 2
+    pool.drop(pool.hold_prefix(a))  # a comes back up, stays in the tier (inclusive)
+    pool.free(pool.allocate(2))  # a evicted again: already held, nothing copied
+    assert tier.num_offloaded == 2 and tier.num_blocks == 2
+    assert sorted(tier.slot_of(h) for h in a + b) == [0, 1]  # type: ignore[type-var]
+    c = hash_blocks(list(range(200, 200 + B)), B)
+    fill(pool, c)
+    pool.allocate(2)  # c goes down into b's slot: b is the least recently used
+    assert c[0] in tier and a[0] in tier and b[0] not in tier
+    assert tier.num_blocks == 2
+
+
+def test_a_held_prefix_never_evicts_itself() -> None:
+    """Bringing a tier hit up takes a device block; the run's earlier blocks are held, so
+    that allocation cannot evict them (the prefix would break in the middle)."""
+    pool, _ = cached_pool(num_blocks=3, num_slots=8)
+    hashes = hash_blocks(list(range(3 * B)), B)
+    fill(pool, hashes)
+    pool.free(pool.allocate(3))  # all three down
+    pool.drop(pool.hold_prefix(hashes[:1]))  # h0 up into block 0: the least recent now
+    fill(pool, hash_blocks(list(range(500, 500 + 2 * B)), B))  # blocks 1, 2: more recent
+    held = pool.hold_prefix(hashes)
+    assert held[0] == 0 and sorted(held) == [0, 1, 2]
+    assert pool.match_prefix(hashes) == held
+    pool.drop(held)
+
+
+def test_reset_and_clear_forget_everything() -> None:
+    pool, _ = cached_pool(num_blocks=1, num_slots=2)
+    tier = pool.tier
+    assert tier is not None
+    fill(pool, hash_blocks(list(range(B)), B))
+    pool.free(pool.allocate(1))
+    assert tier.num_blocks == 1
+    pool.reset_prefix_cache()
+    assert tier.num_blocks == 0 and pool.hold_prefix(hash_blocks(list(range(B)), B)) == []
+
+
+# -- an engine ----------------------------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+PROMPT_A = list(range(5, 5 + 6 * B + 1))  # 6 full blocks and one token
+FILLERS = [list(range(100 + 40 * i, 100 + 40 * i + 6 * B + 1)) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_llama(tmp_path_factory.mktemp("tier") / "llama", hidden_size=64,
+                             num_heads=4, num_kv_heads=2, intermediate_size=128,
+                             vocab_size=2048)  # fmt: skip
+
+
+def engine(model: Path, tier_gb: float) -> LLMEngine:
+    # 9 blocks: one 25-token request at a time fits, the next prompt evicts its prefix
+    return LLMEngine(EngineConfig(model=str(model), block_size=B, num_kv_blocks=9,
+                                  kv_host_cache_gb=tier_gb))  # fmt: skip
+
+
+def turns(eng: LLMEngine) -> list[tuple[list[int], int]]:
+    """A, two other prompts that push A's blocks out of the device pool, A again."""
+    out = []
+    for prompt in (PROMPT_A, *FILLERS, PROMPT_A):
+        [done] = eng.generate([prompt], GREEDY)
+        out.append((done.token_ids, done.num_cached_tokens))
+    return out
+
+
+def test_a_prefix_evicted_to_the_tier_gives_the_same_greedy_tokens(tiny: Path) -> None:
+    plain = engine(tiny, 0.0)
+    tiered = engine(tiny, 0.001)  # ~1 MiB: every block of these prompts
+    expected, got = turns(plain), turns(tiered)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert expected[-1][1] == 0  # without the tier A's prefix was lost
+    assert got[-1][1] == 6 * B  # with it, every full block of A is cached (tier hits)
+    tier = tiered.pool.tier
+    assert tier is not None and tier.num_hits >= 6
+    # a block a request still references is never recycled; nothing is held twice
+    assert tier.num_blocks == len({tier.slot_of(h) for h in tier._slot_of})
+    assert tiered.pool.num_free_blocks == tiered.pool.num_blocks
+    tiered.close()
+    assert tiered.pool.tier is None and tier.num_blocks == 0
+
+
+def test_a_tier_too_small_for_one_block_is_refused(tiny: Path) -> None:
+    with pytest.raises(PdserveError, match="holds no KV block"):
+        engine(tiny, 1e-9)
+    with pytest.raises(PdserveError, match="kv_host_cache_gb must be 0"):
+        EngineConfig(kv_host_cache_gb=-1)
