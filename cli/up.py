@@ -83,6 +83,15 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         help="no prefill service: decode computes prompts",
     )
     add_kv_cache_dtype(p)
+    p.add_argument(
+        "--kv-host-cache-gb",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host memory per engine for a tier under the prefix cache: blocks the device pool "
+        "evicts are kept there and copied back up on a prefix hit (0: off; default [engine] "
+        "kv_host_cache_gb, else 0)",
+    )
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument(
         "--speculative-config",
@@ -113,6 +122,8 @@ def _engine_flags(args: argparse.Namespace) -> dict[str, Any] | None:
     flags: dict[str, Any] = {}
     if args.kv_cache_dtype is not None:
         flags["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.kv_host_cache_gb is not None:
+        flags["kv_host_cache_gb"] = args.kv_host_cache_gb
     if args.speculative_config is not None:
         import msgspec
 

@@ -163,3 +163,22 @@ def test_a_tier_too_small_for_one_block_is_refused(tiny: Path) -> None:
         engine(tiny, 1e-9)
     with pytest.raises(PdserveError, match="kv_host_cache_gb must be 0"):
         EngineConfig(kv_host_cache_gb=-1)
+
+
+def test_the_tier_size_comes_from_toml_then_env_then_the_up_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.up import _engine_flags
+    from pdserve.common.runtime.service_config import load_config
+
+    toml = tmp_path / "pd.toml"
+    toml.write_text("[engine]\nkv_host_cache_gb = 4\n")
+    assert load_config(toml).engine.kv_host_cache_gb == 4
+    assert load_config().engine.kv_host_cache_gb == 0  # off unless asked for
+    monkeypatch.setenv("PDSERVE_ENGINE__KV_HOST_CACHE_GB", "2.5")
+    assert load_config(toml).engine.kv_host_cache_gb == 2.5
+    args = build_parser().parse_args(["up", "--kv-host-cache-gb", "8"])
+    flags = _engine_flags(args)
+    assert flags == {"kv_host_cache_gb": 8.0}
+    assert load_config(toml, engine=flags).engine.kv_host_cache_gb == 8

@@ -99,8 +99,10 @@ class Pair:
             thread.teardown()
         self.loop.close()
 
-    def prefilled(self, rid: str, sampling: SamplingParams = GREEDY) -> p.PrefillDone:
-        req = p.PrefillRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=PROMPT,
+    def prefilled(
+        self, rid: str, sampling: SamplingParams = GREEDY, prompt: list[int] = PROMPT
+    ) -> p.PrefillDone:
+        req = p.PrefillRequest(request_id=rid, trace_id=f"t-{rid}", prompt_token_ids=prompt,
                                sampling=sampling)  # fmt: skip
         self.prefill.handlers[Prefill](Prefill(identity=b"router", request=req))
         while not (done := [m for m in self.replies if isinstance(m, p.PrefillDone)
@@ -108,9 +110,11 @@ class Pair:
             self.prefill.run_once()
         return done[0]
 
-    def send_decode(self, done: p.PrefillDone, sampling: SamplingParams = GREEDY) -> None:
+    def send_decode(
+        self, done: p.PrefillDone, sampling: SamplingParams = GREEDY, prompt: list[int] = PROMPT
+    ) -> None:
         msg = p.DecodeRequest(request_id=done.request_id, trace_id=done.trace_id,
-                              prompt_token_ids=PROMPT, sampling=sampling,
+                              prompt_token_ids=prompt, sampling=sampling,
                               first_token=done.first_token, handle=done.handle)  # fmt: skip
         self.decode.handlers[Decode](Decode(identity=b"router", request=msg))
 
@@ -198,8 +202,45 @@ def test_a_failed_pull_recomputes_the_same_tokens(
         pair.close()
 
 
-def test_a_pull_outlived_by_its_lease_frees_each_block_once(engine_config: EngineConfig) -> None:
-    pair = Pair(engine_config, lease_seconds=0.2, heartbeat_seconds=0.1)
+def host_tier(gigabytes: float) -> dict[str, Any]:
+    """Overrides giving both engines a host tier (common/engine/host_tier.py); 0: none."""
+    if not gigabytes:
+        return {}
+    tier = {"kv_host_cache_gb": gigabytes}
+    return {"prefill_engine": tier, "decode_engine": tier}
+
+
+def test_a_prefix_half_in_the_host_tier_pulls_the_monolithic_tokens(
+    engine_config: EngineConfig, reference: list[int]
+) -> None:
+    """Prefill's pool of 6 blocks loses the tail of PROMPT's cached prefix to another
+    prompt; PROMPT again finds 2 blocks on the device and 1 in the tier, which is copied
+    up before the step (a PrefillDone describes device blocks only), and decode's pull of
+    them all gives the monolithic tokens."""
+    pair = Pair(engine_config, prefill_engine={"num_kv_blocks": 6, "kv_host_cache_gb": 0.001})
+    other = list(range(300, 314))
+    try:
+        for rid, prompt in (("a", PROMPT), ("b", other)):
+            pair.send_decode(pair.prefilled(rid, prompt=prompt), prompt=prompt)
+            assert isinstance(pair.run_until_terminal(rid), p.Finished)
+        tier = pair.prefill.engine.pool.tier
+        assert tier is not None and tier.num_offloaded == 1 and tier.num_hits == 0
+        done = pair.prefilled("again")
+        assert done.num_cached_tokens == 3 * B and tier.num_hits == 1
+        pair.send_decode(done)
+        assert isinstance(pair.run_until_terminal("again"), p.Finished)
+        assert pair.tokens("again") == reference
+        pair.assert_every_block_free()
+    finally:
+        pair.close()
+    assert pair.prefill.engine.pool.tier is None  # teardown gave the tier back
+
+
+@pytest.mark.parametrize("tier_gb", [0, 0.001], ids=["no_tier", "host_tier"])
+def test_a_pull_outlived_by_its_lease_frees_each_block_once(
+    engine_config: EngineConfig, tier_gb: float
+) -> None:
+    pair = Pair(engine_config, lease_seconds=0.2, heartbeat_seconds=0.1, **host_tier(tier_gb))
     try:
         done = pair.prefilled("a")
         pair.consumer.hold.add("a")  # the pull stays in flight past the producer's lease

@@ -103,6 +103,8 @@ class DecodeEngineThread(EngineThread):
     def teardown(self) -> None:
         if hasattr(self, "puller"):
             self.puller.close()
+        if hasattr(self, "engine"):
+            self.engine.close()  # the host tier's blocks and memory
 
     def run_once(self) -> bool:
         self._advance_pulls()

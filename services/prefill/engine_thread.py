@@ -134,6 +134,8 @@ class PrefillEngineThread(EngineThread):
             self.producer.close()
         if self.ranks is not None:
             self.ranks.close()
+        if hasattr(self, "engine"):
+            self.engine.close()  # the host tier's blocks and memory
 
     def run_once(self) -> bool:
         for rank, release in self._releases():
