@@ -48,8 +48,8 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="how chat answers' thinking is split off: qwen3, deepseek_r1, none "
-        "(default auto: from the chat template)",
+        help="how chat answers' thinking is split off: qwen3, deepseek_r1, deepseek_v3, "
+        "deepseek_v4, deepseek_v41 (vLLM's names), none (default auto: from the chat template)",
     )
     p.add_argument(
         "--allowed-origins",

@@ -250,12 +250,23 @@ def test_chat_echo_and_continue_final_message(
     assert core.submitted[-1].prompt_token_ids == tokenizer.encode_chat(messages[:1], False)
 
 
-def test_chat_template_kwargs(port: int, core: FakeCore) -> None:
-    body = {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}}
-    assert request(port, "POST", "/v1/chat/completions", body)[0] == 200
+def test_chat_template_kwargs(port: int, core: FakeCore, tokenizer: Tokenizer) -> None:
+    body: dict[str, Any] = {"messages": CHAT, "max_tokens": 1}
     body["chat_template_kwargs"] = {"messages": []}
     error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
     assert error["param"] == "chat_template_kwargs"
+    body["chat_template_kwargs"] = {"bos_token": "<s>"}  # the template gets the model's own
+    error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert error["param"] == "chat_template_kwargs.bos_token"
+    # a kwarg the template never reads would be ignored: refused, naming it (vLLM drops it)
+    assert "enable_thinking" not in tokenizer.template_variables  # SmolLM2's template
+    body["chat_template_kwargs"] = {"enable_thinking": False}
+    error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert (error["param"], error["code"]) == ("chat_template_kwargs.enable_thinking",
+                                               "unsupported_parameter")  # fmt: skip
+    assert error["type"] == "invalid_request_error"
+    assert "does not read enable_thinking" in error["message"]
+    assert not core.submitted
 
 
 def test_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
@@ -266,3 +277,5 @@ def test_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
     custom = Tokenizer(backend, {}, template, [])
     assert custom.apply_chat_template(CHAT, template_kwargs={"greeting": "hey "}) == "hey x"
     assert custom.apply_chat_template(CHAT, template_kwargs={"messages": []}) == "x"
+    assert custom.template_variables == {"greeting", "messages"}
+    assert Tokenizer(backend, {}, None, []).template_variables == frozenset()

@@ -14,6 +14,7 @@ from pdserve.common.engine.sampling_params import StructuredOutput
 from pdserve.common.errors import PdserveError
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.services.router.reasoning import (
+    THINKS_UNPROMPTED,
     ReasoningParser,
     Start,
     ThinkingSplit,
@@ -138,14 +139,32 @@ def test_parser_from_the_chat_template(tmp_path: Path, model_dir: Path) -> None:
     assert parser_of("auto", plain) is None and parser_of("none", plain) is None
     with pytest.raises(PdserveError, match="single tokens"):
         parser_of("qwen3", plain)
-    with pytest.raises(PdserveError, match="DeepSeek-V4's thinking markers are not known"):
-        parser_of("deepseek_v4", plain)
     with pytest.raises(PdserveError, match="one of qwen3, deepseek_r1"):
         parser_of("qwen", plain)
     thinking = Tokenizer.from_dir(thinking_tokenizer(tmp_path / "tok", model_dir))
     parser = parser_of("auto", thinking)
     assert parser is not None and parser.name == "qwen3" and not parser.thinks_unprompted
     assert thinking.decode([parser.start_id, parser.end_id]) == "<think></think>"
+
+
+def test_vllm_names_of_the_think_parser(tmp_path: Path, model_dir: Path) -> None:
+    """vLLM's --reasoning-parser names for models that think between <think> and </think>
+    (DeepSeek-V4 / V4.1 as their chat encoders write it) are all this one parser."""
+    from pdserve.common.runtime.service_config import REASONING_PARSERS
+
+    assert set(THINKS_UNPROMPTED) == set(REASONING_PARSERS) - {"auto", "none"}
+    thinking = Tokenizer.from_dir(thinking_tokenizer(tmp_path / "tok", model_dir))
+    for name in ("deepseek_v3", "deepseek_v31", "deepseek_v4", "deepseek_v41"):
+        parser = parser_of(name, thinking)
+        assert parser is not None and parser.name == name
+        assert thinking.decode([parser.start_id, parser.end_id]) == "<think></think>"
+        assert not parser.thinks_unprompted  # they think when the prompt opens the thinking
+    v4 = parser_of("deepseek_v4", thinking)
+    assert v4 is not None
+    # DeepSeek-V4's generation prompts: thinking mode, chat mode, neither (a first <think>)
+    assert v4.start([], thinking.encode("<｜Assistant｜><think>", False)) == "thinking"
+    assert v4.start([], thinking.encode("<｜Assistant｜></think>", False)) == "answer"
+    assert v4.start([], thinking.encode("<｜Assistant｜>", False)) == "maybe"
 
 
 def test_template_reads_a_name_not_a_word() -> None:
@@ -171,7 +190,8 @@ def test_reasoning_parser_is_a_config_key_an_env_variable_and_a_flag(
     monkeypatch.setenv("PDSERVE_REASONING_PARSER", "none")
     assert load_config(toml).reasoning_parser == "none"  # env over file
     assert load_config(toml, reasoning_parser="qwen3").reasoning_parser == "qwen3"  # flag over env
-    with pytest.raises(PdserveError, match="DeepSeek-V4's thinking markers are not known"):
-        load_config(None, reasoning_parser="deepseek_v4")
+    assert load_config(None, reasoning_parser="deepseek_v41").reasoning_parser == "deepseek_v41"
+    with pytest.raises(PdserveError, match="must be one of auto, none, qwen3"):
+        load_config(None, reasoning_parser="deepseek-v4")  # SGLang's spelling, not vLLM's
     args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3"])
     assert args.reasoning_parser == "qwen3"

@@ -161,6 +161,54 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(model_dir: Path) -> N
         server.stop()
 
 
+# DeepSeek-V4's chat encoder (encoding/encoding_dsv4.py in its checkpoints, which ship no
+# Jinja template) for one user turn: the generation prompt opens the thinking in thinking
+# mode and closes it in chat mode (its ``thinking_mode``; here the kwarg ``thinking``).
+V4_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<｜Assistant｜>' + ('<think>' if thinking else '</think>') }}{% endif %}"
+)
+
+
+def test_deepseek_v4_thinking_split_as_its_encoder_prompts_it(tokenizer_dir: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    core = FakeCore(Tokenizer(backend, {}, V4_TEMPLATE, [2]))
+    server = Server(core, reasoning_parser="deepseek_v4")
+    try:
+        core.script = "The sky scatters blue light.</think>Blue."  # after the prompt's <think>
+        body: dict[str, Any] = {"messages": ASK, "chat_template_kwargs": {"thinking": True}}
+        answer = json.loads(request(server.port, "POST", "/v1/chat/completions", body)[2])
+        message = answer["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("The sky scatters blue light.",
+                                                              "Blue.")  # fmt: skip
+        assert message["reasoning_content"] == message["reasoning"]
+        core.script = "Blue."
+        body["chat_template_kwargs"] = {"thinking": False}
+        answer = json.loads(request(server.port, "POST", "/v1/chat/completions", body)[2])
+        message = answer["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (None, "Blue.")
+        # Qwen3's switch would be ignored by this template: a 400 naming it and its own
+        num_submitted = len(core.submitted)
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+        error = error_of(*request(server.port, "POST", "/v1/chat/completions", body)[::2], 400)
+        assert error["param"] == "chat_template_kwargs.enable_thinking"
+        assert "reads: thinking" in error["message"]
+        assert len(core.submitted) == num_submitted
+    finally:
+        server.stop()
+
+
+def test_a_template_kwarg_nobody_reads_is_refused(port: int, core: FakeCore) -> None:
+    body = {"messages": ASK, "chat_template_kwargs": {"enable_thinkng": False}}  # a typo
+    error = error_of(*request(port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert error["param"] == "chat_template_kwargs.enable_thinkng"
+    assert error["code"] == "unsupported_parameter" and "enable_thinking" in error["message"]
+    assert not core.submitted
+
+
 @pytest.fixture
 def port(served: tuple[FakeCore, int], core: FakeCore) -> int:
     return served[1]
@@ -206,6 +254,11 @@ def test_reasoning_sent_to_a_template_that_drops_it_is_refused(model_dir: Path) 
         error = error_of(status, data, 400)
         assert error["param"] == "messages[1].reasoning_content"
         assert "would be dropped" in error["message"]
+        # so is Qwen3's thinking switch, which this template never reads
+        body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+        error = error_of(*request(server.port, "POST", "/v1/chat/completions", body)[::2], 400)
+        assert error["param"] == "chat_template_kwargs.enable_thinking"
+        assert "no variables of its own" in error["message"]
         # no reasoning parser there: answers carry no thinking and no reasoning usage
         status, _, data = request(server.port, "POST", "/v1/chat/completions",
                                   {"messages": ASK, "max_tokens": 2})  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -53,6 +54,16 @@ class Tokenizer:
         self.bos_token_id = self._token_id(special_tokens.get("bos_token"))
         self.pad_token_id = self._token_id(special_tokens.get("pad_token"))
         self.eos_token_ids = eos_token_ids
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (jinja2's undeclared
+        variables, the ones transformers passes included): which template kwargs it can
+        take. vLLM drops a request's kwargs outside this set; the router refuses them."""
+        if self._template is None or self.chat_template is None:
+            return frozenset()
+        tree = self._template.environment.parse(self.chat_template)
+        return frozenset(jinja2.meta.find_undeclared_variables(tree))
 
     @property
     def vocab(self) -> dict[str, int]:

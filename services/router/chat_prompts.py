@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.common.errors import PdserveError
+from pdserve.common.model.tokenizer import SPECIAL_TOKEN_NAMES
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import RouterCore
 from pdserve.services.router.http_errors import ApiError
@@ -102,6 +103,8 @@ def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: 
         raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}; use the "
                        "request's own fields", param="chat_template_kwargs",
                        code="invalid_value")  # fmt: skip
+    if template is not None:
+        _check_template_kwargs(kwargs, core.tokenizer.template_variables)
     if req.reasoning_effort is not None:
         if not template_reads(template, "reasoning_effort"):
             raise ApiError(400, "reasoning_effort: this model's chat template has no notion of "
@@ -132,6 +135,31 @@ def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: 
                            param="continue_final_message", code="invalid_value")  # fmt: skip
         text = text[: at + len(final)]
     return text
+
+
+def _check_template_kwargs(kwargs: dict[str, Any], read: frozenset[str]) -> None:
+    """No kwarg is silently ignored: one naming a special token (the template gets the
+    model's own) or one the template never reads (vLLM drops it) is a 400 naming it."""
+    special = sorted(set(SPECIAL_TOKEN_NAMES) & set(kwargs))
+    if special:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(special)}: the "
+                       "template is given the model's own special tokens",
+                       param=f"chat_template_kwargs.{special[0]}",
+                       code="invalid_value")  # fmt: skip
+    unread = sorted(set(kwargs) - read)
+    if unread:
+        own = sorted(read - _RESERVED_TEMPLATE_VARS - set(SPECIAL_TOKEN_NAMES))
+        reads = (
+            f"the variables it reads: {', '.join(own)}"
+            if own
+            else "it reads no variables of its own"
+        )
+        names = ", ".join(unread)
+        raise ApiError(400, f"chat_template_kwargs: this model's chat template does not read "
+                       f"{names}, so {'they' if len(unread) > 1 else 'it'} would be ignored "
+                       f"({reads}); leave {'them' if len(unread) > 1 else 'it'} out",
+                       param=f"chat_template_kwargs.{unread[0]}",
+                       code="unsupported_parameter")  # fmt: skip
 
 
 def _message(message: oa.ChatMessageIn, index: int, template: str | None) -> dict[str, Any]:

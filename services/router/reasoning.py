@@ -1,6 +1,6 @@
 """Reasoning models: their thinking split from the answer, on token ids.
 
-Qwen3 and DeepSeek-R1 / V3.1 think between ``<think>`` and ``</think>``, each one token
+Qwen3 and DeepSeek-R1 / V3.1 / V4 / V4.1 think between ``<think>`` and ``</think>``, each one token
 of their vocabularies. The split watches for those ids (never for their text, which a
 stream can cut anywhere and which a user's text can spell), then cuts the engine's text
 where each marker's token begins and ends: the length of the output decoded up to the
@@ -8,13 +8,20 @@ marker, which is where the engine's incremental text has it. So stop strings, pa
 characters held back and special tokens the text skips all stay the engine's business.
 
 Where a choice starts is read off the prompt's tail (the generation prompt the template
-added): a start marker last (R1, V3.1 thinking, Qwen3-Thinking) opens in thinking, an
-end marker last (Qwen3 ``enable_thinking: false``, V3.1 non-thinking) in the answer.
-With neither, ``qwen3`` answers unless the first token opens the thinking and
-``deepseek_r1`` thinks from the first token (R1 models that skip ``<think>``).
+added): a start marker last (R1, V3.1 / V4 thinking, Qwen3-Thinking) opens in thinking, an
+end marker last (Qwen3 ``enable_thinking: false``, V3.1 / V4 chat mode) in the answer.
+With neither, ``deepseek_r1`` thinks from the first token (R1 models that skip
+``<think>``) and the others answer unless the first token opens the thinking.
 
-DeepSeek-V4's markers are not known here yet: transformers ships no DeepSeek-V4
-tokenizer or chat template, so ``deepseek_v4`` is refused by name until they are.
+DeepSeek-V3.1, V4 and V4.1 think between the same two markers: their checkpoints' chat
+encoders (``encoding/encoding_dsv4.py``; vLLM's ``deepseek_v4_encoding.py`` and
+``deepseek_v41_encoding.py``) end a generation prompt with ``<｜Assistant｜><think>`` in
+thinking mode and ``<｜Assistant｜></think>`` in chat mode, and vLLM's ``deepseek_v3``,
+``deepseek_v4`` and ``deepseek_v41`` parsers split on them as R1's does when thinking is
+on. So those names are this module's one ``<think>`` parser, as vLLM spells them. vLLM's
+``deepseek_v4`` also ends the thinking where a DSML tool-call block (``<｜DSML｜tool_calls>``)
+starts inside it, for its DSML tool parser; pdserve parses no DSML tool calls, so such a
+block stays in the reasoning.
 """
 
 from __future__ import annotations
@@ -28,9 +35,14 @@ import msgspec
 from pdserve.common.engine.sampling_params import StructuredOutput
 from pdserve.common.errors import PdserveError
 from pdserve.common.model.tokenizer import Tokenizer
-from pdserve.common.runtime.service_config import REASONING_PARSERS, REASONING_REFUSED
+from pdserve.common.runtime.service_config import REASONING_PARSERS
 
-# The names (and the refused ones, with their reason) are the config's, checked there.
+# name (the config's, checked there) -> whether the model thinks from its first token when
+# the generation prompt holds no marker: R1 does; V3.1 / V4 / V4.1 think when their prompt
+# opens the thinking (vLLM splits them only when the request turns thinking on), Qwen3 when
+# it writes <think> first.
+THINKS_UNPROMPTED = {"qwen3": False, "deepseek_r1": True, "deepseek_v3": False,
+                     "deepseek_v31": False, "deepseek_v4": False, "deepseek_v41": False}  # fmt: skip
 PARSERS = tuple(name for name in REASONING_PARSERS if name not in ("auto", "none"))
 START, END = "<think>", "</think>"
 
@@ -77,15 +89,14 @@ def parser_of(name: str, tokenizer: Tokenizer) -> ReasoningParser | None:
         if name == "none" or not _has_markers(tokenizer):
             return None
     if name not in PARSERS:
-        why = REASONING_REFUSED.get(name, "")
         raise PdserveError(f"reasoning_parser must be auto, none or one of {', '.join(PARSERS)}, "
-                           f"got {name!r}{why}")  # fmt: skip
+                           f"got {name!r}")  # fmt: skip
     if not _has_markers(tokenizer):
         raise PdserveError(f"reasoning_parser {name!r} needs {START} and {END} to be single "
                           "tokens of the model's tokenizer; this one has no such tokens")  # fmt: skip
     vocab = tokenizer.vocab
     return ReasoningParser(name=name, start_id=vocab[START], end_id=vocab[END],
-                           thinks_unprompted=name == "deepseek_r1")  # fmt: skip
+                           thinks_unprompted=THINKS_UNPROMPTED[name])  # fmt: skip
 
 
 def detect(chat_template: str | None) -> str | None:
