@@ -34,11 +34,14 @@ def run(args: argparse.Namespace) -> int:
         uvloop.run(serve(cfg))
         return 0
     threads = torch_threads_for(cfg, args.role)
-    from pdserve.common.runtime.net_scope import confine_to
+    from pdserve.common.runtime.net_scope import check_bindable, confine_to, set_ucx
 
-    addresses = cfg.prefill_addresses if args.role == "prefill" else cfg.decode_addresses
+    addresses = cfg.addresses_of(args.role)
     if 0 <= args.instance < len(addresses):  # else the service names the bad instance
-        confine_to(addresses[args.instance].address)  # before any NIXL agent or rank starts
+        check_bindable(f"{args.role} {args.instance}", addresses[args.instance])
+        # before any NIXL agent or rank starts
+        confine_to(addresses[args.instance].address)
+        set_ucx(cfg.ucx)
     if args.role == "prefill":
         from pdserve.services.prefill.service import PrefillService
 

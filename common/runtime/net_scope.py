@@ -20,6 +20,9 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from pdserve.common.errors import PdserveError
+from pdserve.common.runtime.service_config import InstanceAddresses
+
 log = structlog.get_logger("pdserve.net")
 
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
@@ -68,3 +71,33 @@ def confine_to(address: str) -> str | None:
     os.environ.setdefault("UCX_NET_DEVICES", name)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
     return name
+
+
+def set_ucx(settings: dict[str, str]) -> None:
+    """The deployment's ``[ucx]`` settings (UCX_TLS, ...) for NIXL's agents; a variable
+    already in the environment (the unit's env file) wins."""
+    for key, value in settings.items():
+        os.environ.setdefault(key, value)
+    if settings:
+        log.info("ucx_settings", **{k: os.environ[k] for k in settings})
+
+
+def check_bindable(service: str, addrs: InstanceAddresses) -> None:
+    """Refuse, naming the address, to start a service that binds its advertised address
+    when no interface of this machine holds it (its bind would fail with a bare errno: a
+    config copied with the wrong --instance, an address of another machine). A service
+    with ``bind_host`` may advertise any address (one NAT forwards, say): not checked."""
+    if addrs.bind_host:
+        return
+    for address in (addrs.address, addrs.side_channel):
+        host = host_of(address)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            continue  # a hostname: resolved by the peers, not checked here
+        if interface_of(host) is None:
+            raise PdserveError(
+                f"{service} advertises {address}, but no interface of this machine holds "
+                f"{host}: peers would connect to another machine. Start --instance N on the "
+                "machine whose address the config names, or fix the address"
+            )

@@ -76,9 +76,8 @@ class Service(ServiceMessages, abc.ABC):
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         notify(f"STATUS=loading the model ({self.role} {self.instance})")
-        self.front = make_socket(
-            self.ctx, zmq.ROUTER, bind=self.address, curve=self.security.server
-        )
+        bind = self.cfg.addresses_of(self.role)[self.instance].bound(self.address)
+        self.front = make_socket(self.ctx, zmq.ROUTER, bind=bind, curve=self.security.server)
         await self.start_sockets()
         engine = self.engine_thread = self.make_engine_thread(loop)
         engine.watchdog = self.watchdog

@@ -12,6 +12,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -19,16 +20,46 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import PdserveError
 
 ENV_PREFIX = "PDSERVE_"
-# services/router/reasoning.py's parsers, under the names vLLM's --reasoning-parser takes
-# (deepseek_v31: older vLLM's; test_reasoning keeps the two lists the same)
-REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "deepseek_v3", "deepseek_v31",
-                     "deepseek_v4", "deepseek_v41")  # fmt: skip
+# services/router/reasoning.py's parsers (a test keeps the two lists the same)
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+REASONING_REFUSED = {
+    "deepseek_v4": ": DeepSeek-V4's thinking markers are not known to pdserve yet (no "
+    "DeepSeek-V4 tokenizer or chat template is installed to read them from); use none"
+}
 POLICIES = ("fail", "recompute")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
 class InstanceAddresses(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where peers reach one service; it binds the same ports on ``bind_host`` if set."""
+
     address: str  # the service's ROUTER socket, for the router
     side_channel: str = ""  # prefill only: handshakes, heartbeats and releases from decode
+    # Where the service binds its ports ("0.0.0.0": every interface); empty: the host of
+    # its addresses. The addresses above stay what it advertises: the router connects to
+    # ``address`` and decode to the ``side_channel`` a KV handle names, so they must be
+    # ones peers reach, never a wildcard.
+    bind_host: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("address", "side_channel"):
+            value = getattr(self, name)
+            if value and urlsplit(value).hostname in WILDCARD_HOSTS:
+                raise PdserveError(
+                    f"{name} {value} is a wildcard, which peers cannot connect to: give the "
+                    'address they reach this service at, and bind_host = "0.0.0.0" to bind '
+                    "every interface"
+                )
+
+    def bound(self, address: str) -> str:
+        """``address`` as this service binds it: its host replaced by ``bind_host``."""
+        if not self.bind_host:
+            return address
+        parts = urlsplit(address)
+        host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+        return f"{parts.scheme}://{host}:{parts.port}"
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -90,6 +121,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # what moves KV from prefill to decode: a name of common/transfer/registry.py ("nixl";
     # "inprocess": both engines in one process, tests)
     kv_transfer_backend: str = "nixl"
+    # UCX settings of every prefill and decode process (NIXL's transports), e.g.
+    # {UCX_TLS = "tcp"} between hosts without RDMA; a variable set in a process's own
+    # environment (the unit's env file) wins. docs/operations.md, "KV transport".
+    ucx: dict[str, str] = {}
     lease_seconds: float = 30.0  # KV of a prefilled request stays pinned this long at most...
     heartbeat_seconds: float = 5.0  # ...unless decode, still wanting it, heartbeats this often
     # Liveness (docs/operations.md, "Faults"): the router pings every service each
@@ -151,6 +186,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"kv_load_failure_policy must be one of {', '.join(POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
             )
+        if bad := [key for key in self.ucx if not key.startswith("UCX_")]:
+            raise PdserveError(f"[ucx] holds UCX_* variables only, got {', '.join(bad)}")
         if self.pull_from not in ("first", "striped"):
             raise PdserveError(f"pull_from must be 'first' or 'striped', got {self.pull_from!r}")
         for name in ("prefill_instances", "decode_instances", "pcp", "prefill_tp"):
@@ -201,8 +238,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError(f"tool_call_parser must be auto, llama3_json or hermes, got "
                                f"{self.tool_call_parser!r}")  # fmt: skip
         if self.reasoning_parser not in REASONING_PARSERS:
+            why = REASONING_REFUSED.get(self.reasoning_parser, "")
             raise PdserveError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                               f"got {self.reasoning_parser!r}")  # fmt: skip
+                               f"got {self.reasoning_parser!r}{why}")  # fmt: skip
         if any(not name for name in self.served_model_names):
             raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:
@@ -266,13 +304,23 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return self.router_address or f"tcp://{self.host}:{self.base_port}"
 
     @property
+    def _derived(self) -> tuple[str, str]:
+        """(advertised host, bind host) of derived addresses: a wildcard ``host`` binds
+        every interface and is reached on this machine at 127.0.0.1."""
+        if self.host in WILDCARD_HOSTS:
+            return "127.0.0.1", self.host
+        return self.host, ""
+
+    @property
     def prefill_addresses(self) -> list[InstanceAddresses]:
         if self.prefill:
             return list(self.prefill)
+        host, bind = self._derived
         return [
             InstanceAddresses(
-                address=f"tcp://{self.host}:{self.base_port + 10 + 10 * i}",
-                side_channel=f"tcp://{self.host}:{self.base_port + 11 + 10 * i}",
+                address=f"tcp://{host}:{self.base_port + 10 + 10 * i}",
+                side_channel=f"tcp://{host}:{self.base_port + 11 + 10 * i}",
+                bind_host=bind,
             )
             for i in range(self.prefill_instances)
         ]
@@ -282,10 +330,15 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.decode:
             return list(self.decode)
         first = self.base_port + 10 + 10 * self.prefill_instances
+        host, bind = self._derived
         return [
-            InstanceAddresses(address=f"tcp://{self.host}:{first + 10 * i}")
+            InstanceAddresses(address=f"tcp://{host}:{first + 10 * i}", bind_host=bind)
             for i in range(self.decode_instances)
         ]
+
+    def addresses_of(self, role: str) -> list[InstanceAddresses]:
+        """The instances of ``role`` ("prefill" or "decode")."""
+        return self.prefill_addresses if role == "prefill" else self.decode_addresses
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of ``role`` ("prefill" or "decode"), overrides applied."""

@@ -25,7 +25,8 @@ class PrefillService(Service):
     def __init__(self, cfg: DeploymentConfig, instance: int, torch_threads: int) -> None:
         addrs = cfg.prefill_addresses[instance]
         super().__init__(cfg, instance, addrs.address, p.RouterToPrefill)
-        self.side_channel = addrs.side_channel
+        self.side_channel = addrs.side_channel  # advertised in every handle
+        self.side_bind = addrs.bound(addrs.side_channel)
         self.torch_threads = torch_threads
         self.engine_id = f"prefill-{instance}"
         # A new epoch on every start: handles issued by an earlier life are refused.
@@ -60,7 +61,7 @@ class PrefillService(Service):
 
     async def start_sockets(self) -> None:
         self.side = make_socket(
-            self.ctx, zmq.ROUTER, bind=self.side_channel, curve=self.security.server
+            self.ctx, zmq.ROUTER, bind=self.side_bind, curve=self.security.server
         )
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
