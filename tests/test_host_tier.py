@@ -182,3 +182,40 @@ def test_the_tier_size_comes_from_toml_then_env_then_the_up_flag(
     flags = _engine_flags(args)
     assert flags == {"kv_host_cache_gb": 8.0}
     assert load_config(toml, engine=flags).engine.kv_host_cache_gb == 8
+
+
+# -- the router's prefix affinity ---------------------------------------------------------
+
+
+def test_router_affinity_counts_likely_tier_blocks_less() -> None:
+    import time
+
+    from pdserve.services.router.links import HOST_TIER_WEIGHT, Link, pick
+
+    def link(index: int, num_kv_blocks: int, num_host_blocks: int) -> Link:
+        return Link(role="prefill", index=index, address="", sock=None, ready=True,
+                    last_pong=time.monotonic(), num_kv_blocks=num_kv_blocks,
+                    num_host_blocks=num_host_blocks)  # fmt: skip
+
+    prompt = hash_blocks(list(range(8 * B)), B)
+    others = [hash_blocks(list(range(1000 * i, 1000 * i + 4 * B)), B) for i in range(1, 4)]
+    tiered = link(0, num_kv_blocks=8, num_host_blocks=8)
+    tiered.remember(prompt)
+    assert tiered.prefix_score(prompt) == 8  # still on the device
+    for hashes in others[:2]:
+        tiered.remember(hashes)  # 8 blocks later: the prompt's went down to the tier
+    assert tiered.prefix_score(prompt) == 8 * HOST_TIER_WEIGHT
+    tiered.remember(others[2])  # 4 more: its first 4 blocks fell out of the tier as well
+    assert tiered.prefix_score(prompt) == 0
+    fresh = link(1, num_kv_blocks=8, num_host_blocks=8)
+    fresh.remember(prompt[:6])  # 6 blocks on the device beat 8 in a tier (4 points)
+    older = link(2, num_kv_blocks=8, num_host_blocks=8)
+    older.remember(prompt)
+    for hashes in others[:2]:
+        older.remember(hashes)
+    assert pick([older, fresh], prompt) is fresh
+    plain = link(3, num_kv_blocks=8, num_host_blocks=0)  # no tier: every remembered block
+    plain.remember(prompt)
+    for hashes in others:
+        plain.remember(hashes)
+    assert plain.prefix_score(prompt) == plain.cached_prefix(prompt) == 8

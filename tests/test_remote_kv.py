@@ -231,6 +231,13 @@ def test_a_prefix_half_in_the_host_tier_pulls_the_monolithic_tokens(
         assert isinstance(pair.run_until_terminal("again"), p.Finished)
         assert pair.tokens("again") == reference
         pair.assert_every_block_free()
+        metric = pair.prefill.metrics.value
+        assert metric("pdserve:kv_host_cache_hits") == 1
+        # bringing the block up took a device block: one of b's went down for it
+        assert metric("pdserve:kv_host_cache_blocks") == tier.num_blocks == 2
+        block_bytes = pair.prefill.engine.runner.layout.block_bytes
+        assert metric("pdserve:kv_host_cache_offload_bytes") == 2 * block_bytes
+        assert metric("pdserve:kv_host_cache_reload_bytes") == block_bytes
     finally:
         pair.close()
     assert pair.prefill.engine.pool.tier is None  # teardown gave the tier back

@@ -30,6 +30,7 @@ from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.sd_notify import Watchdog
 
 if TYPE_CHECKING:
+    from pdserve.common.engine.host_tier import HostTier
     from pdserve.common.runtime.service_config import DeploymentConfig
 
 log = structlog.get_logger("pdserve.worker")  # the name operators' log queries know
@@ -47,7 +48,22 @@ def report_engine(metrics: Metrics, engine: Any, num_pending: int, preemptions_s
     replayed = sched.num_replayed_tokens - metrics.value("pdserve:prefix_cache_replayed_tokens")
     if replayed > 0:
         metrics.inc("pdserve:prefix_cache_replayed_tokens", replayed)
+    if engine.pool.tier is not None:
+        report_tier(metrics, engine.pool.tier)
     return int(sched.num_preemptions)
+
+
+def report_tier(metrics: Metrics, tier: HostTier) -> None:
+    """The host tier's gauge and counters (common/engine/host_tier.py keeps totals)."""
+    metrics.set("pdserve:kv_host_cache_blocks", tier.num_blocks)
+    metrics.set("pdserve:kv_host_cache_blocks_total", tier.num_slots)  # Pongs tell the router
+    totals = {
+        "pdserve:kv_host_cache_hits": tier.num_hits,
+        "pdserve:kv_host_cache_offload_bytes": tier.num_offloaded * tier.block_bytes,
+        "pdserve:kv_host_cache_reload_bytes": tier.num_reloaded * tier.block_bytes,
+    }
+    for name, total in totals.items():  # an increment of 0 shows the counter exists
+        metrics.inc(name, max(0.0, total - metrics.value(name)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,6 +32,9 @@ COUNTERS = {
     "pdserve:num_preemptions": "requests preempted for lack of KV blocks",
     "pdserve:prefix_cache_replayed_tokens": "cached prompt tokens recomputed because a sliding window lost blocks (at most the window per hit)",
     "pdserve:bad_messages": "malformed or unexpected wire messages received",
+    "pdserve:kv_host_cache_hits": "prompt KV blocks a prefix lookup found in the host tier (not on the device) and copied back up",
+    "pdserve:kv_host_cache_offload_bytes": "bytes of KV blocks the device pool evicted, copied down into the host tier",
+    "pdserve:kv_host_cache_reload_bytes": "bytes of KV blocks copied back up from the host tier",
     "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
     "pdserve:requests_refused": "requests refused at admission, by reason (overloaded, draining)",
@@ -49,6 +52,8 @@ COUNTERS = {
 GAUGES = {
     "pdserve:kv_blocks_free": "free KV blocks",
     "pdserve:kv_blocks_total": "KV blocks in the pool",
+    "pdserve:kv_host_cache_blocks": "KV blocks held in the host tier under the prefix cache",
+    "pdserve:kv_host_cache_blocks_total": "KV blocks the host tier can hold (kv_host_cache_gb)",
     "pdserve:num_requests_running": "requests running",
     "pdserve:num_requests_waiting": "requests waiting",
     "pdserve:service_down": "1 while `pdserve up` has the service down: waiting to restart it, or not restarting it",

@@ -221,6 +221,10 @@ class Pong(Message, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     num_running: int = 0
     num_waiting: int = 0
+    # its KV pools in blocks (0: not known): the router's prefix affinity guesses from
+    # them which remembered blocks are still on the device and which in the host tier
+    num_kv_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 class MetricSample(msgspec.Struct, array_like=True):

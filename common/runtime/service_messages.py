@@ -196,6 +196,8 @@ class ServiceMessages:
                 ready=self.is_ready,
                 num_running=running,
                 num_waiting=waiting,
+                num_kv_blocks=int(self.metrics.value("pdserve:kv_blocks_total")),
+                num_host_blocks=int(self.metrics.value("pdserve:kv_host_cache_blocks_total")),
             ),
         )
 

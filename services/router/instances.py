@@ -155,6 +155,7 @@ class Instances:
             if isinstance(msg, p.Pong):
                 link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
                 link.heard = link.last_pong
+                link.num_kv_blocks, link.num_host_blocks = msg.num_kv_blocks, msg.num_host_blocks
             elif isinstance(msg, p.MetricsReport):
                 fut = self._scrapes.pop(link.name, None)
                 if fut is not None and not fut.done():

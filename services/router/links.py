@@ -10,6 +10,9 @@ from typing import Any
 from pdserve.common.engine.block_pool import BlockHash
 
 PREFIX_MEMORY = 50_000  # block hashes remembered per prefill instance (affinity hints)
+# What a block likely held only in an instance's host tier counts for, against 1 for one
+# likely on its device: a tier hit saves the prefill too, less its copy back up.
+HOST_TIER_WEIGHT = 0.5
 
 
 @dataclass
@@ -25,7 +28,14 @@ class Link:
     lost: bool = False  # found down (silent or disconnected), not heard from since
     outstanding_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
-    prefixes: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
+    # remembered block hashes, least recent first, each with the count of blocks
+    # remembered before its last use (how far down the instance's LRU it has sunk since)
+    prefixes: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)
+    num_remembered: int = 0
+    # its pools as its Pongs say (0: not known); with a host tier, how long ago a block was
+    # remembered says whether it is likely on the device, in the tier, or gone
+    num_kv_blocks: int = 0
+    num_host_blocks: int = 0
 
     @property
     def name(self) -> str:
@@ -43,10 +53,32 @@ class Link:
             num += 1
         return num
 
+    def prefix_score(self, hashes: list[BlockHash]) -> float:
+        """The leading blocks of a prompt this instance most likely has cached, each block
+        likely only in its host tier counted ``HOST_TIER_WEIGHT``. Without a tier every
+        remembered block counts 1 (``cached_prefix``)."""
+        if not self.num_host_blocks:
+            return float(self.cached_prefix(hashes))
+        device = self.num_kv_blocks or PREFIX_MEMORY
+        score = 0.0
+        for h in hashes:
+            stamp = self.prefixes.get(h)
+            if stamp is None:
+                break
+            age = self.num_remembered - 1 - stamp  # blocks remembered after it
+            if age < device:
+                score += 1.0
+            elif age < device + self.num_host_blocks:
+                score += HOST_TIER_WEIGHT
+            else:
+                break  # evicted from both, most likely
+        return score
+
     def remember(self, hashes: list[BlockHash]) -> None:
         for h in hashes:
-            self.prefixes[h] = None
+            self.prefixes[h] = self.num_remembered
             self.prefixes.move_to_end(h)
+            self.num_remembered += 1
         while len(self.prefixes) > PREFIX_MEMORY:
             self.prefixes.popitem(last=False)
 
@@ -54,11 +86,12 @@ class Link:
 def pick(
     links: list[Link], hashes: list[BlockHash] | None = None, timeout: float = 5.0
 ) -> Link | None:
-    """The live link with the longest cached prefix, then the fewest outstanding tokens."""
+    """The live link with the longest cached prefix (host-tier blocks counting less,
+    ``Link.prefix_score``), then the fewest outstanding tokens."""
     now = time.monotonic()
     alive = [link for link in links if link.is_alive(now, timeout)]
     if not alive:
         return None
     if hashes:
-        return max(alive, key=lambda link: (link.cached_prefix(hashes), -link.outstanding_tokens))
+        return max(alive, key=lambda link: (link.prefix_score(hashes), -link.outstanding_tokens))
     return min(alive, key=lambda link: link.outstanding_tokens)
