@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP front end of the router (aiohttp).
 
 The layer is thin: decode and check the body (openai_schema), tokenize (once, here, with
-``core.tokenizer``), submit one ``Generate`` per prompt to the core, and render what the
-core yields as one JSON body or as server-sent events. Request ids are described in
-core_api.
+``core.tokenizer``), and hand the prompts to http_generate, which submits one ``Generate``
+per candidate to the core and renders what the core yields as one JSON body or as
+server-sent events. Request ids are described in core_api.
 
 The HTTP status of an answer in one body is decided by the first event of every prompt:
 an overloaded core becomes a 429, a dead peer a 503, a bad request a 400. A stream sends
@@ -34,8 +34,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from pdserve.common.engine.sampling_params import StructuredOutput, TokenLogprobs
-from pdserve.common.runtime.protocol import Failed, Generate
+from pdserve.common.engine.sampling_params import StructuredOutput
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.chat_prompts import (
     chat_prompt,
@@ -46,12 +45,10 @@ from pdserve.services.router.chat_prompts import (
     detokenize_answer,
     tokenize_answer,
 )
-from pdserve.services.router.core_api import Batch, Refused, RouterCore
+from pdserve.services.router.core_api import Refused, RouterCore
 from pdserve.services.router.cors import Cors
-from pdserve.services.router.http_answers import ScoredPrompt, ScoringOnly, collect, stream
 from pdserve.services.router.http_errors import (
     BODY_TIMEOUT_KEY,
-    CLIENT_KEY,
     DEFAULT_BODY_TIMEOUT,
     ECHO_ID,
     MAX_BODY_KEY,
@@ -64,15 +61,11 @@ from pdserve.services.router.http_errors import (
     read_body,
     sane_header,
 )
+from pdserve.services.router.http_generate import generate
 from pdserve.services.router.input_limits import num_prompts, text_chars
 from pdserve.services.router.openapi import openapi
 from pdserve.services.router.reasoning import ReasoningParser, Start, ThinkingSplit, parser_of
-from pdserve.services.router.renderers import (
-    ChatRenderer,
-    CompletionRenderer,
-    PromptScored,
-    Renderer,
-)
+from pdserve.services.router.renderers import ChatRenderer, CompletionRenderer
 from pdserve.services.router.tokenize_pool import TokenizePool
 from pdserve.services.router.tool_calls import detect_parser
 
@@ -184,8 +177,10 @@ class OpenAIApi:
         request_id = self._request_id(request, "cmpl")
         renderer = CompletionRenderer(request_id, model, self._token_text)
         max_tokens = 1 if req.is_scoring_only else req.max_tokens
-        return await self._generate(request, req, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    max_tokens, renderer, echoes, req.is_scoring_only)  # fmt: skip
+        return await generate(self.core, request, req, prompts, renderer, self._in_flight,
+                              default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              requested_max_tokens=max_tokens, echoes=echoes,
+                              scoring_only=req.is_scoring_only)  # fmt: skip
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await decode_body(request, oa.ChatCompletionRequest)
@@ -207,8 +202,9 @@ class OpenAIApi:
             parser = detect_parser(self.core.tokenizer.chat_template)
         renderer = ChatRenderer(request_id, model, self._token_text, req.tool_mode, parser,
                                 thinking)  # fmt: skip
-        return await self._generate(request, req, [prompt], None, req.requested_max_tokens,
-                                    renderer, echoes, gate=gate)  # fmt: skip
+        return await generate(self.core, request, req, [prompt], renderer, self._in_flight,
+                              requested_max_tokens=req.requested_max_tokens, echoes=echoes,
+                              gate=gate)  # fmt: skip
 
     def _thinking(self, parser: ReasoningParser,
                   start: Start) -> tuple[Callable[[], ThinkingSplit], oa.Gate]:  # fmt: skip
@@ -258,107 +254,6 @@ class OpenAIApi:
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         ECHO_ID.set(header or request_id)
         return request_id
-
-    def _max_tokens(self, prompt: list[int], prompt_param: str, default: int | None,
-                    requested: int | None) -> int:  # fmt: skip
-        limit = self.core.max_model_len
-        room = limit - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model takes at most "
-                           f"{limit - 1} (max_model_len {limit} counts the generated tokens too)",
-                           param=prompt_param, code="context_length_exceeded")  # fmt: skip
-        if requested is None:
-            return min(default or room, room)
-        if requested > room:
-            raise ApiError(400, f"max_tokens {requested} plus the prompt's {len(prompt)} tokens "
-                           f"exceeds max_model_len {limit}; ask for at most {room}",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        return requested
-
-    async def _generate(
-        self,
-        request: web.Request,
-        req: oa.SamplingRequest,
-        prompts: list[list[int]],
-        default_max_tokens: int | None,
-        requested_max_tokens: int | None,
-        renderer: Renderer,
-        echoes: list[str] | None = None,
-        scoring_only: bool = False,
-        gate: oa.Gate | None = None,
-    ) -> web.StreamResponse:
-        """``scoring_only``: the generated token is left out of the answer (max_tokens 0).
-        ``gate``: where a constraint starts (after a reasoning model's thinking).
-        One Generate per candidate: best_of (else n) per prompt, index = prompt index x
-        n + j (the n requests share the prompt's KV blocks through the prefix cache)."""
-        n = req.num_candidates
-        num_choices = len(prompts) * n
-        ids = [renderer.request_id] if num_choices == 1 else [
-            f"{renderer.request_id}-{i}" for i in range(num_choices)
-        ]  # fmt: skip
-        gens = []
-        prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
-        vocab = self.core.tokenizer.vocab_size
-        for index, request_id in enumerate(ids):
-            prompt = prompts[index // n]
-            max_tokens = self._max_tokens(prompt, prompt_param, default_max_tokens,
-                                          requested_max_tokens)  # fmt: skip
-            sampling = req.sampling(max_tokens, index % n, gate)
-            sampling.validate(vocab)  # the core checks again; failing here names no peer
-            gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
-                                 sampling=sampling, stream=req.is_stream))  # fmt: skip
-        choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
-        scored: ScoredPrompt | None = None
-        if req.requested_prompt_logprobs is not None:
-            show_echo = bool(getattr(req, "echo", False)) and req.requested_logprobs is not None
-            show_field = getattr(req, "prompt_logprobs", None) is not None
-
-            def scored(index: int, lps: list[TokenLogprobs]) -> PromptScored:
-                return PromptScored(token_ids=prompts[index // n], logprobs=lps,
-                                    echo=show_echo, vllm_field=show_field)  # fmt: skip
-
-        batch = ScoringOnly() if scoring_only else Batch()
-        # whose turn it is in the router (fair admission): its API key, else its address
-        owner = request.get(CLIENT_KEY) or f"http:{request.remote}"
-        self._in_flight.update(ids)
-        # The first candidate of each prompt first: once it has a token, its prompt's
-        # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill by
-        # prefix affinity) reuse them instead of computing the prompt again.
-        stages = [range(0, num_choices, n)] + ([] if n == 1 else [
-            [i for i in range(num_choices) if i % n]
-        ])  # fmt: skip
-
-        def submit(stage: Sequence[int]) -> None:
-            for index in stage:
-                try:
-                    batch.add(self.core.submit(gens[index], owner=owner), index)
-                except Refused as exc:
-                    raise ApiError.of_reason(exc.reason, f"request {gens[index].request_id}: "
-                                             f"{exc}") from None  # fmt: skip
-
-        async def submit_rest() -> None:
-            for stage in stages[1:]:
-                for event in await batch.first_events():
-                    if isinstance(event, Failed):
-                        raise ApiError.from_failed(event)
-                submit(stage)
-
-        try:
-            submit(stages[0])  # a refusal is the answer's status
-            if req.is_stream:  # headers now: the first token may wait for its turn
-                return await stream(request, batch, renderer, req.include_usage,
-                                    num_choices, n, choice_echoes, scored,
-                                    submit_rest)  # fmt: skip
-            await submit_rest()
-            for event in await batch.first_events():
-                if isinstance(event, Failed):
-                    raise ApiError.from_failed(event)
-            return await collect(batch, renderer, num_choices, n, choice_echoes,
-                                 req.num_choices, req.requested_logprobs is not None,
-                                 scored)  # fmt: skip
-        finally:
-            await batch.close()
-            self._in_flight.difference_update(ids)
 
 
 def _package_version() -> str:
