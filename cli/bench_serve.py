@@ -16,8 +16,13 @@ Every request is a random prompt of exactly --input-len token ids, sent to
 exactly --output-len tokens; with --length-dist lognormal, both lengths are drawn per
 request from lognormals of those medians (--input-sigma, --output-sigma, capped at
 --max-input-len, --max-output-len), the same draws at every rate. Prompts are seeded and
-distinct, so no prefix-cache hits (reported as "cached prompt tokens"; run twice against
-one deployment with a new --seed). One untimed warm-up request goes first. Requests
+distinct, so no prefix-cache hits (reported as "cached prompt tokens" and "prefix hit
+rate"; run twice against one deployment with a new --seed). --multi-turn N makes them
+chats instead: num-prompts / N users, interleaved, each turn sent once its previous
+answer is in, its prompt the conversation so far (earlier prompts, seeded stand-ins for
+the answers) plus a new message of --input-len tokens (cli/serve_load.py conversations):
+the workload a host tier under the prefix cache pays on (--kv-host-cache-gb). One
+untimed warm-up request goes first. Requests
 arrive all at once (--request-rate inf) or as a seeded Poisson process (--burstiness 1;
 gamma-distributed gaps otherwise, as vLLM's), at most --max-concurrency in flight. A list
 of rates or concurrencies runs one load per value (per pair, with both) on each server.
@@ -139,6 +144,15 @@ def add_parser(sub: Any) -> None:
                        "percentile 3.6x the median)")  # fmt: skip
         p.add_argument(f"--max-{side}-len", type=positive_int, default=None,
                        help=f"lognormal: cap of {side} tokens (default 8x the median)")  # fmt: skip
+    p.add_argument(
+        "--multi-turn",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="conversations of N turns: num-prompts / N users interleaved, each turn sent "
+        "once its previous answer is in, its prompt the history (earlier prompts and "
+        "stand-ins for the answers) plus a new message of --input-len tokens; seeded",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
@@ -173,7 +187,8 @@ def _positive_float(text: str) -> float:
 def workload_of(args: argparse.Namespace) -> Workload:
     return Workload(dist=args.length_dist, input_len=args.input_len, output_len=args.output_len,
                     input_sigma=args.input_sigma, output_sigma=args.output_sigma,
-                    max_input_len=args.max_input_len, max_output_len=args.max_output_len)  # fmt: skip
+                    max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                    turns=args.multi_turn)  # fmt: skip
 
 
 def loads_of(args: argparse.Namespace) -> list[Load]:
@@ -217,7 +232,8 @@ def table_rows() -> list[tuple[str, str, str]]:
             ("request_throughput", "request throughput (req/s)", "{:.3f}"),
             ("output_throughput", "output token throughput (tok/s)", "{:.1f}"),
             ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}"),
-            ("cached_prompt_tokens", "cached prompt tokens", "{:d}")]  # fmt: skip
+            ("cached_prompt_tokens", "cached prompt tokens", "{:d}"),
+            ("prefix_hit_rate", "prefix hit rate", "{:.1%}")]  # fmt: skip
     for name, title in LATENCIES:
         rows += [(f"{stat}_{name}_ms", f"{title} {stat} (ms)", "{:.1f}") for stat in STATS]
     return rows
@@ -251,7 +267,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness, "goodput_slos_ms": args.slos or None,
         "max_concurrency": args.max_concurrency, "hf_reference": args.hf_reference,
         "input_len": args.input_len, "output_len": args.output_len,
-        "length_dist": args.length_dist,
+        "length_dist": args.length_dist, "multi_turn": args.multi_turn,
         **({} if args.length_dist == "fixed" else {
             "input_sigma": args.input_sigma, "output_sigma": args.output_sigma,
             "max_input_len": args.workload.input_cap, "max_output_len": args.workload.output_cap}),

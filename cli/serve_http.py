@@ -24,6 +24,7 @@ from pdserve.cli.serve_load import (
     Workload,
     arrival_offsets,
     compute_metrics,
+    conversations,
     make_prompts,
     prompts_of_lengths,
 )
@@ -166,19 +167,24 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         # ids from the load's own (no prefix-cache hits from an earlier load)
         base_seed = getattr(args, "base_seed", args.seed)
         lengths = workload.lengths(args.num_prompts, base_seed)
+        # a peer (cli/bench_peer.py) takes pdserve's ids and is told the model's name
+        id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
+        if workload.turns > 1:  # each turn carries its conversation's history
+            prompts, after = conversations(lengths, workload.turns, id_range, args.seed)
+        else:
+            prompts = prompts_of_lengths([i for i, _ in lengths], id_range, args.seed)
+            after = [None] * len(prompts)
         limit = info["max_model_len"]
-        longest = max(i + o for i, o in lengths)
+        longest = max(len(prompt) + o for prompt, (_, o) in zip(prompts, lengths, strict=True))
         if limit is not None and longest > limit:
             raise RuntimeError(
                 f"a request of {longest} tokens (prompt + output) exceeds {url}'s "
                 f"max_model_len {limit}; lower --input-len/--output-len"
                 + ("" if workload.dist == "fixed" else " or --max-input-len/--max-output-len")
+                + ("" if workload.turns == 1 else " or --multi-turn")
             )
-        # a peer (cli/bench_peer.py) takes pdserve's ids and is told the model's name
-        id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
         model = info["model"] if getattr(args, "name_model", False) else None
         info["token_id_range"] = list(id_range)
-        prompts = prompts_of_lengths([i for i, _ in lengths], id_range, args.seed)
         # The first request pays one-off costs (allocation, lazy init): keep it out.
         warm = RequestRecord(-1)
         [warm_prompt] = make_prompts(1, workload.input_len, id_range, args.seed, "warm-up")
@@ -194,11 +200,17 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         load_start = os.getloadavg()[0]
         start = time.perf_counter()
 
+        answered = [asyncio.Event() for _ in records]
+
         async def one(record: RequestRecord) -> None:
+            prev = after[record.index]
+            if prev is not None:  # a conversation's next turn follows its previous answer
+                await answered[prev].wait()
             async with gate:
                 record.start_s = time.perf_counter() - start
                 await send_request(session, url, prompts[record.index],
                                    lengths[record.index][1], record, model)  # fmt: skip
+            answered[record.index].set()
             bar.update()
 
         tasks = []

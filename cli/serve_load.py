@@ -45,6 +45,7 @@ class Workload:
     output_sigma: float = 1.0
     max_input_len: int | None = None  # None: 8x the median (~2% of draws clipped at sigma 1)
     max_output_len: int | None = None
+    turns: int = 1  # > 1: multi-turn conversations (``conversations``), input_len a new message
 
     @property
     def input_cap(self) -> int:
@@ -99,6 +100,28 @@ def prompts_of_lengths(lengths: list[int], id_range: tuple[int, int], seed: int,
     if len({tuple(p) for p in prompts}) != len(prompts):  # only possible with tiny prompts
         raise RuntimeError("random prompts collided; use longer prompts (--input-len)")
     return prompts
+
+
+def conversations(lengths: list[tuple[int, int]], turns: int, id_range: tuple[int, int],
+                  seed: int) -> tuple[list[list[int]], list[int | None]]:  # fmt: skip
+    """Multi-turn chats (``--multi-turn``), where a host tier pays: ``ceil(n / turns)``
+    users, interleaved turn by turn (request i is turn ``i // users`` of user
+    ``i % users``). A turn's prompt is the user's previous prompt, then a stand-in for the
+    previous answer (seeded ids of that answer's length: the streamed API returns text, not
+    token ids, and a chat client re-tokenizes text anyway), then a new message of the
+    turn's prompt length. Returns the prompts and, per request, the request it must wait
+    for (its user's previous turn; None for a first turn)."""
+    users = -(-len(lengths) // turns)
+    messages = prompts_of_lengths([i for i, _ in lengths], id_range, seed, "messages")
+    answers = prompts_of_lengths([o for _, o in lengths], id_range, seed, "answers")
+    prompts: list[list[int]] = []
+    after: list[int | None] = []
+    for i in range(len(lengths)):
+        prev = i - users if i >= users else None
+        history = [] if prev is None else prompts[prev] + answers[prev]
+        prompts.append(history + messages[i])
+        after.append(prev)
+    return prompts, after
 
 
 def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -164,6 +187,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str
     done = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
     tpot = [
         (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
         for r in done
@@ -175,7 +199,9 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
-        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+        "cached_prompt_tokens": cached_tokens,
+        # the share of prompt tokens the prefix cache served (device or host tier)
+        "prefix_hit_rate": cached_tokens / input_tokens if input_tokens else 0.0,
         "request_throughput": len(done) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,

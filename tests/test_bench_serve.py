@@ -25,6 +25,7 @@ from pdserve.cli.serve_load import (
     Workload,
     arrival_offsets,
     compute_metrics,
+    conversations,
     make_prompts,
     percentile,
     prompts_of_lengths,
@@ -294,3 +295,33 @@ def test_bench_serve_against_a_deployment(model_dir: Path, tmp_path: Path) -> No
     assert all(v is not None and v >= 0 for v in parts), dict(zip(PARTS, parts, strict=True))
     assert all(metrics[f"median_ttft_{part}_ms"] is not None for part in PARTS)
     assert sum(parts) <= metrics["mean_ttft_ms"] + 1.0
+
+
+def test_multi_turn_conversations_carry_their_history_and_wait_for_answers(
+    tmp_path: Path,
+) -> None:
+    """--multi-turn 3: 2 users of 3 turns, interleaved; each turn's prompt is the previous
+    prompt, a stand-in answer of --output-len ids and a new message of --input-len ids,
+    and reaches the server only after the previous turn's answer ended."""
+    lengths = [(8, 2)] * 6
+    prompts, after = conversations(lengths, 3, (1000, 30000), seed=5)
+    assert after == [None, None, 0, 1, 2, 3]
+    assert [len(p) for p in prompts] == [8, 8, 18, 18, 28, 28]
+    assert all(
+        prompts[i][: len(prompts[j])] == prompts[j] for i, j in enumerate(after) if j is not None
+    )
+    assert conversations(lengths, 3, (1000, 30000), seed=5) == (prompts, after)  # seeded
+    assert conversations(lengths, 3, (1000, 30000), seed=6)[0] != prompts
+    out = tmp_path / "chat.json"
+    with openai_server("ours", vocab=500) as (url, bodies):
+        rc = main(["bench", "serve", "--url", url, "--num-prompts", "6", "--multi-turn", "3",
+                   "--input-len", "8", "--output-len", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    sent = [b["prompt"] for b in bodies[1:]]  # after the warm-up, in arrival order
+    assert sorted(map(len, sent)) == [8, 8, 18, 18, 28, 28]
+    for i, prompt in enumerate(sent):  # each later turn came after the turn it extends
+        if len(prompt) > 8:
+            assert any(prompt[: len(prompt) - 10] == earlier for earlier in sent[:i])
+    payload = json.loads(out.read_text())
+    assert payload["config"]["multi_turn"] == 3
+    assert payload["runs"][0]["metrics"]["prefix_hit_rate"] == 0.0  # this server caches nothing
