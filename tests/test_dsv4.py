@@ -143,8 +143,9 @@ def test_what_is_not_implemented_is_refused_by_name(v4_model: Path) -> None:
         check_device_supports(cfg, torch.device("cuda"))
     with pytest.raises(ModelLoadError, match="--kv-cache-dtype: float8_e4m3fn for DeepSeek-V4"):
         LLMEngine(EngineConfig(model=str(v4_model), num_kv_blocks=8, kv_cache_dtype="fp8"))
-    with pytest.raises(ModelLoadError, match="TP 1 only"):
-        build_model(cfg, ParallelContext(tp_size=2))
+    # 4 heads split over TP 4, its 2 output groups do not
+    with pytest.raises(ModelLoadError, match="o_groups 2 .* do not split over TP 4"):
+        build_model(cfg, ParallelContext(tp_size=4))
     raw = transformers.DeepseekV4Config(**V4).to_dict()
     with pytest.raises(ModelLoadError, match="scoring_func 'softmax'"):
         ModelConfig.from_dict({**raw, "scoring_func": "softmax"})

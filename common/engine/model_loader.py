@@ -12,6 +12,7 @@ from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.decoder import CausalLM, shard_state_dict
+from pdserve.common.model.dsv4_tp import shard_v4_state
 from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.mtp import read_weights
@@ -78,6 +79,8 @@ def load_model(
         state.pop("lm_head.weight", None)
     if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
         state = fuse_expert_weights(state, cfg.moe, par.tp_size, par.tp_rank)
+    if cfg.v4 is not None:  # its own TP cut, this rank's experts only (before the key check)
+        state = shard_v4_state(state, cfg, par.tp_size, par.tp_rank)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -87,7 +90,8 @@ def load_model(
             f"weights in {model_dir} do not match the config: missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}"
         )
-    state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
+    if cfg.v4 is None:
+        state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
     model.load_state_dict(
         {
             # integer tables (DeepSeek-V4's tid2eid) keep their dtype

@@ -16,8 +16,10 @@ attn, ffn_norm, ffn, hc_attn_*, hc_ffn_*}``, ``model.norm``, ``model.hc_head``, 
   ``tid2eid[token id]``; the chosen scores renormalised, times ``routed_scaling_factor``.
 
 The engine drives it as it drives ``CausalLM`` (common/model/decoder.py): the same
-``forward`` over a flat batch and paged cache, at TP 1 on CPU (a PCP rank too: its
-attention gathers every rank's new rows).
+``forward`` over a flat batch and paged cache, on CPU (a PCP rank too: its attention
+gathers every rank's new rows). Under TP a rank holds its heads and output groups, its
+experts and a slice of the shared expert (common/model/dsv4_tp.py); attention and the
+experts each end in one all-reduce.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, rms
 from pdserve.common.model.dsv4_config import HASH_MOE, SLIDING, V4Config
+from pdserve.common.model.moe_config import local_experts
+from pdserve.common.parallel.context import ParallelContext
 
 
 class HyperHead(nn.Module):
@@ -117,34 +121,39 @@ class Gate(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int, par: ParallelContext) -> None:
         super().__init__()
+        self.par = par
         hidden, inter = cfg.hidden_size, v4.moe_intermediate_size
         self.gate = Gate(v4, hidden, cfg.vocab_size, v4.mlp_kinds[layer] == HASH_MOE)
-        self.experts = nn.ModuleList(
-            Expert(hidden, inter, v4.swiglu_limit) for _ in range(v4.num_experts)
+        # this rank's experts, under the checkpoint's indices (experts.N.*)
+        first, count = local_experts(v4.num_experts, par.tp_size, par.tp_rank)
+        self.experts = nn.ModuleDict(
+            {str(e): Expert(hidden, inter, v4.swiglu_limit) for e in range(first, first + count)}
         )
-        self.shared_experts = Expert(hidden, inter, v4.swiglu_limit)
+        self.shared_experts = Expert(hidden, inter // par.tp_size, v4.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
+            if str(e) not in self.experts:  # another rank's
+                continue
             token, slot = torch.where(ids == e)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
+            y = self.experts[str(e)](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        return out + self.shared_experts(x)
+        return self.par.all_reduce_tp(out + self.shared_experts(x))
 
 
 class V4Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int, par: ParallelContext) -> None:
         super().__init__()
         n, hidden = v4.hc_mult, cfg.hidden_size
         self.v4, self.eps = v4, cfg.rms_norm_eps
         self.attn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.attn = V4Attention(cfg, layer)
+        self.attn = V4Attention(cfg, layer, par)
         self.ffn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.ffn = V4MoE(cfg, v4, layer)
+        self.ffn = V4MoE(cfg, v4, layer, par)
         for part in ("attn", "ffn"):
             setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * hidden)))
             setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros((2 + n) * n)))
@@ -178,10 +187,10 @@ class V4Layer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, v4: V4Config) -> None:
+    def __init__(self, cfg: ModelConfig, v4: V4Config, par: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(V4Layer(cfg, v4, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(V4Layer(cfg, v4, i, par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(v4, cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -189,12 +198,12 @@ class Backbone(nn.Module):
 class DeepseekV4Model(nn.Module):
     """``CausalLM``'s interface (common/model/decoder.py) over V4's stack."""
 
-    def __init__(self, cfg: ModelConfig, sliding_window: int) -> None:
+    def __init__(self, cfg: ModelConfig, sliding_window: int, par: ParallelContext) -> None:
         super().__init__()
         v4 = cfg.v4
         assert v4 is not None
         self.config = cfg
-        self.model = Backbone(cfg, v4)
+        self.model = Backbone(cfg, v4, par)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         for layer in self.model.layers:
             assert isinstance(layer, V4Layer)
@@ -208,8 +217,13 @@ class DeepseekV4Model(nn.Module):
         self.kv_slots = [(0, i) for i in range(cfg.num_hidden_layers)]
         self.rows_slots: list[tuple[int, int]] = [(0, i) for i in range(cfg.num_hidden_layers)]
         self.entries_slots: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
-        self.keep_hidden = False  # MTP speculation is not wired for V4
-        self.hidden: torch.Tensor | None = None
+        # DSpark (common/engine/spec_decode/dspark_v4.py): with keep_hidden and hidden_layers,
+        # a forward leaves each token's streams after those layers, averaged over the
+        # hyper-connection streams, side by side (the official reference's main_hidden)
+        self.keep_hidden = False
+        self.hidden_layers: tuple[int, ...] | None = None
+        self.hidden: torch.Tensor | None = None  # [S, L * hidden]: the logits rows'
+        self.hidden_rows: torch.Tensor | None = None  # [T, L * hidden]: every token's
 
     def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:
         """Each layer's slot of its per-token rows (groups of 1 token a slot) and of its
@@ -236,8 +250,12 @@ class DeepseekV4Model(nn.Module):
         x = self.model.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
         cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
+        taps = self.hidden_layers if self.keep_hidden else None
+        kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
+            if taps and i in taps:
+                kept.append(streams.mean(dim=1))
             name = "main" if layer.attn.kind == SLIDING else "compress"
             group, slot = self.rows_slots[i]
             entries = self.entries_slots[i]
@@ -254,6 +272,9 @@ class DeepseekV4Model(nn.Module):
                 (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
                 caches,
             )
+        if kept:
+            self.hidden_rows = torch.cat(kept, dim=-1)
+            self.hidden = self.hidden_rows[logits_indices]
         h = self.model.norm(self.model.hc_head(streams[logits_indices]))
         return self.head(h).float()
 

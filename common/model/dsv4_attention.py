@@ -21,6 +21,10 @@ kv and gate projections) in a sliding group whose window also covers what the co
 still pool; the entries (K=V, and CSA's indexer key) in a compressed group, B entries a
 block. A step writes its rows, pools the windows it closed into entries, and attends over
 the window's rows and every closed entry.
+
+Tensor parallel (common/model/dsv4_tp.py): a rank holds ``H / N`` query heads, their sinks
+and their ``o_groups / N`` output groups; ``wo_b`` is row-parallel (all-reduced). The K=V
+row, the compressors and the indexer are replicated: every rank writes the same cache.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsa import sequences, write_rows
 from pdserve.common.model.dsv4_config import CSA, SLIDING
 from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.parallel.context import ParallelContext
 
 
 def rows_at(
@@ -177,24 +182,26 @@ class Indexer(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: ParallelContext) -> None:
         super().__init__()
         v4 = cfg.v4
         assert v4 is not None
+        self.par = par
         self.kind = v4.layer_kinds[layer]
-        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        # this rank's heads and output groups (whole groups: common/model/dsv4_tp.py)
+        self.num_heads, self.head_dim = cfg.num_attention_heads // par.tp_size, cfg.head_dim
         self.window = 0  # set by the model: transformers' sliding_window
         self.eps = cfg.rms_norm_eps
-        self.groups = v4.o_groups
+        self.groups = v4.o_groups // par.tp_size
         hidden = cfg.hidden_size
         self.wq_a = nn.Linear(hidden, v4.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(v4.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
         self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        per_group = self.num_heads * self.head_dim // v4.o_groups
-        self.wo_a = nn.Linear(per_group, v4.o_groups * v4.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
+        per_group = cfg.num_attention_heads * self.head_dim // v4.o_groups
+        self.wo_a = nn.Linear(per_group, self.groups * v4.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.groups * v4.o_lora_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
@@ -322,9 +329,10 @@ class V4Attention(nn.Module):
         return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)  # [n, H, D]
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
-        """The grouped low-rank output: each group of heads through its block of wo_a."""
+        """The grouped low-rank output: each group of heads through its block of wo_a;
+        under TP each rank's groups, wo_b's partial sums all-reduced."""
         num_tokens = out.shape[0]
         grouped = out.reshape(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, in]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
         mid = torch.bmm(grouped, w).transpose(0, 1).reshape(num_tokens, -1)  # [T, g * r]
-        return self.wo_b(mid)
+        return self.par.all_reduce_tp(self.wo_b(mid))

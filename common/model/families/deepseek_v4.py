@@ -9,11 +9,13 @@ The layers: common/model/dsv4.py and common/model/dsv4_attention.py.
 
 As transformers' ``DeepseekV4Config`` reads config.json (its legacy keys ``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim`` folded in as it folds them). What runs: CPU at
-TP 1, monolithic, chunked, preempted, prefix-cached, disaggregated and with a PCP prefill:
-a window of per-token rows and the compressed entries are KV cache groups
-(common/engine/kv_groups.py cache_groups), which pulls and PCP replicas carry like any other. Refused by name: CUDA (common/engine/model_loader.py), TP >
-1 (here), an fp8 KV cache (common/engine/latent_format.py), a softmax or sigmoid router,
-a main rope other than the default one.
+any TP that splits its heads, output groups and experts (common/model/dsv4_tp.py),
+monolithic, chunked, preempted, prefix-cached, disaggregated and with a PCP prefill: a
+window of per-token rows and the compressed entries are KV cache groups
+(common/engine/kv_groups.py cache_groups), which pulls and PCP replicas carry like any
+other. Refused by name: CUDA (common/engine/model_loader.py), a TP that does not split it
+(here), an fp8 KV cache (common/engine/latent_format.py), a softmax or sigmoid router, a
+main rope other than the default one.
 """
 
 from __future__ import annotations
@@ -124,10 +126,11 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
 def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     # torch only here: reading a config (the router does) imports none
     from pdserve.common.model.dsv4 import DeepseekV4Model
+    from pdserve.common.model.dsv4_tp import check_v4_tp
+    from pdserve.common.parallel.context import ParallelContext
 
-    if parallel is not None and parallel.tp_size > 1:
-        raise ModelLoadError(
-            f"deepseek_v4 runs at TP 1 only (asked TP {parallel.tp_size}): its tensor-parallel "
-            "split (heads, output groups, experts) is not implemented"
-        )
-    return DeepseekV4Model(cfg, cfg.sliding_window or 128)  # type: ignore[return-value]
+    par = parallel or ParallelContext()
+    reason = check_v4_tp(cfg, par.tp_size)
+    if reason:
+        raise ModelLoadError(f"deepseek_v4: {reason}")
+    return DeepseekV4Model(cfg, cfg.sliding_window or 128, par)  # type: ignore[return-value]
