@@ -29,6 +29,7 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.random import RANDOM_V4, save_random_v4
 from tests.test_families import (
     NUM_TOKENS,
     engine_greedy,
@@ -40,61 +41,11 @@ from tests.test_families import (
 transformers = pytest.importorskip("transformers")
 
 PROMPT_LENGTHS = (40, 300, 1500)
-V4: dict[str, Any] = {
-    "hidden_size": 64,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "head_dim": 32,
-    "q_lora_rank": 32,
-    "partial_rotary_factor": 0.25,  # rope over the last 8 of 32
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "layer_types": [
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "compressed_sparse_attention",
-    ],
-    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    "hc_mult": 4,
-    "sliding_window": 16,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "index_n_heads": 8,
-    "index_head_dim": 16,
-    "index_topk": 6,
-}
-# initialised to zero (or one value) by transformers: drawn here
-DRAWN = ("sinks", "position_bias", "e_score_correction_bias", "base", "hc_base")
+V4: dict[str, Any] = RANDOM_V4
 
 
 def build_v4(out: Path, tokenizer_from: Path | None = None, **overrides: Any) -> Path:
-    from pdserve.common.model.files import resolve_model
-    from pdserve.common.model.random import copy_tokenizer, special_token_ids, tokenizer_vocab_size
-
-    src = resolve_model(tokenizer_from)
-    config = transformers.AutoConfig.for_model(
-        "deepseek_v4",
-        vocab_size=tokenizer_vocab_size(src),
-        max_position_embeddings=4096,
-        **special_token_ids(src),
-        **{**V4, **overrides},
-    )
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, V4["n_routed_experts"], tensor.shape, generator=gen))
-            elif name.endswith(DRAWN):
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
-    model.save_pretrained(out, safe_serialization=True)
-    copy_tokenizer(src, out)
-    return out
+    return save_random_v4(out, tokenizer_from=tokenizer_from, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +247,32 @@ def test_disaggregated_through_the_openai_api(
             assert status == 200, answer
             assert answer["choices"][0]["text"] == expected
         assert_pools_full(dep.url)
+
+
+@pytest.mark.slow
+def test_tp2_rank_group_matches_transformers(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Two TP rank processes prefill and decode: heads, output groups and experts split
+    (common/model/dsv4_tp.py), HF's tokens."""
+    from pdserve.services.ranks.group import RankGroup
+
+    cfg = EngineConfig(model=str(v4_model), kv_cache_memory_gb=0.02)
+    ranks = RankGroup.decode(cfg, 2, "test-dsv4-tp2")
+    try:
+        engine = LLMEngine(cfg, runner=ranks)
+        got = engine.generate(prompts[:2], SamplingParams(max_tokens=NUM_TOKENS))
+        assert [o.token_ids for o in got] == reference[:2]
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_pcp4_prefill_to_decode_tp_1_and_2(
+    tmp_path: Path, v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Prefill PCP 4 to decode TP 1 and TP 2 (tests/pd_families.py): prompts of 40, 300
+    and 1,500 tokens, HF's tokens."""
+    from tests.pd_families import pcp4_to_decode_tp_1_and_2
+
+    pcp4_to_decode_tp_1_and_2(tmp_path, v4_model, prompts, reference)
