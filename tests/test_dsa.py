@@ -119,9 +119,10 @@ def test_what_is_not_implemented_is_refused_by_name(v32_model: Path) -> None:
     cfg = ModelConfig.from_dir(v32_model)
     with pytest.raises(ModelLoadError, match="indexer's top-k.*--device cpu"):
         check_device_supports(cfg, torch.device("cuda"))
-    with pytest.raises(ValueError, match="fp8 .* DeepSeek-V3.2 is not implemented"):
+    # fp8 (tests/test_fp8_dsa.py) tiles the latent and the key by 128; this model's are 32
+    with pytest.raises(ValueError, match="kv_lora_rank to be a multiple of 128"):
         cache_head(cfg, "bfloat16", "float8_e4m3fn")
-    with pytest.raises(ModelLoadError, match="--kv-cache-dtype: fp8"):
+    with pytest.raises(ModelLoadError, match="--kv-cache-dtype: .*multiple of 128"):
         LLMEngine(EngineConfig(model=str(v32_model), num_kv_blocks=8, kv_cache_dtype="fp8"))
     raw = transformers.DeepseekV32Config(**V32).to_dict()
     with pytest.raises(ModelLoadError, match="q_lora_rank is null"):
@@ -213,3 +214,14 @@ def test_disaggregated_through_the_openai_api(
         blocks = sum(-(-len(i) // block) for i in ids)
         pulled = total(metrics(dep.url), "pdserve:kv_transfer_bytes_total", "decode")
         assert pulled == blocks * block_bytes
+
+
+@pytest.mark.slow
+def test_pcp4_prefill_to_decode_tp_1_and_2(
+    tmp_path: Path, v32_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """Prefill PCP 4 to decode TP 1 and TP 2 (tests/pd_families.py): the 40- and 300-token
+    prompts, HF's tokens (the TP 2 ranks split the MLA heads, the indexer replicated)."""
+    from tests.pd_families import pcp4_to_decode_tp_1_and_2
+
+    pcp4_to_decode_tp_1_and_2(tmp_path, v32_model, prompts[:2], reference[:2])
