@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         check_bindable(f"{args.role} {args.instance}", addresses[args.instance])
         # before any NIXL agent or rank starts
         confine_to(addresses[args.instance].address)
-        set_ucx(cfg.ucx)
+        set_ucx(cfg.ucx, cfg.lease_seconds, cfg.heartbeat_seconds)
     if args.role == "prefill":
         from pdserve.services.prefill.service import PrefillService
 

@@ -53,6 +53,9 @@ def test_ucx_settings_are_checked_and_the_environment_wins(
     cfg = load_config(None, ucx={"UCX_TLS": "tcp", "UCX_TCP_KEEPINTVL": "1s"})
     monkeypatch.setenv("UCX_TLS", "rc,cuda_copy")
     monkeypatch.delenv("UCX_TCP_KEEPINTVL", raising=False)
-    set_ucx(cfg.ucx)
+    monkeypatch.delenv("UCX_TCP_USER_TIMEOUT", raising=False)
+    set_ucx(cfg.ucx, cfg.lease_seconds, cfg.heartbeat_seconds)
     assert os.environ["UCX_TLS"] == "rc,cuda_copy"
     assert os.environ["UCX_TCP_KEEPINTVL"] == "1s"
+    # a READ into a silent peer fails before its producer's lease may end (30 s - 5 s)
+    assert os.environ["UCX_TCP_USER_TIMEOUT"] == "12500ms"

@@ -73,13 +73,20 @@ def confine_to(address: str) -> str | None:
     return name
 
 
-def set_ucx(settings: dict[str, str]) -> None:
+def set_ucx(settings: dict[str, str], lease_seconds: float, heartbeat_seconds: float) -> None:
     """The deployment's ``[ucx]`` settings (UCX_TLS, ...) for NIXL's agents; a variable
-    already in the environment (the unit's env file) wins."""
-    for key, value in settings.items():
+    already in the environment (the unit's env file) wins.
+
+    Unless given, ``UCX_TCP_USER_TIMEOUT`` is half the time a producer keeps KV whose
+    heartbeats stopped (``lease_seconds - heartbeat_seconds``): a READ over TCP into a
+    silent peer (a partition) then fails, and UCX closes its connection, before that
+    producer may free and reuse the blocks; without it the READ waits on TCP's own
+    retransmissions (~15 minutes) and could land once the partition heals."""
+    timeout_ms = int(500 * (lease_seconds - heartbeat_seconds))
+    wanted = {"UCX_TCP_USER_TIMEOUT": f"{timeout_ms}ms", **settings}
+    for key, value in wanted.items():
         os.environ.setdefault(key, value)
-    if settings:
-        log.info("ucx_settings", **{k: os.environ[k] for k in settings})
+    log.info("ucx_settings", **{k: os.environ[k] for k in wanted})
 
 
 def check_bindable(service: str, addrs: InstanceAddresses) -> None:
