@@ -115,8 +115,9 @@ def assert_counters_add_up(eng: LLMEngine, some_accepted: bool = True) -> None:
 
 
 def test_config_errors_name_the_problem(models: dict[str, Any], tmp_path: Path) -> None:
-    with pytest.raises(PdserveError, match="'dspark' needs 'model'.*DeepSeek-V4"):
-        parse_speculative_config('{"method": "dspark", "num_speculative_tokens": 5}')
+    no_model = parse_speculative_config('{"method": "dspark", "num_speculative_tokens": 5}')
+    with pytest.raises(ModelLoadError, match="'dspark' needs 'model'.*only a DeepSeek-V4"):
+        engine_of(models["target"], no_model)
     with pytest.raises(PdserveError, match="confidence_threshold belongs to method 'dspark'"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, confidence_threshold=0.5)
     with pytest.raises(PdserveError, match=r"within \[0, 1\], got 1.5"):

@@ -254,8 +254,6 @@ class DeepseekV4Model(nn.Module):
         kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
-            if taps and i in taps:
-                kept.append(streams.mean(dim=1))
             name = "main" if layer.attn.kind == SLIDING else "compress"
             group, slot = self.rows_slots[i]
             entries = self.entries_slots[i]
@@ -272,6 +270,8 @@ class DeepseekV4Model(nn.Module):
                 (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
                 caches,
             )
+            if taps and i in taps:  # a layer's output, not its input (V4-Flash's DSpark)
+                kept.append(streams.mean(dim=1))
         if kept:
             self.hidden_rows = torch.cat(kept, dim=-1)
             self.hidden = self.hidden_rows[logits_indices]

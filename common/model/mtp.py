@@ -34,10 +34,13 @@ def mtp_layers(cfg: ModelConfig) -> range:
 
 
 def mtp_key_filter(cfg: ModelConfig) -> Callable[[str], bool]:
-    """True for a tensor name of an MTP layer."""
+    """True for a tensor name of an MTP layer (DeepSeek-V4 keeps its own, a NextN layer or
+    a DSpark draft, under a top-level ``mtp.`` prefix)."""
     layers = mtp_layers(cfg)
 
     def is_mtp(key: str) -> bool:
+        if key.startswith("mtp."):
+            return True
         m = _LAYER_KEY.match(key)
         return m is not None and int(m[1]) in layers
 
@@ -79,6 +82,6 @@ def read_weights(
             layers=list(mtp_layers(cfg)),
             num_tensors=num_mtp,
             note="multi-token-prediction layers are not part of the model; only the "
-            "speculative method 'mtp' loads them",
+            "speculative methods 'mtp' and 'dspark' (DeepSeek-V4) load them",
         )
     return state

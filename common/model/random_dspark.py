@@ -8,7 +8,8 @@ target's config with the draft's fields set (``architectures: ["Qwen3DSparkModel
 ``tie_word_embeddings: false``, one ``full_attention`` per layer), the weights one
 model.safetensors under the module's own names (no ``model.`` prefix). This writes the
 same, with seeded normal weights (norms at one, biases at zero) and, as DeepSpec's training
-starts, the target's embeddings and LM head copied in.
+starts, the target's embeddings and LM head copied in. ``add_random_v4_dspark`` gives a
+DeepSeek-V4 checkpoint its own DSpark module, as the official V4 checkpoints carry it.
 """
 
 from __future__ import annotations
@@ -82,4 +83,64 @@ def save_random_dspark(
     from safetensors.torch import save_file
 
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def add_random_v4_dspark(
+    path: Path,
+    *,
+    num_stages: int = 3,
+    block_size: int = 5,
+    target_layer_ids: list[int] | None = None,
+    noise_token_id: int | None = None,
+    markov_rank: int = 16,
+    std: float = 0.05,
+    seed: int = 0,
+) -> Path:
+    """Give the DeepSeek-V4 checkpoint at ``path`` a seeded random DSpark module as
+    V4-Flash-DSpark / -0731 carry it: the ``dspark_*`` keys in config.json and the stages'
+    tensors under their names (``mtp.N.*``, common/model/dspark_v4.py) in
+    ``mtp.safetensors``. ``target_layer_ids`` default: the last three layers (V4-Flash's
+    [40, 41, 42] of 43). Norms at one, the hyper-connections' scales at one; routing
+    biases, sinks and the hyper-connections' biases drawn like the rest (none left at the
+    constant a fresh module holds, so each path matters)."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.dspark_v4 import V4DSparkConfig, V4DSparkDraft
+
+    raw = json.loads((path / "config.json").read_text())
+    n = int(raw["num_hidden_layers"])
+    raw.update(
+        dspark_block_size=block_size,
+        dspark_noise_token_id=raw["vocab_size"] - 1 if noise_token_id is None else noise_token_id,
+        dspark_target_layer_ids=target_layer_ids or list(range(max(n - 3, 0), n)),
+        dspark_markov_rank=markov_rank,
+    )
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    target = ModelConfig.from_dir(path)
+    assert target.v4 is not None
+    cfg = V4DSparkConfig(
+        block_size=block_size,
+        mask_token_id=raw["dspark_noise_token_id"],
+        target_layer_ids=tuple(raw["dspark_target_layer_ids"]),
+        markov_rank=markov_rank,
+        num_stages=num_stages,
+        window=target.sliding_window or 128,
+        num_experts=target.v4.num_experts,
+        top_k=target.v4.top_k,
+    )
+    with torch.device("meta"):
+        draft = V4DSparkDraft(cfg, target, nn.Embedding(1, 1), nn.Linear(1, 1))
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in draft.state_dict().items():
+        if name.endswith("norm.weight") or name.endswith("_scale"):
+            state[name] = torch.ones(tensor.shape)
+        elif name.endswith(("_base", "attn_sink", "gate.bias")):
+            state[name] = 0.5 * torch.randn(tensor.shape, generator=gen)
+        else:
+            state[name] = std * torch.randn(tensor.shape, generator=gen)
+    save_file(state, str(path / "mtp.safetensors"), metadata={"format": "pt"})
     return path

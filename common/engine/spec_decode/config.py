@@ -16,7 +16,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     "num_speculative_tokens": 5}`` or ``{"method": "mtp", "num_speculative_tokens": 1}``
     (a DeepSeek checkpoint's own multi-token-prediction layer) or ``{"method": "dspark",
     "model": PATH, "num_speculative_tokens": 5, "confidence_threshold": 0.5}`` (a DeepSpec
-    DSpark draft; its confidence head may verify fewer). Every decode step proposes exactly
+    DSpark draft; a DeepSeek-V4 target without 'model' drafts with its own checkpoint's
+    DSpark module; the confidence head may verify fewer). Every decode step proposes exactly
     ``num_speculative_tokens`` tokens a sequence (fewer only where max_tokens or
     max_model_len leave less room) and the target verifies them in one forward."""
 
@@ -69,12 +70,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                     "speculative_config: prompt_lookup_max/min belong to method 'ngram'"
                 )
         elif self.method == "dspark":
-            if not self.model:
-                raise PdserveError(
-                    "speculative_config: method 'dspark' needs 'model' (a DeepSpec DSpark "
-                    "draft directory: config.json and safetensors); drafting from a "
-                    "DeepSeek-V4 checkpoint's own mtp.* weights is not built"
-                )
+            # 'model': a DeepSpec draft directory (Qwen3 targets; the proposer refuses its
+            # absence), or for a DeepSeek-V4 target another V4 checkpoint with a DSpark
+            # module (default: the target's own mtp.* weights)
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
                 raise PdserveError(
                     "speculative_config: prompt_lookup_max/min belong to method 'ngram'"

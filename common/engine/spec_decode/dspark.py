@@ -25,6 +25,7 @@ partial one.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -40,7 +41,7 @@ from pdserve.common.engine.spec_decode.draft_model import DRAFT_STREAM
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.common.engine.spec_decode.target_hidden import TargetHidden
-from pdserve.common.engine.step_plan import ScheduledSeq
+from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dspark import DSparkDraft, load_dspark
@@ -57,10 +58,11 @@ class DSparkProposer:
         runner: object,
         stats: SpecDecodeStats,
     ) -> None:
-        if target.v4 is not None:
+        if not spec.model:
             raise ModelLoadError(
-                "speculative method 'dspark' with a DeepSeek-V4 target (its checkpoint's "
-                "mtp.* DSpark weights) is not built; use a Qwen3 target with a DeepSpec draft"
+                "speculative method 'dspark' needs 'model' (a DeepSpec DSpark draft directory: "
+                "config.json and safetensors) for this target; only a DeepSeek-V4 target "
+                "drafts with its own checkpoint's DSpark module"
             )
         if not isinstance(runner, ModelRunner) or runner.parallel.is_parallel:
             raise ModelLoadError(
@@ -72,7 +74,6 @@ class DSparkProposer:
                 "speculative method 'dspark' cannot run with a sliding-window target: its "
                 "draft attends over the whole context, whose blocks the window drops"
             )
-        assert spec.model is not None  # SpeculativeConfig checked it
         self.draft: DSparkDraft = load_dspark(Path(spec.model), runner.dtype, runner.device)
         _check(self.draft, target, spec, Path(spec.model))
         self.runner = runner
@@ -98,7 +99,7 @@ class DSparkProposer:
         )
         return new_cache(layout, self.runner.device)
 
-    def keep(self, kept: list[tuple[str, int, int, int]]) -> None:
+    def keep(self, kept: list[tuple[str, int, int, int]], plan: StepPlan) -> None:
         """After the target's step: the features of the rows named (TargetHidden.keep)."""
         self.hidden.keep(kept)
 
@@ -159,52 +160,82 @@ class DSparkProposer:
         self.stats.num_deferred += len(reqs) - len(picked)
         if not picked:
             return out
-        draft, device = self.draft, self.runner.device
+        device = self.runner.device
         anchors = torch.tensor([seqs[i].token_ids[0] for i in picked], device=device)
         context = [
             [self._context(reqs[i], ends[i], layer) for i in picked]
-            for layer in range(len(draft.layers))
+            for layer in range(len(self.draft.layers))
         ]
-        hidden = draft.block(anchors, torch.tensor([ends[i] for i in picked], device=device),
-                             context)  # [P, B, hidden]  # fmt: skip
-        nums = [min(seqs[i].num_drafts, draft.cfg.block_size) for i in picked]
-        gens = [
-            None if reqs[i].sampling.is_greedy else
-            token_generator(reqs[i].sampling.seed, DRAFT_STREAM + len(reqs[i].output_token_ids),
-                            device)
-            for i in picked
-        ]  # fmt: skip
-        tokens: list[list[int]] = [[] for _ in picked]
-        probs: list[list[torch.Tensor]] = [[] for _ in picked]
-        verified = list(nums)  # how many of each block's drafts go to the target
-        prev, state = anchors, None
-        for j in range(max(nums)):
-            h = hidden[:, j]
-            embed = draft.prev_embed(prev)
-            logits, state = draft.row_logits(h, embed, state)  # [P, V]
-            conf = draft.confidence(h, embed)
-            nxt = []
-            for n, i in enumerate(picked):
-                if j >= nums[n]:
-                    nxt.append(0)
-                    continue
-                gen = gens[n]
-                if gen is None:
-                    nxt.append(int(logits[n].argmax()))
-                else:
-                    q = row_probs(logits[n], reqs[i].sampling)  # [V]
-                    nxt.append(int(torch.multinomial(q, 1, generator=gen).item()))
-                    probs[n].append(q)
-                tokens[n].append(nxt[-1])
-                # the first row the head doubts ends what is verified (DeepSpec's rule)
-                if conf is not None and self.threshold > 0 and verified[n] > j:
-                    if float(torch.sigmoid(conf[n])) < self.threshold:
-                        verified[n] = j
-            prev = torch.tensor(nxt, device=device)
-        for n, i in enumerate(picked):
-            v = verified[n]
-            out[i] = Draft(tokens[n][:v], torch.stack(probs[n][:v]) if probs[n] and v else None)
+        hidden = self.draft.block(anchors, torch.tensor([ends[i] for i in picked],
+                                  device=device), context)  # [P, B, hidden]  # fmt: skip
+        drafts = draw_block(self.draft, hidden, anchors, [reqs[i] for i in picked],
+                            [seqs[i] for i in picked], self.threshold)  # fmt: skip
+        for i, d in zip(picked, drafts, strict=True):
+            out[i] = d
         return out
+
+
+class BlockDraft(Protocol):
+    """What :func:`draw_block` reads of a DSpark draft (Qwen3's or DeepSeek-V4's)."""
+
+    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor | None: ...
+
+    def row_logits(
+        self, h: torch.Tensor, embed: torch.Tensor | None, state: Any
+    ) -> tuple[torch.Tensor, Any]: ...
+
+    def confidence(self, h: torch.Tensor, embed: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+def draw_block(
+    draft: BlockDraft,
+    hidden: torch.Tensor,  # [P, B, hidden]: each picked sequence's block rows
+    anchors: torch.Tensor,  # [P]: their last tokens
+    reqs: list[Request],
+    seqs: list[ScheduledSeq],
+    threshold: float,
+) -> list[Draft]:
+    """Each block's drafts row by row (greedy, or sampled from the request's distribution
+    with its draft probabilities kept for rejection sampling), the Markov head fed the
+    token before; verified up to the first row whose confidence falls below
+    ``threshold`` (DeepSpec's rule)."""
+    device = hidden.device
+    nums = [min(seq.num_drafts, hidden.shape[1]) for seq in seqs]
+    gens = [
+        None if req.sampling.is_greedy else
+        token_generator(req.sampling.seed, DRAFT_STREAM + len(req.output_token_ids), device)
+        for req in reqs
+    ]  # fmt: skip
+    tokens: list[list[int]] = [[] for _ in reqs]
+    probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    verified = list(nums)  # how many of each block's drafts go to the target
+    prev, state = anchors, None
+    for j in range(max(nums)):
+        h = hidden[:, j]
+        embed = draft.prev_embed(prev)
+        logits, state = draft.row_logits(h, embed, state)  # [P, V]
+        conf = draft.confidence(h, embed)
+        nxt = []
+        for n, req in enumerate(reqs):
+            if j >= nums[n]:
+                nxt.append(0)
+                continue
+            gen = gens[n]
+            if gen is None:
+                nxt.append(int(logits[n].argmax()))
+            else:
+                q = row_probs(logits[n], req.sampling)  # [V]
+                nxt.append(int(torch.multinomial(q, 1, generator=gen).item()))
+                probs[n].append(q)
+            tokens[n].append(nxt[-1])
+            if conf is not None and threshold > 0 and verified[n] > j:
+                if float(torch.sigmoid(conf[n])) < threshold:
+                    verified[n] = j
+        prev = torch.tensor(nxt, device=device)
+    return [
+        Draft(tokens[n][:v], torch.stack(probs[n][:v]) if probs[n] and v else None)
+        for n, v in enumerate(verified)
+    ]
 
 
 def _slot(block_ids: list[int], position: int, size: int) -> int:

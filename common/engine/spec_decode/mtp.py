@@ -73,7 +73,7 @@ class MTPProposer:
         layout = msgspec.structs.replace(self.runner.layout, num_layers=1)
         return new_cache(layout, self.runner.device)
 
-    def keep(self, kept: list[tuple[str, int, int, int]]) -> None:
+    def keep(self, kept: list[tuple[str, int, int, int]], plan: StepPlan) -> None:
         """After the target's step: the hidden states of the rows named (TargetHidden.keep)."""
         self.hidden.keep(kept)
 

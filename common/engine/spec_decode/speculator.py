@@ -28,6 +28,7 @@ from pdserve.common.engine.sampling import (
 from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.engine.spec_decode.draft_model import DraftModelProposer
 from pdserve.common.engine.spec_decode.dspark import DSparkProposer
+from pdserve.common.engine.spec_decode.dspark_v4 import DSparkV4Proposer
 from pdserve.common.engine.spec_decode.mtp import MTPProposer
 from pdserve.common.engine.spec_decode.ngram import ngram_propose
 from pdserve.common.engine.spec_decode.proposal import Draft
@@ -60,9 +61,11 @@ class Speculator:
             assert spec.model is not None  # SpeculativeConfig checked it
             self.draft = DraftModelProposer(spec.model, config, target, tokenizer, num_blocks)
         # the proposers that read the target's hidden states (kept after each verify)
-        self.mtp: MTPProposer | DSparkProposer | None = None
+        self.mtp: MTPProposer | DSparkProposer | DSparkV4Proposer | None = None
         if spec.method == "mtp":
             self.mtp = MTPProposer(config, target, runner)
+        elif spec.method == "dspark" and target.v4 is not None:  # the checkpoint's own
+            self.mtp = DSparkV4Proposer(spec, config, target, runner, self.stats)
         elif spec.method == "dspark":
             self.mtp = DSparkProposer(spec, config, target, runner, self.stats)
         self._drafts: dict[str, Draft] = {}
@@ -127,7 +130,7 @@ class Speculator:
             out.append((req, tokens, lps, seq.num_drafts - num_accepted))
             row += 1 + seq.num_drafts
         if self.mtp is not None:
-            self.mtp.keep(kept)
+            self.mtp.keep(kept, plan)
         if plain:
             index = torch.tensor([r for r, _ in plain], device=logits.device)
             sub = logits[index]  # [P, V]
