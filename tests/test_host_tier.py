@@ -113,6 +113,56 @@ def test_reset_and_clear_forget_everything() -> None:
     assert tier.num_blocks == 0 and pool.hold_prefix(hash_blocks(list(range(B)), B)) == []
 
 
+def test_random_traffic_keeps_the_tier_consistent() -> None:
+    """Seeded random prompts through a pool of 6 blocks over a tier of 5 slots: every hash
+    in at most one slot, no slot named by two blocks, the tier never over its size, and
+    every device block freed exactly once in the end."""
+    import random
+
+    class Contents(Recorder):
+        """What each device block and slot holds: the hash of the tokens written there."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.device: dict[int, bytes] = {}
+            self.slots: dict[int, bytes] = {}
+
+        def copy_down(self, block: int, slot: int) -> None:
+            super().copy_down(block, slot)
+            self.slots[slot] = self.device[block]
+
+        def copy_up(self, slot: int, block: int) -> None:
+            super().copy_up(slot, block)
+            self.device[block] = self.slots[slot]
+
+    rng = random.Random(7)
+    pool = BlockPool(6)
+    mover = Contents()
+    tier = pool.tier = HostTier(5, mover)
+    prompts = [hash_blocks([rng.randrange(4) for _ in range(3 * B)], B) for _ in range(6)]
+    for _ in range(300):
+        hashes = rng.choice(prompts)[: rng.randrange(1, 4)]
+        held = pool.hold_prefix(hashes)
+        blocks = pool.match_prefix(hashes)
+        pool.drop(held)
+        # a prefix hit, from the device or the tier, holds the K/V of its own tokens
+        assert [mover.device[b] for b in blocks] == hashes[: len(blocks)]
+        grow = min(len(hashes) - len(blocks), pool.num_free_blocks)
+        new = pool.allocate(grow)
+        for block, h in zip(new, hashes[len(blocks) :], strict=False):
+            mover.device[block] = h  # the step computes it
+            pool.register(block, h)
+        pool.free(blocks + new)
+        slots = [tier.slot_of(h) for h in tier._slot_of]
+        assert tier.num_blocks <= tier.num_slots
+        assert set(slots) == set(tier._used) and len(tier._free) + tier.num_blocks == 5
+        for slot, names in tier._used.items():
+            assert all(tier.slot_of(h) == slot for h in names) and mover.slots[slot] in names
+    assert pool.num_free_blocks == pool.num_blocks
+    downs = [(b, s) for kind, b, s in mover.copies if kind == "down"]
+    assert tier.num_offloaded == len(downs) > 0 and tier.num_hits > 0
+
+
 # -- an engine ----------------------------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
