@@ -1,8 +1,9 @@
-"""The decode engine thread's pull lifecycle (services/decode/engine_thread.py) driven turn by
-turn, without a model or NIXL: a fake engine over a real Scheduler and BlockPool (the
-scheduler owns the blocks: WAITING_FOR_REMOTE_KV), a fake puller, replies collected in place
-of the service's sockets. Every request ends with exactly one terminal
-reply, every replica is released exactly once, every block comes back."""
+"""The decode engine thread's pull lifecycle (services/decode/engine_thread.py and its
+pulls' table, pending.py) driven turn by turn, without a model or NIXL: a fake engine over a
+real Scheduler and BlockPool (the scheduler owns the blocks: WAITING_FOR_REMOTE_KV), a fake
+puller, replies collected in place of the service's sockets. Every request ends with
+exactly one terminal reply, every replica is released exactly once, every block comes
+back."""
 
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class Harness:
         self.thread.puller = self.puller
         self.thread.tp = 1
         self.thread.metrics = ctx.metrics
+        self.thread.open_pulls()
 
     def turn(self, *commands: Any) -> bool:
         for command in commands:
@@ -318,5 +320,5 @@ def test_a_request_forgotten_mid_pull_keeps_its_blocks_until_the_reads_end(h: Ha
     assert h.engine.pool.num_free_blocks == NUM_BLOCKS - 3  # a READ still lands in them
     h.puller.results.append(PullResult("a", None))
     h.turn()
-    assert h.engine.pool.num_free_blocks == NUM_BLOCKS and h.thread.pending == {}
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS and h.thread.pulls.requests == {}
     assert h.terminal("a") == [] and h.puller.released == ["a"]

@@ -143,7 +143,7 @@ class Pair:
         for pool in (self.prefill.engine.pool, self.decode.engine.pool):
             assert pool.num_free_blocks == pool.num_blocks
         assert len(self.prefill.leases) == 0 and not self.prefill.engine.scheduler.pinned
-        assert not self.decode.engine.scheduler.waiting_for_remote_kv and not self.decode.pending
+        assert not self.decode.engine.scheduler.waiting_for_remote_kv and not len(self.decode.pulls)
 
 
 @pytest.fixture
@@ -276,7 +276,7 @@ def test_an_aborted_request_frees_its_blocks_once(engine_config: EngineConfig, w
             pair.turn()
         done = pair.prefilled("a")
         if when == "before_the_handshake":
-            pair.decode.producers.clear()  # as if the producer's handshake were not back yet
+            pair.decode.pulls.producers.clear()  # as if the producer's handshake were not back yet
         if when == "mid_pull":
             pair.consumer.hold.add("a")
         pair.send_decode(done)

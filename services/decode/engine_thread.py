@@ -6,8 +6,9 @@ waiting for local blocks -> pulling -> decoding. Its engine holds it from the st
 (``WAITING_FOR_REMOTE_KV``, services/decode/decode_engine.py) and owns its blocks: this
 thread asks for them and reports how the pull ended, it never frees a block itself. Every
 producer replica is released exactly once per request, whether the pull worked, failed or
-was aborted. With decode TP > 1 the model and the pulls run in rank processes
-(services/decode/pullers.py).
+was aborted: the pulls' table (services/decode/pending.py, ``PendingPulls``) follows a
+request until its pull ends, this thread then admits it or answers it. With decode TP > 1
+the model and the pulls run in rank processes (services/decode/pullers.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,19 +25,10 @@ from pdserve.common.engine.request import RemoteKV
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.boundary import Limits
-from pdserve.common.runtime.engine_commands import (
-    Abort,
-    Connected,
-    Decode,
-    HandshakeFailed,
-    ProducerKey,
-)
+from pdserve.common.runtime.engine_commands import Abort, Connected, Decode, HandshakeFailed
 from pdserve.common.runtime.engine_thread import EngineContext, EngineThread, report_engine
 from pdserve.common.runtime.spec_metrics import SpecDecodeReporter
-from pdserve.services.decode.pending import PendingByProducer, PendingPull, pending_by_producer
-
-if TYPE_CHECKING:
-    from pdserve.common.transfer.kv_pulls import PullResult
+from pdserve.services.decode.pending import PendingByProducer, PendingPull, PendingPulls
 
 log = structlog.get_logger("pdserve.decode")
 
@@ -62,10 +53,8 @@ class DecodeEngineThread(EngineThread):
         # What the service's heartbeats name, replaced whole every turn (a snapshot).
         self.pending_by_producer: PendingByProducer = {}
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
-        self.pending: dict[str, PendingPull] = {}
+        self.pulls: PendingPulls  # made by setup (open_pulls)
         self.spec_reporter: SpecDecodeReporter | None = None  # set up with a speculator
-        self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
-        self.connected_at: dict[ProducerKey, float] = {}  # wall time of each producer's handshake
         self._num_preemptions = 0
 
     def setup(self) -> None:
@@ -99,6 +88,20 @@ class DecodeEngineThread(EngineThread):
         )
         if self.engine.speculator is not None:
             self.spec_reporter = SpecDecodeReporter(self.metrics, self.engine.speculator.stats)
+        self.open_pulls()
+
+    def open_pulls(self) -> None:
+        """The pulls' table over the engine and puller ``setup`` opened (tests: fakes)."""
+        self.pulls = PendingPulls(
+            self.engine,
+            self.puller,
+            tp=self.tp,
+            striped=self.ctx.cfg.pull_from == "striped",
+            metrics=self.metrics,
+            faults=self.ctx.faults,
+            send_release=lambda address, release: self.post(self.ctx.send_side, address, release),
+            ended=self._pull_ended,
+        )
 
     def teardown(self) -> None:
         if hasattr(self, "puller"):
@@ -107,16 +110,16 @@ class DecodeEngineThread(EngineThread):
             self.engine.close()  # the host tier's blocks and memory
 
     def run_once(self) -> bool:
-        self._advance_pulls()
+        self.pulls.advance()
         if self.engine.has_unfinished:
             self._step()
         self._update_gauges()
-        self.pending_by_producer = pending_by_producer(self.pending) if self.pending else {}
+        self.pending_by_producer = self.pulls.by_producer()
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
-        return computing or any(pp.pulling for pp in self.pending.values())
+        return computing or self.pulls.is_pulling
 
     def quiet(self) -> bool:
-        return not self.pending and not self.engine.has_unfinished
+        return not len(self.pulls) and not self.engine.has_unfinished
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -138,39 +141,30 @@ class DecodeEngineThread(EngineThread):
         except PdserveError as exc:
             self._fail(identity, rid, msg.trace_id, "bad_request", str(exc))
             if handle is not None:
-                self._release(handle, rid, msg.trace_id)
+                self.pulls.release(handle, rid, msg.trace_id)
             return
         self.peers[rid] = (identity, msg.trace_id)
         if handle is not None:
-            self.pending[rid] = PendingPull(identity, msg, handle)
+            self.pulls.add(rid, PendingPull(identity, msg, handle))
 
     def forget(self, request_id: str) -> None:
         self.peers.pop(request_id, None)
-        pp = self.pending.get(request_id)
+        pp = self.pulls.get(request_id)
         if pp is not None and pp.pulling:
             pp.aborted = True  # its READs still land in its blocks: dropped when they end
             return
-        self.pending.pop(request_id, None)
+        self.pulls.pop(request_id)
         self.engine.abort(request_id)
 
     def _on_connected(self, cmd: Connected) -> None:
-        key = cmd.key
-        try:
-            self.puller.connect(cmd.replies)
-            self.producers[key] = None
-            self.connected_at[key] = time.time()
-        except PdserveError as exc:
-            self.producers[key] = str(exc)
-            log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
+        self.pulls.connect(cmd.key, cmd.replies)
 
     def _on_handshake_failed(self, cmd: HandshakeFailed) -> None:
-        for rid, pp in list(self.pending.items()):
-            if pp.key == cmd.key and not pp.pulling:
-                self._pull_failed(rid, pp, cmd.message, release=False)
+        self.pulls.handshake_failed(cmd.key, cmd.message)
 
     def _on_abort(self, cmd: Abort) -> None:
         request_id = cmd.request_id
-        pp = self.pending.get(request_id)
+        pp = self.pulls.get(request_id)
         if pp is not None:
             pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop
             if not pp.pulling:
@@ -180,108 +174,17 @@ class DecodeEngineThread(EngineThread):
         if out is not None:
             self._emit(out)
 
-    # -- pulls ------------------------------------------------------------------------------
+    # -- pulls' ends -----------------------------------------------------------------------
 
-    def _advance_pulls(self) -> None:
-        # Start first, then poll: a pull posted now is seen done in this same iteration
-        # (on CPU, UCX copies inside the post) instead of one engine step later.
-        for rid, pp in list(self.pending.items()):
-            if not pp.pulling:
-                try:
-                    self._maybe_start(rid, pp)
-                except FatalError:
-                    raise
-                except Exception as exc:  # a handle the boundary let through: this request only
-                    log.exception("pull_start_failed", request_id=rid)
-                    self._pull_failed(rid, pp, f"{type(exc).__name__}: {exc}", release=False)
-        for result in self.puller.poll():
-            polled = self.pending.get(result.request_id)
-            if polled is not None:
-                self._pulled(result.request_id, polled, result)
-
-    def _maybe_start(self, rid: str, pp: PendingPull) -> None:
-        from pdserve.services.decode.pullers import plan_pulls
-
-        state = self.producers.get(pp.key, "pending")
-        if state == "pending":
-            return
-        if state is not None:
-            self._pull_failed(rid, pp, state, release=True)
-            return
-        if self.ctx.faults.pulls_held():
-            return
-        try:
-            blocks = self.engine.reserve_remote(rid)
-        except PdserveError as exc:
-            self._pull_failed(rid, pp, str(exc), release=True)
-            return
-        if blocks is None:
-            return  # wait for decodes to finish; heartbeats keep the producer's lease
-        try:
-            plan = plan_pulls(
-                pp.handle,
-                blocks,
-                self.engine.model_config.num_key_value_heads,
-                self.tp,
-                self.ctx.cfg.pull_from == "striped",
-            )
-        except PdserveError as exc:
-            self._pull_failed(rid, pp, str(exc), release=True)
-            return
-        pp.pulling = True
-        pp.marks["handshake_done"] = max(
-            pp.marks["decode_received"], self.connected_at.get(pp.key, 0.0)
-        )
-        pp.marks["pull_started"] = time.time()
-        self.puller.start(rid, pp.handle, plan)
-
-    def _pulled(self, rid: str, pp: PendingPull, result: PullResult) -> None:
-        pp.pulling = False
-        if result.error is not None:
-            self._pull_failed(rid, pp, result.error, release=True)
-            return
-        del self.pending[rid]
-        pp.marks["pull_done"] = time.time()
-        self.metrics.inc("pdserve:kv_transfers")
-        self.metrics.inc("pdserve:kv_transfer_bytes", result.num_bytes)
-        self.metrics.inc("pdserve:kv_transfer_descriptors", result.num_descriptors)
-        self.metrics.observe("pdserve:kv_transfer_seconds", result.seconds)
-        self._release(pp.handle, rid, pp.msg.trace_id)
-        log.debug(
-            "kv_pulled",
-            request_id=rid,
-            trace_id=pp.msg.trace_id,
-            bytes=result.num_bytes,
-            descriptors=result.num_descriptors,
-            seconds=round(result.seconds, 4),
-        )
+    def _pull_ended(self, rid: str, pp: PendingPull, error: str | None) -> None:
+        """A pull that ended (``error``: why it failed), its replicas released: the request
+        decodes, is recomputed, fails, or, aborted meanwhile, ends."""
         if pp.aborted:
             self.engine.abort(rid)
             self._finish_aborted(rid, pp)
             return
-        self._first_chunk(pp, self.engine.pulled(rid))
-
-    def _first_chunk(self, pp: PendingPull, out: RequestOutput) -> None:
-        """The producer's first token, as the request's first output."""
-        if pp.msg.first_logprobs is not None:
-            out.logprobs = [pp.msg.first_logprobs]
-        self._emit(out, pp.marks)
-
-    def _pull_failed(self, rid: str, pp: PendingPull, message: str, release: bool) -> None:
-        self.pending.pop(rid, None)
-        self.metrics.inc("pdserve:kv_transfer_failures")
-        log.warning(
-            "kv_pull_failed",
-            request_id=rid,
-            trace_id=pp.msg.trace_id,
-            engine_id=pp.handle.engine_id,
-            error=message,
-        )
-        if release:
-            self._release(pp.handle, rid, pp.msg.trace_id)
-        if pp.aborted:
-            self.engine.abort(rid)
-            self._finish_aborted(rid, pp)
+        if error is None:
+            self._first_chunk(pp, self.engine.pulled(rid))
             return
         out = self.engine.pull_failed(rid, self.ctx.cfg.kv_load_failure_policy == "recompute")
         if out is not None:
@@ -293,13 +196,19 @@ class DecodeEngineThread(EngineThread):
                 rid,
                 pp.msg.trace_id,
                 "kv_transfer",
-                f"KV transfer from {pp.handle.engine_id} failed: {message}",
+                f"KV transfer from {pp.handle.engine_id} failed: {error}",
             )
 
+    def _first_chunk(self, pp: PendingPull, out: RequestOutput) -> None:
+        """The producer's first token, as the request's first output."""
+        if pp.msg.first_logprobs is not None:
+            out.logprobs = [pp.msg.first_logprobs]
+        self._emit(out, pp.marks)
+
     def _drop_pending(self, rid: str, pp: PendingPull) -> None:
-        del self.pending[rid]
+        self.pulls.pop(rid)
         self.engine.abort(rid)
-        self._release(pp.handle, rid, pp.msg.trace_id)
+        self.pulls.release(pp.handle, rid, pp.msg.trace_id)
         self._finish_aborted(rid, pp)
 
     def _finish_aborted(self, rid: str, pp: PendingPull) -> None:
@@ -313,24 +222,6 @@ class DecodeEngineThread(EngineThread):
             ),
         )
 
-    def _release(self, handle: p.KVHandle, rid: str, trace_id: str) -> None:
-        """Tell every replica rank that this request's KV is no longer needed."""
-        if self.producers.get((handle.engine_id, handle.epoch)) is not None:
-            unreached = list(range(len(handle.replicas)))  # never connected: no NIXL path
-        else:
-            unreached = self.puller.release(handle, rid, trace_id)
-        for index in unreached:
-            self.metrics.inc("pdserve:kv_notification_failures")
-            release = p.Release(
-                request_id=rid,
-                trace_id=trace_id,
-                engine_id=handle.engine_id,
-                epoch=handle.epoch,
-                rank=index,
-                token=handle.token,
-            )
-            self.post(self.ctx.send_side, handle.replicas[index].side_channel, release)
-
     # -- decoding ---------------------------------------------------------------------------
 
     def _step(self) -> None:
@@ -340,7 +231,7 @@ class DecodeEngineThread(EngineThread):
             raise  # a rank died: the service fails what it holds and exits
         except Exception as exc:
             log.exception("decode_step_failed")
-            for rid in [r for r in self.peers if r not in self.pending]:  # pulls go on
+            for rid in [r for r in self.peers if r not in self.pulls]:  # pulls go on
                 if self.engine.abort(rid) is not None:
                     identity, trace = self.peers.pop(rid)
                     self._fail(identity, rid, trace, "internal", f"decode step failed: {exc}")
@@ -399,5 +290,5 @@ class DecodeEngineThread(EngineThread):
         if self.spec_reporter is not None:
             self.spec_reporter.report()
         self._num_preemptions = report_engine(
-            self.metrics, self.engine, len(self.pending), self._num_preemptions
+            self.metrics, self.engine, len(self.pulls), self._num_preemptions
         )
