@@ -20,12 +20,10 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.errors import PdserveError
 
 ENV_PREFIX = "PDSERVE_"
-# services/router/reasoning.py's parsers (a test keeps the two lists the same)
-REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
-REASONING_REFUSED = {
-    "deepseek_v4": ": DeepSeek-V4's thinking markers are not known to pdserve yet (no "
-    "DeepSeek-V4 tokenizer or chat template is installed to read them from); use none"
-}
+# services/router/reasoning.py's parsers, under the names vLLM's --reasoning-parser takes
+# (deepseek_v31: older vLLM's; test_reasoning keeps the two lists the same)
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "deepseek_v3", "deepseek_v31",
+                     "deepseek_v4", "deepseek_v41")  # fmt: skip
 POLICIES = ("fail", "recompute")
 
 
@@ -238,9 +236,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError(f"tool_call_parser must be auto, llama3_json or hermes, got "
                                f"{self.tool_call_parser!r}")  # fmt: skip
         if self.reasoning_parser not in REASONING_PARSERS:
-            why = REASONING_REFUSED.get(self.reasoning_parser, "")
             raise PdserveError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                               f"got {self.reasoning_parser!r}{why}")  # fmt: skip
+                               f"got {self.reasoning_parser!r}")  # fmt: skip
         if any(not name for name in self.served_model_names):
             raise PdserveError("served_model_name: a model name must not be empty")
         if self.drain_seconds < 0:
