@@ -333,6 +333,7 @@ def test_disaggregated_with_a_pcp2_prefill(
         drafts = counter(dep.url, "pdserve:spec_decode_num_drafts")
         accepted = counter(dep.url, "pdserve:spec_decode_num_accepted_tokens")
         assert drafts > 0 and accepted > 0
-        assert counter(dep.url, "pdserve:spec_decode_num_deferred") >= 16 * len(PROMPTS)
+        # each window filled within W = 16 steps of its pull, then the drafts came
+        assert 0 < counter(dep.url, "pdserve:spec_decode_num_deferred") <= 16 * len(PROMPTS)
         assert sum(per_position(dep.url).values()) == accepted
         assert_pools_full(dep.url)
