@@ -266,3 +266,48 @@ def test_router_cut_off_from_a_decode_host(
     print(f"\nrouter cut from decode1: {kinds.count('peer_down')} of {len(kinds)} streams "
           f"peer_down, all answered in {answered_in:.2f} s; {len(ids)} new requests served "
           f"during the cut; ready again {back_in:.2f} s after the heal")  # fmt: skip
+
+
+STOPPED_DECODE_GENERATES_FOR_NOBODY = pytest.mark.xfail(
+    reason="does not hold yet: after SIGCONT, decode-1 keeps generating the streams the router "
+    "already failed peer_down (its sends to the dropped router connection fail 'Host "
+    "unreachable', one send_failed line per token, ~700 here) instead of aborting them, so "
+    "its pool is not idle within the lease bound; it is once those streams end",
+)
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(signal.SIGSTOP, marks=STOPPED_DECODE_GENERATES_FOR_NOBODY), signal.SIGKILL],
+    ids=["sigstop", "sigkill"],
+)
+def test_a_decode_stopped_or_killed_on_its_host(
+    hosts: MultiHost, reference: tuple[list[list[int]], list[list[int]]], sig: signal.Signals
+) -> None:
+    """Streams on decode-1 fail peer_down (SIGKILL: its connection drops; SIGSTOP: silent
+    past the peer timeout), decode-0's finish and it serves new requests; decode-1 comes
+    back (SIGCONT, or started again as systemd's Restart= does) and /health is 200 again."""
+    ids, want = reference
+    long = [hosts.submit(ids[i % len(ids)], max_tokens=400, ignore_eos=True) for i in range(6)]
+    wait_until(lambda: all(hosts.service_metrics(f"decode-{i}")["pdserve:num_requests_running"]
+                           for i in range(2)), 30, "streams on both decodes")  # fmt: skip
+    hosts.signal("decode-1", sig)
+    hit_at = time.monotonic()
+    results = [f.result(timeout=PEER_TIMEOUT + DEADLINE + SLACK) for f in long]
+    answered_in = time.monotonic() - hit_at
+    kinds = [outcome(r) for r in results]
+    assert set(kinds) <= {"tokens", "peer_down"} and "peer_down" in kinds, kinds
+    during = [hosts.generate(prompt, max_tokens=8) for prompt in ids]
+    assert check_answers(during, ids, ids, want) == {"tokens": len(ids)}
+    if sig == signal.SIGSTOP:
+        hosts.signal("decode-1", signal.SIGCONT)
+    else:
+        hosts.procs["decode-1"].wait(10)
+        hosts.start("decode-1")
+    back_at = time.monotonic()
+    hosts.wait_ready(READY_TIMEOUT)
+    back_in = time.monotonic() - back_at
+    wait_until(hosts.pools_idle, LEASE + SLACK, "every pool back at its idle count")
+    print(f"\n{sig.name} decode-1: {kinds.count('peer_down')} of {len(kinds)} streams peer_down, "
+          f"all answered in {answered_in:.2f} s; {len(ids)} served meanwhile; ready again "
+          f"{back_in:.2f} s after SIGCONT / restart")  # fmt: skip
