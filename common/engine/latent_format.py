@@ -16,8 +16,10 @@ on write and dequantize on read (kernels/fp8_ds_mla.py).
 DeepSeek-V3.2 (``index_dim`` > 0) appends its lightning indexer's key to the row, in the
 model's dtype: ``kv_lora_rank + rope + index_head_dim`` elements (512 + 64 + 128 in V3.2).
 One row per token keeps everything a block moves in one record, so prefix caching, NIXL
-pulls and PCP replicas carry the indexer's keys with the latent unchanged. Its fp8 form is
-not implemented: ``fp8_ds_mla`` with an indexer key is refused.
+pulls and PCP replicas carry the indexer's keys with the latent unchanged. With
+``fp8_ds_mla`` the key follows the 656-byte record in vLLM's fp8 form of it: fp8 values,
+then one float32 power-of-two scale per 128 (788 bytes a token in V3.2; vLLM keeps these
+132 bytes in a cache of their own, docs/models.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pdserve.common.model.config import ModelConfig
 KINDS = ("auto", "fp8_ds_mla")
 FP8_DTYPE = "float8_e4m3fn"  # EngineConfig's name for --kv-cache-dtype fp8
 DS_MLA_TILE = 128  # latent values per fp32 scale (kernels/fp8_ds_mla.py's TILE)
+INDEX_TILE = 128  # indexer key values per fp32 scale (kernels/fp8_ds_mla.py's KEY_TILE)
 
 
 class Section(NamedTuple):
@@ -55,10 +58,10 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"latent cache format {self.kind!r} is not supported ({', '.join(KINDS)})"
             )
-        if self.kind == "fp8_ds_mla" and self.index_dim:
+        if self.kind == "fp8_ds_mla" and self.index_dim % INDEX_TILE:
             raise ValueError(
-                "fp8 (fp8_ds_mla) for DeepSeek-V3.2 is not implemented: its indexer keys "
-                "have no fp8 form in the latent record yet; use --kv-cache-dtype auto"
+                f"the fp8 indexer key needs index_head_dim to be a multiple of {INDEX_TILE}, "
+                f"the model's is {self.index_dim}"
             )
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"latent cache dtype {self.dtype!r}: one of {sorted(DTYPE_SIZES)}")
@@ -75,11 +78,24 @@ class LatentFormat(msgspec.Struct, frozen=True, kw_only=True):
         """The parts of one token's latent, in byte order."""
         if self.kind == "fp8_ds_mla":
             num_scales = self.kv_lora_rank // DS_MLA_TILE
-            return (
+            rope_at = self.kv_lora_rank + 4 * num_scales
+            record: tuple[Section, ...] = (
                 Section("latent", 0, self.kv_lora_rank, FP8_DTYPE),
                 Section("scales", self.kv_lora_rank, num_scales, "float32"),
-                Section("rope", self.kv_lora_rank + 4 * num_scales, self.rope_dim, "bfloat16"),
+                Section("rope", rope_at, self.rope_dim, "bfloat16"),
             )
+            if self.index_dim:
+                index_at = rope_at + 2 * self.rope_dim
+                record += (
+                    Section("index", index_at, self.index_dim, FP8_DTYPE),
+                    Section(
+                        "index_scales",
+                        index_at + self.index_dim,
+                        self.index_dim // INDEX_TILE,
+                        "float32",
+                    ),
+                )
+            return record
         size = DTYPE_SIZES[self.dtype]
         sections: tuple[Section, ...] = (
             Section("latent", 0, self.kv_lora_rank, self.dtype),

@@ -14,10 +14,12 @@ the first ``qk_rope_head_dim`` values of each head (the MLA's is interleaved).
 
 The cache row of a token is the MLA latent, its rope key, then the indexer's key
 (common/engine/latent_format.py: ``index_dim``), written with every new token, gathered
-from every PCP rank first like the latent. Attention runs here in torch, one sequence (or
-PCP piece) at a time: its context rows gathered, the indexer's selection made a mask, the
-latent expanded into per-head K/V by ``kv_b_proj`` and SDPA under causal & selected, as
-transformers computes it. Decode takes the same path (a query of one token). It is the
+from every PCP rank first like the latent; with ``--kv-cache-dtype fp8`` that row is stored
+as its fp8_ds_mla record followed by the key's fp8 form (kernels/fp8_ds_mla.py
+``quantize_indexed``), quantized on write and dequantized as the rows are read.
+Attention runs here in torch, one sequence (or PCP piece) at a time: its context rows
+gathered, the indexer's selection made a mask, the latent expanded into per-head K/V by
+``kv_b_proj`` and SDPA under causal & selected, as transformers computes it. Decode takes the same path (a query of one token). It is the
 reference: no Triton kernel of the indexer or of sparse MLA exists yet, and CUDA refuses the
 model (common/engine/model_loader.py).
 
@@ -37,6 +39,7 @@ from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.mla import MLAAttention
 from pdserve.common.model.mla_prefill import gather_rows
 from pdserve.common.parallel.context import ParallelContext
+from pdserve.kernels import fp8_ds_mla
 
 INDEX_NORM_EPS = 1e-6  # transformers' k_norm: LayerNorm(index_head_dim, eps=1e-6)
 
@@ -113,11 +116,14 @@ class IndexedMLAAttention(MLAAttention):
         row = torch.cat((latent, k_rope[:, 0], index_k.to(latent.dtype)), dim=-1)
         if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
             row = meta.kv_gather(row[None])[0]
+        if fp8_ds_mla.is_ds_mla(layer_cache.dtype):  # each rank quantizes the same rows
+            cuts = [self.latent, self.rope, self.indexer.head_dim]
+            row = fp8_ds_mla.quantize_indexed(*row.split(cuts, dim=-1))
         write_rows(layer_cache, row, meta.slot_mapping)
         q = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + rope]
         out = torch.empty((num_tokens, self.num_heads, self.v_dim), dtype=x.dtype, device=x.device)
         for lo, hi, ctx, table in sequences(meta):
-            rows = gather_rows(layer_cache, table[None], [ctx], self.latent, q.dtype)
+            rows = self._context_rows(layer_cache, table, ctx, q.dtype)
             positions = torch.arange(ctx - (hi - lo), ctx, device=x.device)
             visible = torch.arange(ctx, device=x.device)[None, :] <= positions[:, None]
             chosen = self.indexer.select(
@@ -125,6 +131,17 @@ class IndexedMLAAttention(MLAAttention):
             )
             out[lo:hi] = self._attend(q[lo:hi], rows[:, : self.latent + self.rope], chosen)
         return self._project_out(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _context_rows(
+        self, layer_cache: torch.Tensor, table: torch.Tensor, ctx: int, dtype: torch.dtype
+    ) -> torch.Tensor:  # [ctx, latent + rope + index] in dtype
+        """The cached rows of positions 0 .. ctx - 1; fp8 ones dequantized."""
+        if not fp8_ds_mla.is_ds_mla(layer_cache.dtype):
+            return gather_rows(layer_cache, table[None], [ctx], self.latent, dtype)
+        size = layer_cache.shape[3]
+        pos = torch.arange(ctx, device=layer_cache.device)
+        raw = layer_cache[table.to(pos.device)[pos // size].long(), 0, 0, pos % size]
+        return fp8_ds_mla.dequantize_indexed(raw, self.latent, self.indexer.head_dim, dtype)
 
     def _attend(
         self,
