@@ -40,8 +40,8 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.dspark_v4 import V4DSparkDraft
 from pdserve.common.model.dsv4 import hyper_weights
 from pdserve.common.model.dsv4_attention import Rope, rms
+from pdserve.common.model.random import save_random_v4
 from pdserve.common.model.random_dspark import add_random_v4_dspark
-from tests.test_dsv4 import build_v4
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,7 +100,7 @@ def with_dspark(target: Path, path: Path, outputs: list[list[int]] | None = None
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("dspark_v4")
-    target = build_v4(root / "v4", tokenizer_from=model_dir)
+    target = save_random_v4(root / "v4", tokenizer_from=model_dir)
     want = greedy(engine_of(target))
     return {
         "target": target,

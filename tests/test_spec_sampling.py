@@ -118,17 +118,37 @@ def exact_marginals(model: Path, prompt: list[int], temperature: float) -> torch
     return torch.stack([m1, m2]).double()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "dspark"])
-def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) -> None:
+def small_v4_dspark(root: Path) -> Path:
+    """A 16-token DeepSeek-V4 (common/model/random.py's layers, weights at 10x scale) with
+    its own random DSpark module (blocks of 3; confidence cutting some at 0.5)."""
+    from pdserve.common.model.random import RANDOM_V4
+    from pdserve.common.model.random_dspark import add_random_v4_dspark
+
+    v4 = save_random_model(root / "small_v4", "deepseek_v4", seed=3, vocab_size=16,
+                           initializer_range=0.2, **RANDOM_V4)  # fmt: skip
+    return add_random_v4_dspark(v4, block_size=3, markov_rank=4, std=0.2)
+
+
+@pytest.mark.parametrize(
+    "method",
+    # V4 (its own module, tests/test_dspark_v4.py): ~50 s for its 2,000 requests on 2 cores
+    ["ngram", "draft", "dspark", pytest.param("dspark-v4", marks=pytest.mark.slow)],
+)
+def test_sampled_distribution_unchanged(
+    models: dict[str, Path], method: str, tmp_path: Path
+) -> None:
     """Output tokens 2 and 3 come out of the first verify step (positions 0 and 1)."""
+    target = small_v4_dspark(tmp_path) if method == "dspark-v4" else models["small"]
     spec = {
-        "ngram": ngram(3),
-        "draft": draft(models["small_draft"], 3),
-        "dspark": SpeculativeConfig(method="dspark", model=str(models["small_dspark"]),
-                                    num_speculative_tokens=3, confidence_threshold=0.5),
-    }[method]  # fmt: skip
+        "ngram": lambda: ngram(3),
+        "draft": lambda: draft(models["small_draft"], 3),
+        "dspark": lambda: SpeculativeConfig(method="dspark", model=str(models["small_dspark"]),
+                                            num_speculative_tokens=3, confidence_threshold=0.5),
+        "dspark-v4": lambda: SpeculativeConfig(method="dspark", num_speculative_tokens=3,
+                                               confidence_threshold=0.5),
+    }[method]()  # fmt: skip
     prompt = [3, 5, 7, 3, 5]
-    eng = engine_of(models["small"], spec, max_num_seqs=512, max_num_batched_tokens=4096,
+    eng = engine_of(target, spec, max_num_seqs=512, max_num_batched_tokens=4096,
                     num_kv_blocks=2048, enable_prefix_caching=False)  # fmt: skip
     num = 2000
     # seeded per request: the test is deterministic (max_tokens 4: the first verify has 2
@@ -137,7 +157,7 @@ def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) ->
               for i in range(num)]  # fmt: skip
     outs = eng.generate([prompt] * num, params)
     tokens = torch.tensor([o.token_ids for o in outs])  # [N, 4]
-    exact = exact_marginals(models["small"], prompt, 0.8)
+    exact = exact_marginals(target, prompt, 0.8)
     for pos in (1, 2):
         counts = torch.bincount(tokens[:, pos], minlength=16).double()
         assert chi_square_p(counts, exact[pos - 1]) > ALPHA, (pos, counts, exact[pos - 1])
@@ -145,5 +165,7 @@ def test_sampled_distribution_unchanged(models: dict[str, Path], method: str) ->
     stats = eng.speculator.stats
     if method == "dspark":  # blocks the confidence head cut to nothing are no drafts
         assert num // 4 <= stats.num_drafts < num and stats.num_accepted_tokens > 0
+    elif method == "dspark-v4":  # cut blocks, and second verify steps after accepted ones
+        assert stats.num_drafts >= num // 4 and stats.num_accepted_tokens > 0
     else:
         assert stats.num_drafts >= num
