@@ -268,17 +268,9 @@ def test_router_cut_off_from_a_decode_host(
           f"during the cut; ready again {back_in:.2f} s after the heal")  # fmt: skip
 
 
-STOPPED_DECODE_GENERATES_FOR_NOBODY = pytest.mark.xfail(
-    reason="does not hold yet: after SIGCONT, decode-1 keeps generating the streams the router "
-    "already failed peer_down (its sends to the dropped router connection fail 'Host "
-    "unreachable', one send_failed line per token, ~700 here) instead of aborting them, so "
-    "its pool is not idle within the lease bound; it is once those streams end",
-)
-
-
 @pytest.mark.parametrize(
     "sig",
-    [pytest.param(signal.SIGSTOP, marks=STOPPED_DECODE_GENERATES_FOR_NOBODY), signal.SIGKILL],
+    [signal.SIGSTOP, signal.SIGKILL],
     ids=["sigstop", "sigkill"],
 )
 def test_a_decode_stopped_or_killed_on_its_host(

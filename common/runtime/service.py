@@ -196,21 +196,27 @@ class Service(ServiceMessages, abc.ABC):
                     del self.routers[identity]
                     self.on_router_lost(identity)
 
-    def on_router_lost(self, identity: bytes) -> None:
+    def on_peer_unreachable(self, identity: bytes) -> None:
+        """A reply to this router found its connection gone (it dropped ours while this
+        process was stopped or partitioned from it, and reconnected as a new peer, or not at
+        all): no reply of its requests can reach it, and it has failed them already
+        (peer_down). Abort them now rather than generate to the end for nobody."""
+        if any(who == identity for who, _ in self.inflight.values()):
+            self.routers.pop(identity, None)
+            self.on_router_lost(identity, why="its connection to this service is gone")
+
+    def on_router_lost(self, identity: bytes, why: str = "") -> None:
         rids = [rid for rid, (who, _) in self.inflight.items() if who == identity]
+        why = why or (
+            f"heard no ping from this router for {self.cfg.peer_timeout_seconds:g} s "
+            "(peer_timeout_seconds)"
+        )
         self.metrics.inc("pdserve:router_lost")
         self.log.warning(
-            "router_lost",
-            router=identity.hex(),
-            num_aborted=len(rids),
-            request_ids=rids[:16],
-            silent_seconds=self.cfg.peer_timeout_seconds,
-        )
-        message = (
-            f"{self.role} {self.instance} heard no ping from this router for "
-            f"{self.cfg.peer_timeout_seconds:g} s (peer_timeout_seconds) and aborted the "
-            "request; retry it"
-        )
+            "router_lost", router=identity.hex(), num_aborted=len(rids), request_ids=rids[:16],
+            why=why,
+        )  # fmt: skip
+        message = f"{self.role} {self.instance} {why} and aborted the request; retry it"
         for rid in rids:
             _, trace = self.inflight.pop(rid)
             if self.engine_thread is not None:

@@ -175,8 +175,14 @@ class ServiceMessages:
             self.log.warning(
                 "send_failed", peer=identity.hex(), message_type=type(msg).__name__, error=str(exc)
             )
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.on_peer_unreachable(identity)
 
         send_nowait(sock, [identity, p.encode(msg)], failed)
+
+    def on_peer_unreachable(self, identity: bytes) -> None:
+        """The connection of peer ``identity`` is gone (common/runtime/service.py aborts its
+        requests)."""
 
     def reply(self, identity: bytes, msg: p.Message) -> None:
         if isinstance(msg, p.PrefillDone | p.Finished | p.Failed):  # the request's end here
