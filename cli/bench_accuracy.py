@@ -10,6 +10,11 @@ failures, notification failures, expirations, preemptions, service restarts); th
 the modes agree item by item (generated answers equal, chosen option equal, the largest
 loglikelihood difference).
 
+``--pcp N`` gives the disaggregated deployment's prefill N context-parallel ranks;
+``--random deepseek_v4`` evaluates a random DeepSeek-V4 checkpoint written into the work
+directory (common/model/random.py ``save_random_v4``: every kind of attention layer,
+hash_moe and moe layers, 4 hyper-connection streams) instead of ``--model``.
+
 lm-eval is not a dependency of pdserve: install it (``pip install 'pdserve[accuracy]'``)
 or name another interpreter that has it with ``--lm-eval-python``.
 """
@@ -27,9 +32,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli.arg_types import positive_int
 from pdserve.cli.provenance import provenance
 
 MODES = ("disaggregated", "colocated", "hf")
+RANDOM_MODELS = ("deepseek_v4",)
 # The deployment's counters in the report: (column, metric name, label filter).
 COUNTERS = (
     ("kv_transfers", "pdserve:kv_transfers_total", {}),
@@ -37,6 +44,8 @@ COUNTERS = (
     ("kv_transfer_failures", "pdserve:kv_transfer_failures_total", {}),
     ("kv_notification_failures", "pdserve:kv_notification_failures_total", {}),
     ("kv_expired_requests", "pdserve:kv_expired_requests_total", {}),
+    # one a request and producer rank: transfers x the prefill's TP x PCP ranks
+    ("kv_replica_releases", "pdserve:kv_replica_releases_total", {}),
     ("preemptions", "pdserve:num_preemptions_total", {}),
     ("failed_requests", "pdserve:requests_total", {"finish_reason": "failed"}),
 )
@@ -55,6 +64,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tasks", default="pdserve_arith,pdserve_choice", help="comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
     p.add_argument("--concurrency", type=int, default=4, help="lm-eval's num_concurrent")
+    p.add_argument(
+        "--pcp", type=positive_int, default=1, help="prefill PCP ranks of the disaggregated mode"
+    )
+    p.add_argument(
+        "--random",
+        choices=RANDOM_MODELS,
+        default=None,
+        help="evaluate a random checkpoint of this family, written into the work dir",
+    )
+    p.add_argument(
+        "--hf-batch-size", type=positive_int, default=8, help="lm-eval's batch size in hf mode"
+    )
     p.add_argument(
         "--lm-eval-python", default=sys.executable, help="an interpreter with lm-eval installed"
     )
@@ -118,12 +139,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def through_router(args: argparse.Namespace, colocated: bool, tasks: list[str],
                    task_dir: Path, out: Path) -> dict[str, Any]:  # fmt: skip
+    import msgspec
+
     from pdserve.cli.deployment import Deployment, local_config
     from pdserve.common.runtime.ports import free_port_block
 
     base = free_port_block(100)
     cfg = local_config(model=args.model, colocated=colocated, base_port=base,
                        http_port=base + 99)  # fmt: skip
+    if not colocated:  # the prefill instance's context-parallel ranks
+        cfg = msgspec.structs.replace(cfg, pcp=args.pcp)
     dep = Deployment(cfg)
     with dep:
         with urllib.request.urlopen(f"{dep.url}/v1/models", timeout=30) as r:
@@ -168,8 +193,8 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_report(result: dict[str, Any]) -> str:
     lines = ["| mode | task | items | correct | score | API errors | KV transfers | KV bytes "
-             "| transfer failures | notification failures | expirations | preemptions "
-             "| restarts |", "|" + " --- |" * 13]  # fmt: skip
+             "| transfer failures | notification failures | expirations | replica releases "
+             "| preemptions | restarts |", "|" + " --- |" * 14]  # fmt: skip
     for mode, run in result["modes"].items():
         c = run.get("counters") or {}
         for task, s in run["scores"].items():
@@ -177,8 +202,9 @@ def format_report(result: dict[str, Any]) -> str:
             cells = [mode, task, str(s["items"]), str(s["correct"]), f"{s['score']:.3f}",
                      str(int(c.get("failed_requests", 0))) if deployed else "-"]  # fmt: skip
             for column in ("kv_transfers", "kv_transfer_bytes", "kv_transfer_failures",
-                           "kv_notification_failures", "kv_expired_requests", "preemptions"):  # fmt: skip
-                cells.append(str(int(c[column])) if deployed else "-")
+                           "kv_notification_failures", "kv_expired_requests",
+                           "kv_replica_releases", "preemptions"):  # fmt: skip
+                cells.append(str(int(c.get(column, 0))) if deployed else "-")
             cells.append(str(run["service_restarts"]) if deployed else "-")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| modes | task | items | same answer | max loglikelihood diff |",
@@ -200,10 +226,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tasks = [t for t in args.tasks.split(",") if t]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-accuracy-"))
+    if args.random:
+        from pdserve.common.model.random import save_random_v4
+
+        print(f"accuracy: a random {args.random} checkpoint ...", file=sys.stderr, flush=True)
+        args.model = str(save_random_v4(work / f"random-{args.random}", tokenizer_from=args.model))
     task_dir = work / "tasks"
     write_tasks(task_dir, args.items, args.seed)
     result: dict[str, Any] = {"benchmark": "accuracy", **provenance(), "model": model_dir(args.model),
-                              "items": args.items, "seed": args.seed, "tasks": tasks, "modes": {}}  # fmt: skip
+                              "items": args.items, "seed": args.seed, "tasks": tasks, "pcp": args.pcp,
+                              "random": args.random, "modes": {}}  # fmt: skip
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for mode in modes:
         print(f"accuracy: {mode} ...", file=sys.stderr, flush=True)
@@ -212,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
             started = time.monotonic()
             lm_eval(args.lm_eval_python, "hf",
                     {"pretrained": model_dir(args.model), "dtype": "float32"},
-                    tasks, task_dir, out, ("--device", "cpu", "--batch_size", "8"))  # fmt: skip
+                    tasks, task_dir, out,
+                    ("--device", "cpu", "--batch_size", str(args.hf_batch_size)))  # fmt: skip
             run_info: dict[str, Any] = {"seconds": time.monotonic() - started}
         else:
             run_info = through_router(args, mode == "colocated", tasks, task_dir, out)
