@@ -115,11 +115,12 @@ class DSparkV4Proposer:
         features = self.model.hidden_rows  # [T, L * hidden], the plan's token order
         accepted = {request_id: num for request_id, _, _, num in kept}
         pieces: list[tuple[str, int, int, int]] = []  # (request, first row, position, rows)
-        row = 0
+        row, w = 0, self.draft.cfg.window
         for seq in plan.seqs:
             n = len(seq.token_ids)
             good = accepted.get(seq.request_id, n) if seq.num_drafts else n
-            pieces.append((seq.request_id, row, seq.start_position, good))
+            skip = max(0, good - w)  # a long chunk: only its last W rows can be read
+            pieces.append((seq.request_id, row + skip, seq.start_position + skip, good - skip))
             row += n
         self.windows = {p[0]: self.windows[p[0]] for p in pieces if p[0] in self.windows}
         if features is None or not pieces:
