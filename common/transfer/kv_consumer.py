@@ -31,6 +31,8 @@ from pdserve.common.transfer.kv_transfer import (
 )
 
 log = structlog.get_logger("pdserve.kv_transfer")
+# A producer a READ failed from (unreachable: a partition) is reconnected at most this often
+RECONNECT_SECONDS = 2.0
 
 
 class KVConsumer(_CacheAgent):
@@ -63,6 +65,8 @@ class KVConsumer(_CacheAgent):
             else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
         )
         self._remotes: dict[tuple[str, int, str], Remote] = {}  # (engine, epoch, agent)
+        # Remotes dropped after a failed READ: (their handshake, when to try to reconnect)
+        self._lost: dict[tuple[str, int, str], tuple[HandshakeReply, float]] = {}
         # Releases go out from a second agent (no memory, no READs). Sent from the reading
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
         # completion then waits until the producer's agent has made progress: measured
@@ -144,6 +148,8 @@ class KVConsumer(_CacheAgent):
         """Forget every replica of one engine epoch (abort its pulls first)."""
         for key in [k for k in self._remotes if k[0] == engine_id and k[1] == epoch]:
             self._drop(key)
+        for key in [k for k in self._lost if k[0] == engine_id and k[1] == epoch]:
+            del self._lost[key]
 
     def _drop(self, key: tuple[str, int, str]) -> None:
         remote = self._remotes.pop(key)
@@ -158,6 +164,32 @@ class KVConsumer(_CacheAgent):
             except Exception as exc:  # noqa: BLE001 - the remote may be gone; forget it anyway
                 log.warning("kv_remote_drop_failed", peer=peer_name(*key), error=repr(exc))
 
+    def _reconnect(self, key: tuple[str, int, str], request_id: str) -> Remote:
+        """A READ from this remote failed (UCX closed its endpoint: a partition, a reset) and
+        none is posted now: load its metadata again, so that a producer which is reachable
+        again (a partition healed) serves without a restart. Its epoch is unchanged: the
+        blocks of its handles are the ones it still holds under their leases. While the
+        producer is unreachable the load fails after UCX's connect timeout (~1.3 s on TCP,
+        on this thread): tried again at a pull RECONNECT_SECONDS later, the pulls between
+        failing at once."""
+        now = time.monotonic()
+        lost = self._remotes.get(key)
+        if lost is not None:
+            self._drop(key)
+            self._lost[key] = (lost.reply, now)
+        reply, next_try = self._lost[key]
+        if now < next_try:
+            raise _pull_error(request_id, peer_name(*key), "unreachable since a READ from it "
+                              f"failed; reconnecting at most every {RECONNECT_SECONDS:g} s")  # fmt: skip
+        self._lost[key] = (reply, now + RECONNECT_SECONDS)
+        try:
+            self.connect(reply)
+        except KVTransferError as exc:
+            raise _pull_error(request_id, peer_name(*key), f"reconnecting failed: {exc}") from exc
+        del self._lost[key]
+        log.info("kv_remote_reconnected", peer=peer_name(*key), request_id=request_id)
+        return self._remotes[key]
+
     def _remote_for(self, handle: KVHandle, replica: int, request_id: str) -> Remote:
         if not 0 <= replica < len(handle.replicas):
             raise KVTransferError(
@@ -165,7 +197,10 @@ class KVConsumer(_CacheAgent):
                 f"engine {handle.engine_id!r} epoch {handle.epoch} has {len(handle.replicas)}"
             )
         agent = handle.replicas[replica].agent_name
-        remote = self._remotes.get((handle.engine_id, handle.epoch, agent))
+        key = (handle.engine_id, handle.epoch, agent)
+        remote = self._remotes.get(key)
+        if (remote is not None and remote.failed and not remote.num_posted) or key in self._lost:
+            remote = self._reconnect(key, request_id)
         if remote is not None:
             return remote
         peer = peer_name(handle.engine_id, handle.epoch, agent)
@@ -253,6 +288,7 @@ class KVConsumer(_CacheAgent):
                 remote_list,
                 remote_idx,
             )
+            remote.num_posted += 1
             state = self._agent.transfer(pull.xfer)
         except Exception as exc:
             self._finish(pull, f"posting the READ failed: {exc!r}")
@@ -296,6 +332,8 @@ class KVConsumer(_CacheAgent):
             pull.remote.failed = True
         xfer, pull.xfer = pull.xfer, None
         if xfer is not None:
+            if pull.remote is not None:
+                pull.remote.num_posted -= 1
             try:
                 xfer.release()
             except Exception as exc:  # noqa: BLE001 - NIXL keeps it and retries at agent teardown

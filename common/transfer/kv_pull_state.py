@@ -51,6 +51,7 @@ class Remote:
     dlist: Any  # prepped (head, block)-granular descriptor list of the remote cache
     blocks: Any = None  # block order: prepped list of whole blocks (all heads), else None
     failed: bool = False  # a READ from it failed: releases take the side channel
+    num_posted: int = 0  # READs from it posted and not ended (a failed one is reconnected at 0)
 
 
 def check_ids(
