@@ -145,8 +145,9 @@ def through_router(args: argparse.Namespace, colocated: bool, tasks: list[str],
     from pdserve.common.runtime.ports import free_port_block
 
     base = free_port_block(100)
+    # disaggregated: every prompt through the prefill instance (no conditional prefill)
     cfg = local_config(model=args.model, colocated=colocated, base_port=base,
-                       http_port=base + 99)  # fmt: skip
+                       http_port=base + 99, local_prefill_threshold=0)  # fmt: skip
     if not colocated:  # the prefill instance's context-parallel ranks
         cfg = msgspec.structs.replace(cfg, pcp=args.pcp)
     dep = Deployment(cfg)

@@ -15,7 +15,7 @@ from typing import Any
 from pdserve.cli.serve_http import run_loads
 from pdserve.cli.serve_load import Load
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "conditional")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--modes",
         type=_modes,
         default=list(MODES),
-        help="--compare: the deployments to start, in order (default: disaggregated,colocated)",
+        help="--compare: the deployments to start, in order (default: disaggregated,"
+        "colocated,conditional; conditional: short prompts prefilled on decode, "
+        "local_prefill_threshold)",
     )
 
 

@@ -1,7 +1,10 @@
 """``pdserve bench serve``: load a deployment over HTTP, as ``vllm bench serve`` does.
 
 Against a running deployment, or a self-contained comparison of the disaggregated
-deployment with the colocated baseline (router + decode only, decode computes prompts):
+deployment (every prompt through the prefill instance) with the colocated baseline
+(router + decode only, decode computes prompts) and conditional disaggregation (prompts
+whose uncached part is under --local-prefill-threshold, or that the prefill instance is
+too far behind on, computed by decode; services/router/local_prefill.py):
 
     pdserve bench serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
     pdserve bench serve --compare --num-prompts 32 --max-concurrency 8 \\
@@ -38,7 +41,9 @@ the first chunk with text; TPOT = (e2e - TTFT) / (output tokens - 1), one per re
 ITL = every gap between chunks with text, all requests pooled; E2E = request latency.
 TTFT by part (queue, prefill, handoff, handshake, blocks, pull, first_chunk, return;
 common/runtime/ttft.py): mean and median over the load's requests, from the router's /metrics
-(cli/ttft_parts.py); they add up to the router's TTFT.
+(cli/ttft_parts.py); they add up to the router's TTFT (locally prefilled requests have
+none). The local prefill share: the load's requests the router had prefilled by their
+decode instance (``pdserve:local_prefills_total``), "-" where the server has no counter.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
 PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
 progress to stderr; --json writes the config, the metrics and every request. The load
@@ -83,6 +88,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
     add_kv_cache_dtype(p)  # --compare only
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="--compare's conditional mode: prefill on decode below this many uncached "
+        "prompt tokens (default: local_prefill_threshold of the config, env or default)",
+    )
     p.add_argument("--num-prompts", type=positive_int, default=64)
     p.add_argument(
         "--request-rate",
@@ -199,15 +212,23 @@ def loads_of(args: argparse.Namespace) -> list[Load]:
 # -- deployments (--compare) ------------------------------------------------------------
 
 
-def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
+def run_deployed(args: argparse.Namespace, label: str,
                  loads: list[Load]) -> list[dict[str, Any]]:  # fmt: skip
+    """Start the deployment of mode ``label`` (bench_peer.MODES), run every load on it."""
     from pdserve.cli.deployment import Deployment, local_config
+    from pdserve.common.errors import PdserveError
     from pdserve.common.runtime.ports import free_port_block
 
     base = free_port_block(100)
-    cfg = local_config(model=args.model, device=args.device, colocated=colocated,
-                       base_port=base, http_port=base + 99,
+    # disaggregated: every prompt through the prefill instance; conditional: the threshold
+    # given, else the configured one (env, default)
+    threshold = {"disaggregated": 0, "colocated": 0}.get(label, args.local_prefill_threshold)
+    cfg = local_config(model=args.model, device=args.device, colocated=label == "colocated",
+                       base_port=base, http_port=base + 99, local_prefill_threshold=threshold,
                        engine=None if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype})  # fmt: skip
+    if label == "conditional" and cfg.local_prefill_threshold == 0:
+        raise PdserveError("the conditional mode needs a local_prefill_threshold above 0 (it "
+                           "is 0 in the environment or config); give --local-prefill-threshold")  # fmt: skip
     dep = Deployment(cfg)
     progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
     with dep:
@@ -215,6 +236,7 @@ def run_deployed(args: argparse.Namespace, label: str, colocated: bool,
     for result in results:
         result["deployment"] = {
             "colocated": cfg.colocated, "device": cfg.device, "model": cfg.model,
+            "local_prefill_threshold": cfg.local_prefill_threshold,
             "roles": [name for name, _ in dep.roles()], "torch_threads": cfg.torch_threads,
             "prefill_torch_threads": cfg.prefill_torch_threads,
             "decode_torch_threads": cfg.decode_torch_threads,
@@ -233,7 +255,8 @@ def table_rows() -> list[tuple[str, str, str]]:
             ("output_throughput", "output token throughput (tok/s)", "{:.1f}"),
             ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}"),
             ("cached_prompt_tokens", "cached prompt tokens", "{:d}"),
-            ("prefix_hit_rate", "prefix hit rate", "{:.1%}")]  # fmt: skip
+            ("prefix_hit_rate", "prefix hit rate", "{:.1%}"),
+            ("local_prefill_share", "local prefill share", "{:.0%}")]  # fmt: skip
     for name, title in LATENCIES:
         rows += [(f"{stat}_{name}_ms", f"{title} {stat} (ms)", "{:.1f}") for stat in STATS]
     return rows
@@ -241,7 +264,7 @@ def table_rows() -> list[tuple[str, str, str]]:
 
 def format_table(runs: list[dict[str, Any]]) -> str:
     header = ["metric", *(run["label"] for run in runs)]
-    body = [[title, *(fmt.format(v) if (v := run["metrics"][key]) is not None else "-"
+    body = [[title, *(fmt.format(v) if (v := run["metrics"].get(key)) is not None else "-"
                       for run in runs)]
             for key, title, fmt in table_rows()]  # fmt: skip
     body += ttft_parts.table_rows(runs)
@@ -262,6 +285,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
         "kv_cache_dtype": args.kv_cache_dtype, "peer_url": args.peer_url,
+        "local_prefill_threshold": args.local_prefill_threshold,
         "modes": args.modes if args.compare else None,
         "request_rate": ["inf" if math.isinf(r) else r for r in args.request_rate],  # no inf in JSON
         "burstiness": args.burstiness, "goodput_slos_ms": args.slos or None,
@@ -328,8 +352,7 @@ def run(args: argparse.Namespace) -> int:
     loads = loads_of(args)
     try:
         if args.compare:
-            runs = [run for mode in args.modes
-                    for run in run_deployed(args, mode, mode == "colocated", loads)]  # fmt: skip
+            runs = [run for mode in args.modes for run in run_deployed(args, mode, loads)]
             if args.hf_reference:
                 from pdserve.cli.bench_serve_hf import hf_runs
 

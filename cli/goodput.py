@@ -135,6 +135,9 @@ def series(runs: list[dict[str, Any]], num_devices: int | None) -> list[dict[str
             "attainment": {name: [r["goodput"]["attainment"][name] for r in members]
                            for name in members[0]["goodput"]["attainment"]},
             "good_request_rate": [r["goodput"]["good_request_rate"] for r in members],
+            # conditional disaggregation: the requests decode prefilled (None: no counter)
+            "local_prefill_share": [r.get("metrics", {}).get("local_prefill_share")
+                                    for r in members],
             "goodput_rps": result["rate"], "bound": result["bound"],
             "num_devices": num_devices, "goodput_rps_per_device": per_device,
         })  # fmt: skip
@@ -152,6 +155,12 @@ def format_tables(summaries: list[dict[str, Any]], slos: dict[str, float]) -> st
     body = [[_series_name(s), str(rate), *(f"{s['attainment'][n][i]:.0%}" for n in names),
              f"{s['good_request_rate'][i]:.2f}"]
             for s in summaries for i, rate in enumerate(s["request_rates"])]  # fmt: skip
+    shares = [share for s in summaries
+              for share in s.get("local_prefill_share") or [None] * len(s["request_rates"])]  # fmt: skip
+    if any(share is not None for share in shares):  # a column only where a mode has one
+        header.append("local prefill")
+        for row, share in zip(body, shares, strict=True):
+            row.append("-" if share is None else f"{share:.0%}")
     targets = ", ".join(f"{TITLES[n]} <= {ms:g} ms" for n, ms in slos.items())
     rows = [[_series_name(s), describe({"rate": s["goodput_rps"], "bound": s["bound"]},
                                        s["goodput_rps_per_device"])]

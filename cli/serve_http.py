@@ -191,7 +191,7 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
         await send_request(session, url, warm_prompt, workload.output_len, warm, model)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
-        parts_before = await ttft_parts.scrape(session, url)
+        before = await ttft_parts.scrape_text(session, url)
 
         records = [RequestRecord(i) for i in range(args.num_prompts)]
         gate = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
@@ -220,9 +220,11 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
             tasks.append(asyncio.create_task(one(record)))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        parts_after = await ttft_parts.scrape(session, url)
+        after = await ttft_parts.scrape_text(session, url)
     metrics = compute_metrics(records, duration)
-    metrics.update(ttft_parts.part_metrics(parts_before, parts_after))
+    metrics.update(ttft_parts.part_metrics(ttft_parts.parse(before), ttft_parts.parse(after)))
+    # the warm-up went before the first scrape: only the load's requests count
+    metrics["local_prefill_share"] = ttft_parts.local_share(before, after, len(records))
     for record in records:
         if record.error:
             progress(f"{label}: request {record.index} failed: {record.error}")

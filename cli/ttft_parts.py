@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import aiohttp
 
 FAMILY = "pdserve:ttft_part_seconds"
+LOCAL_FAMILY = "pdserve:local_prefills"
 
 # part -> (count, sum, {upper bound: cumulative count})
 Snapshot = dict[str, tuple[float, float, dict[float, float]]]
@@ -80,13 +81,39 @@ def part_metrics(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> Snapshot:
     """The router's part histograms now; empty when /metrics is unavailable."""
+    return parse(await scrape_text(session, url))
+
+
+async def scrape_text(session: aiohttp.ClientSession, url: str) -> str:
+    """The router's /metrics page now; "" when it is unavailable."""
     try:
         async with session.get(f"{url}/metrics") as resp:
-            if resp.status != 200:
-                return {}
-            return parse(await resp.text())
+            return await resp.text() if resp.status == 200 else ""
     except Exception:  # noqa: BLE001 - parts are extra: a run without them is still a run
-        return {}
+        return ""
+
+
+def local_prefills(text: str) -> float:
+    """``pdserve:local_prefills_total`` of one /metrics page, every reason summed (prompts
+    the decode instances prefilled themselves: services/router/local_prefill.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == LOCAL_FAMILY
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def local_share(before: str, after: str, num_requests: int) -> float | None:
+    """The share of a load's requests prefilled on their decode instance; None from a
+    server without the counter (colocated pdserve, where decode prefills every prompt, or
+    a peer)."""
+    if LOCAL_FAMILY not in after or num_requests <= 0:
+        return None
+    return (local_prefills(after) - local_prefills(before)) / num_requests
 
 
 def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:

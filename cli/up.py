@@ -82,6 +82,15 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="no prefill service: decode computes prompts",
     )
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prefill on the decode instance a prompt whose uncached part is shorter than "
+        "this, or when every prefill instance is further behind (0: never; default "
+        "local_prefill_threshold)",
+    )
     add_kv_cache_dtype(p)
     p.add_argument(
         "--kv-host-cache-gb",
@@ -154,6 +163,7 @@ def _start(args: argparse.Namespace) -> Any:
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         colocated=args.colocated,
+        local_prefill_threshold=args.local_prefill_threshold,
         pcp=args.pcp,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,

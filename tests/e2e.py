@@ -22,6 +22,9 @@ def deployment(
     # Peer, without keys): they opt out of the internal CURVE `pdserve up` turns on by default.
     # test_hostile.py runs the default (keys made at start) and test_security.py its own keys.
     flags.setdefault("security", {"insecure": True})
+    # Every prompt through a prefill instance, as the tests of the disaggregated path
+    # expect; tests of conditional disaggregation (test_local_prefill.py) set a threshold.
+    flags.setdefault("local_prefill_threshold", 0)
     cfg = load_config(
         None,
         model=str(model_dir),

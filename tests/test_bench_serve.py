@@ -251,7 +251,8 @@ def test_goodput_sweep_against_real_sockets(tmp_path: Path,
 @pytest.mark.slow
 def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """CI's goodput sweep: disaggregated and colocated on the tiny model, two rates."""
+    """CI's goodput sweep: disaggregated, colocated and conditional on the tiny model, two
+    rates."""
     monkeypatch.setenv("PDSERVE_ENGINE__KV_CACHE_MEMORY_GB", "0.25")
     monkeypatch.setenv("PDSERVE_TORCH_THREADS", "1")
     out = tmp_path / "goodput.json"
@@ -262,13 +263,18 @@ def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
     payload = json.loads(out.read_text())
     runs = payload["runs"]
     assert [(r["mode"], r["request_rate"]) for r in runs] == [
-        ("disaggregated", 2.0), ("disaggregated", 8.0), ("colocated", 2.0), ("colocated", 8.0)]  # fmt: skip
+        ("disaggregated", 2.0), ("disaggregated", 8.0), ("colocated", 2.0), ("colocated", 8.0),
+        ("conditional", 2.0), ("conditional", 8.0)]  # fmt: skip
     assert all(r["metrics"]["completed"] == 4 for r in runs)
-    # targets of a minute: every request is good, at both rates, in both modes
+    # 32-token prompts: every one prefilled by decode in the conditional deployment, none in
+    # the disaggregated one; colocated has no such counter
+    assert [r["metrics"]["local_prefill_share"] for r in runs] == [0, 0, None, None, 1, 1]
+    # targets of a minute: every request is good, at both rates, in every mode
     assert all(r["goodput"]["attainment"]["all"] == 1.0 for r in runs)
     assert [(s["mode"], s["goodput_rps"], s["bound"], s["goodput_rps_per_device"])
             for s in payload["goodput"]["series"]] == [
-        ("disaggregated", 8.0, "above_highest", 8.0), ("colocated", 8.0, "above_highest", 8.0)]  # fmt: skip
+        ("disaggregated", 8.0, "above_highest", 8.0), ("colocated", 8.0, "above_highest", 8.0),
+        ("conditional", 8.0, "above_highest", 8.0)]  # fmt: skip
     assert payload["config"]["git_commit"] and payload["config"]["command"].startswith("pdserve")
 
 

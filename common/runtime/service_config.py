@@ -25,6 +25,9 @@ ENV_PREFIX = "PDSERVE_"
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "deepseek_v3", "deepseek_v31",
                      "deepseek_v4", "deepseek_v41")  # fmt: skip
 POLICIES = ("fail", "recompute")
+# Tokens under which a prompt prefilled on its decode instance got its first token sooner
+# than through a prefill instance (the CPU sweep of benchmarks/README.md, embedded model).
+LOCAL_PREFILL_THRESHOLD = 256
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
@@ -111,6 +114,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     prefill: list[InstanceAddresses] = []  # explicit addresses (multi-machine); else derived
     decode: list[InstanceAddresses] = []
     colocated: bool = False  # no prefill service: decode computes prompts (the baseline)
+    # Conditional disaggregation (services/router/local_prefill.py): a prompt whose part
+    # uncached at its decode instance is shorter than this many tokens, or one every
+    # prefill instance is further behind on than that decode, is prefilled by the decode
+    # instance itself. 0: every prompt goes to a prefill instance. The default is the
+    # CPU measurement of benchmarks/README.md ("Conditional disaggregation").
+    local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     pcp: int = 1  # prefill context-parallel ranks per prefill instance
     prefill_tp: int = 1  # tensor-parallel ranks per PCP rank: an instance has tp x pcp ranks
     decode_tp: int | list[int] = 1  # per decode instance: one size for all, or one each
@@ -183,6 +192,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise PdserveError(
                 f"kv_load_failure_policy must be one of {', '.join(POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
+            )
+        if self.local_prefill_threshold < 0:
+            raise PdserveError(
+                f"local_prefill_threshold must be 0 (off) or more tokens, got "
+                f"{self.local_prefill_threshold}"
             )
         if bad := [key for key in self.ucx if not key.startswith("UCX_")]:
             raise PdserveError(f"[ucx] holds UCX_* variables only, got {', '.join(bad)}")

@@ -27,6 +27,8 @@ class Link:
     up: bool = False  # alive at the last ping round (each change is logged once)
     lost: bool = False  # found down (silent or disconnected), not heard from since
     outstanding_tokens: int = 0
+    # decode: prompt tokens it prefills itself (local_prefill.py) and has not answered yet
+    local_queued_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
     # remembered block hashes, least recent first, each with the count of blocks
     # remembered before its last use (how far down the instance's LRU it has sunk since)

@@ -44,3 +44,5 @@ class RequestState:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     link: Link | None = None  # the instance holding the request now
     finished: bool = False
+    # prefilled by its decode instance: that link and the tokens in its local backlog
+    local_prefill: tuple[Link, int] | None = None

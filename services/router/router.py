@@ -27,6 +27,12 @@ from pdserve.services.router.core_api import Refused
 from pdserve.services.router.fair_queue import FairQueue
 from pdserve.services.router.instances import Instances
 from pdserve.services.router.links import Link, pick
+from pdserve.services.router.local_prefill import (
+    REASONS,
+    PrefillBacklog,
+    local_reason,
+    uncached_tokens,
+)
 from pdserve.services.router.request_state import (
     MAX_LABEL_CHARS,
     PHASE_KEYS,
@@ -66,6 +72,9 @@ class Router(Instances):
         self.admission = FairQueue(cfg.dispatch_window, cfg.dispatch_share)
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
+        if not cfg.colocated:
+            for reason in REASONS:
+                self.metrics.declare("pdserve:local_prefills", reason=reason)
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
         self.draining = False  # SIGTERM: new requests fail "draining" (main.py drains)
 
@@ -260,8 +269,10 @@ class Router(Instances):
                 return
             first_token, num_cached, handle, first_logprobs = None, 0, None, None
             prompt_logprobs: list[p.TokenLogprobs] | None = None
-            if not self.cfg.colocated:
-                done = await self._prefill(state, ids, sampling)
+            hashes = [] if self.cfg.colocated else hash_blocks(ids, self.block_size)
+            local = None if self.cfg.colocated else await self._local_prefill(state, hashes)
+            if not self.cfg.colocated and local is None:
+                done = await self._prefill(state, ids, hashes, sampling)
                 if not isinstance(done, p.PrefillDone):
                     yield done
                     return
@@ -273,10 +284,11 @@ class Router(Instances):
                 first_logprobs = done.first_logprobs
                 prompt_logprobs = done.prompt_logprobs
                 state.marks.update(done.timings)
-            decode = await self._pick(self.decodes)
+            decode = local or await self._pick(self.decodes)
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
                 return
+            decode.remember(hashes)  # its prefix cache will hold them, pulled or computed
             self._dispatch(
                 state,
                 decode,
@@ -301,6 +313,7 @@ class Router(Instances):
                 now = time.monotonic()
                 if isinstance(event, p.TokenChunk):
                     if not got_first:
+                        self._local_prefilled(state)
                         self.metrics.observe(
                             "pdserve:time_to_first_token_seconds", now - state.arrived
                         )
@@ -325,6 +338,7 @@ class Router(Instances):
                 yield event
                 return
         finally:
+            self._local_prefilled(state)
             if not state.finished:  # the consumer left (client gone): counted as an abort
                 self.metrics.inc("pdserve:requests", finish_reason="abort")
             if not state.finished and state.link is not None:
@@ -340,10 +354,48 @@ class Router(Instances):
             else:
                 self.per_owner.pop(state.owner, None)
 
+    async def _local_prefill(self, state: RequestState, hashes: list[BlockHash]) -> Link | None:
+        """The decode instance that prefills this prompt itself (conditional
+        disaggregation, local_prefill.py), its tokens counted in that instance's local
+        backlog until the first token; None: a prefill instance computes it."""
+        threshold = self.cfg.local_prefill_threshold
+        if threshold <= 0:
+            return None
+        decode = await self._pick(self.decodes)
+        if decode is None:
+            return None  # judged again after the prefill, as without conditional prefill
+        num, size, now = state.num_prompt_tokens, self.block_size, time.monotonic()
+        backlogs = [
+            PrefillBacklog(link.outstanding_tokens,
+                           uncached_tokens(num, link.cached_prefix(hashes), size))
+            for link in self.prefills if link.is_alive(now, self.peer_timeout)
+        ]  # fmt: skip
+        uncached = uncached_tokens(num, decode.cached_prefix(hashes), size)
+        reason = local_reason(threshold, uncached, decode.local_queued_tokens, backlogs)
+        if reason is None:
+            return None
+        self.metrics.inc("pdserve:local_prefills", reason=reason)
+        log.debug("local_prefill", request_id=state.request_id, trace_id=state.trace_id,
+                  at=decode.name, reason=reason, uncached_tokens=uncached)  # fmt: skip
+        decode.local_queued_tokens += uncached
+        state.local_prefill = (decode, uncached)
+        return decode
+
+    def _local_prefilled(self, state: RequestState) -> None:
+        """A local prefill's first token came (or the request ended): its tokens leave its
+        decode instance's local backlog."""
+        if state.local_prefill is not None:
+            link, num = state.local_prefill
+            link.local_queued_tokens -= num
+            state.local_prefill = None
+
     async def _prefill(
-        self, state: RequestState, ids: list[int], sampling: p.SamplingParams
+        self,
+        state: RequestState,
+        ids: list[int],
+        hashes: list[BlockHash],
+        sampling: p.SamplingParams,
     ) -> p.PrefillDone | p.Failed | p.Finished:
-        hashes = hash_blocks(ids, self.block_size)
         link = await self._pick(self.prefills, hashes)
         if link is None:
             return self._failed(state, "peer_down", "no prefill instance is up; retry later")
