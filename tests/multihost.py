@@ -209,3 +209,64 @@ class MultiHost:
     def submit(self, ids: list[int], **sampling: Any) -> concurrent.futures.Future[Any]:
         """:meth:`generate` in the background."""
         return self.pool.submit(self._generate, ids, sampling)
+
+
+def raw_requests(
+    hosts: MultiHost, prompts: list[list[int]], per_client: int, num_clients: int
+) -> tuple[Any, list[Any], dict[tuple[int, str], list[Any]]]:
+    """Open ``num_clients`` protocol-level clients on the client host and send each
+    ``per_client`` requests (ids ``s<i>``); returns (context, sockets, frames by
+    (client, id)) for :func:`abort_and_collect`. Call inside :meth:`MultiHost.call`."""
+    import zmq
+
+    from pdserve.common.engine.sampling_params import SamplingParams
+    from pdserve.common.runtime import protocol as p
+    from pdserve.common.runtime.sockets import make_socket
+
+    ctx: Any = zmq.Context()
+    curve = CurveKeys.client(hosts.keys, CLIENT)
+    socks = [make_socket(ctx, zmq.DEALER, connect=hosts.front, curve=curve, hwm=100_000)
+             for _ in range(num_clients)]  # fmt: skip
+    for sock in socks:
+        for i in range(per_client):
+            generate = p.Generate(request_id=f"s{i}", prompt_token_ids=prompts[i % len(prompts)],
+                                  sampling=SamplingParams(max_tokens=8))  # fmt: skip
+            sock.send(p.encode(generate))
+    return ctx, socks, {}
+
+
+def abort_and_collect(
+    ctx: Any, socks: list[Any], frames: dict[tuple[int, str], list[Any]], per_client: int,
+    timeout: float,
+) -> float:  # fmt: skip
+    """Abort every request of :func:`raw_requests` and read until each has its terminal
+    reply; returns when the last Abort left (time.monotonic()). Inside ``call``."""
+    import zmq
+
+    from pdserve.common.runtime import protocol as p
+
+    decoder: p.Decoder[Any] = p.Decoder(p.RouterToClient)
+    for sock in socks:
+        for i in range(per_client):
+            sock.send(p.encode(p.Abort(request_id=f"s{i}")))
+    sent_at = time.monotonic()
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    ended: set[tuple[int, str]] = set()
+    deadline = time.monotonic() + timeout
+    while len(ended) < per_client * len(socks) and time.monotonic() < deadline:
+        for sock, _ in poller.poll(100):
+            msg = decoder.decode(sock.recv())
+            key = (socks.index(sock), msg.request_id)
+            frames.setdefault(key, []).append(msg)
+            if isinstance(msg, p.Finished | p.Failed):
+                ended.add(key)
+    time.sleep(0.5)  # anything after a terminal reply would arrive now
+    for sock in socks:
+        while sock.poll(0):
+            msg = decoder.decode(sock.recv())
+            frames.setdefault((socks.index(sock), msg.request_id), []).append(msg)
+        sock.close(linger=0)
+    ctx.term()
+    return sent_at

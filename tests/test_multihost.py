@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,13 @@ import pytest
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.transfer.kv_consumer import RECONNECT_SECONDS
 from tests.fault_suite import FAST, LEASE, PEER_TIMEOUT, SLACK
 from tests.fault_tools import wait_until
-from tests.multihost import MultiHost
+from tests.multihost import MultiHost, abort_and_collect, raw_requests
 from tests.netns_hosts import Lab, unavailable
 
 pytestmark = [
@@ -44,6 +46,7 @@ SETTINGS: dict[str, Any] = {
     "first_token_timeout_seconds": DEADLINE,
     "ucx": {"UCX_TLS": "tcp"},  # UCX_TCP_USER_TIMEOUT derived: (3 s - 0.5 s) / 2
     "engine": {"kv_cache_memory_gb": 0.25},
+    "max_dispatched_requests": 1100,  # the abort storm's 1,000 all reach the decodes
 }
 if "local_prefill_threshold" in DeploymentConfig.__struct_fields__:
     SETTINGS["local_prefill_threshold"] = 0  # every prompt crosses hosts through a prefill
@@ -296,3 +299,44 @@ def test_a_decode_stopped_or_killed_on_its_host(
     print(f"\n{sig.name} decode-1: {kinds.count('peer_down')} of {len(kinds)} streams peer_down, "
           f"all answered in {answered_in:.2f} s; {len(ids)} served meanwhile; ready again "
           f"{back_in:.2f} s after SIGCONT / restart")  # fmt: skip
+
+
+STORM_CLIENTS, STORM_PER_CLIENT = 4, 250  # the issue's 1,000 aborts (256 a client at most)
+
+
+def rate(hosts: MultiHost, ids: list[list[int]], num: int = 16) -> float:
+    """Requests a second of ``num`` short requests sent at once."""
+    started = time.monotonic()
+    results = [f.result(timeout=DEADLINE) for f in [hosts.submit(ids[i % 3], max_tokens=8)
+                                                    for i in range(num)]]  # fmt: skip
+    assert all(outcome(r) == "tokens" for r in results), results
+    return num / (time.monotonic() - started)
+
+
+def test_an_abort_storm_while_pulls_wait_and_start(
+    hosts: MultiHost, hold: Path, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """1,000 requests prefilled and waiting at the decodes for their pulls (held), then
+    the pulls let go and all 1,000 aborted at once: each gets exactly one terminal reply,
+    nothing after it; every pool is back at its idle count within the issue's 5 s of the
+    last abort; requests after the storm are served at the rate before it (within 2x)."""
+    ids, _ = reference
+    before = rate(hosts, ids)
+    hold.touch()
+    num = STORM_CLIENTS * STORM_PER_CLIENT
+    ctx, socks, frames = hosts.call(raw_requests, hosts, ids[:3], STORM_PER_CLIENT, STORM_CLIENTS)
+    wait_until(lambda: held_at_decode(hosts) == num, 120, f"{num} requests held at decode")
+    hold.unlink()  # pulls start while the aborts arrive
+    sent_at = hosts.call(abort_and_collect, ctx, socks, frames, STORM_PER_CLIENT, 60.0)
+    wait_until(hosts.pools_idle, 30, "every pool back at its idle count")
+    idle_in = time.monotonic() - sent_at
+    bad = [(k, [type(f).__name__ for f in v]) for k, v in frames.items()
+           if sum(isinstance(f, p.Finished | p.Failed) for f in v) != 1
+           or not isinstance(v[-1], p.Finished | p.Failed)]  # fmt: skip
+    assert len(frames) == num and not bad, (len(frames), bad[:5])
+    ends = Counter(getattr(v[-1], "finish_reason", None) or v[-1].reason for v in frames.values())
+    after = rate(hosts, ids)
+    print(f"\nabort storm: {num} aborted, answers {dict(ends)}; pools idle {idle_in:.2f} s "
+          f"after the last abort; {before:.1f} req/s before, {after:.1f} after")  # fmt: skip
+    assert idle_in <= 5.0
+    assert after >= before / 2
