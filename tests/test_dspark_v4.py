@@ -145,6 +145,10 @@ def test_what_is_missing_is_refused_by_name(models: dict[str, Any], tmp_path: Pa
     save_file(state, str(cut / "mtp.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing \['mtp.0.main_proj.weight'\]"):
         engine_of(cut, spec())
+    state["mtp.0.main_proj.weight"] = torch.zeros(64, 2 * 64)  # trained on 2 target layers
+    save_file(state, str(cut / "mtp.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"do not fit this target: mtp.0.main_proj.weight"):
+        engine_of(cut, spec())
     # the module of another V4 checkpoint ('model'), for this target
     eng = engine_of(models["target"], spec(model=models["random"]))
     assert isinstance(eng.speculator.mtp, DSparkV4Proposer)  # type: ignore[union-attr]

@@ -350,5 +350,13 @@ def load_v4_dspark(
             f"speculative method 'dspark': the DSpark tensors of {path} do not match its "
             f"config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    shapes = draft.state_dict()
+    wrong = [f"{k} {list(v.shape)} (want {list(shapes[k].shape)})"
+             for k, v in state.items() if v.shape != shapes[k].shape]  # fmt: skip
+    if wrong:
+        raise ModelLoadError(
+            f"speculative method 'dspark': the DSpark tensors of {path} do not fit this "
+            f"target: {'; '.join(wrong[:3])}"
+        )
     draft.load_state_dict(state, assign=True)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
