@@ -39,6 +39,7 @@ pytestmark = [
 ]
 
 READY_TIMEOUT = 180.0
+STREAM_TOKENS = 250  # the steady streams of the fault cases: still running when hit
 DEADLINE = 20.0  # the router's first-token deadline here: every request ends within it
 SETTINGS: dict[str, Any] = {
     **FAST,
@@ -241,7 +242,9 @@ def test_router_cut_off_from_a_decode_host(
     the peer timeout; decode-0's finish; /health names decode-1 and new requests are served
     by decode-0; after the heal decode-1 is ready again without a restart."""
     ids, want = reference
-    long = [hosts.submit(ids[i % len(ids)], max_tokens=400, ignore_eos=True) for i in range(6)]
+    long = [
+        hosts.submit(ids[i % len(ids)], max_tokens=STREAM_TOKENS, ignore_eos=True) for i in range(6)
+    ]
     wait_until(lambda: all(hosts.service_metrics(f"decode-{i}")["pdserve:num_requests_running"]
                            for i in range(2)), 30, "streams on both decodes")  # fmt: skip
     hosts.lab.cut("router", "decode1")
@@ -276,7 +279,9 @@ def test_a_decode_stopped_or_killed_on_its_host(
     past the peer timeout), decode-0's finish and it serves new requests; decode-1 comes
     back (SIGCONT, or started again as systemd's Restart= does) and /health is 200 again."""
     ids, want = reference
-    long = [hosts.submit(ids[i % len(ids)], max_tokens=400, ignore_eos=True) for i in range(6)]
+    long = [
+        hosts.submit(ids[i % len(ids)], max_tokens=STREAM_TOKENS, ignore_eos=True) for i in range(6)
+    ]
     wait_until(lambda: all(hosts.service_metrics(f"decode-{i}")["pdserve:num_requests_running"]
                            for i in range(2)), 30, "streams on both decodes")  # fmt: skip
     hosts.signal("decode-1", sig)
