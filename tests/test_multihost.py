@@ -27,7 +27,7 @@ from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from pdserve.common.runtime.service_config import DeploymentConfig
-from pdserve.common.transfer.kv_consumer import RECONNECT_SECONDS
+from pdserve.common.transfer.kv_consumer import RECONNECT_MAX_SECONDS
 from tests.fault_suite import FAST, LEASE, PEER_TIMEOUT, SLACK
 from tests.fault_tools import wait_until
 from tests.multihost import MultiHost, abort_and_collect, raw_requests
@@ -222,17 +222,29 @@ def test_the_separated_prefill_rejoins_after_the_heal(
     hosts: MultiHost, reference: tuple[list[list[int]], list[list[int]]]
 ) -> None:
     """After the partition above healed, prefill-0 serves both decodes again without a
-    restart: the decodes load its NIXL metadata again at their next READ from it once
-    RECONNECT_SECONDS passed since their last try (a pull from it before that fails at once,
-    as during the partition)."""
+    restart: a decode loads its NIXL metadata again at a READ from it once its reconnect
+    backoff (RECONNECT_SECONDS, doubling while the partition lasted) has passed; a pull
+    from it before that fails at once, as during the partition."""
     ids, want = reference
-    time.sleep(RECONNECT_SECONDS)
+
+    def both_reconnected() -> bool:
+        results = [f.result(timeout=DEADLINE) for f in [hosts.submit(x, max_tokens=8)
+                                                        for x in ids]]  # fmt: skip
+        assert set(check_answers(results, ids, ids, want)) <= {"tokens", "kv_transfer"}
+        return all(
+            "kv_remote_reconnected" in hosts.log_path(f"decode-{i}").read_text() for i in range(2)
+        )
+
+    healed_at = time.monotonic()
+    wait_until(both_reconnected, RECONNECT_MAX_SECONDS + SLACK, "both decodes reconnected", 0.5)
+    rejoined_in = time.monotonic() - healed_at
     before = hosts.service_metrics("prefill-0")["pdserve:kv_replica_releases"]
     sent = [ids[i % len(ids)] for i in range(8)]
     results = [f.result(timeout=DEADLINE) for f in [hosts.submit(x, max_tokens=8) for x in sent]]
     assert check_answers(results, sent, ids, want) == {"tokens": 8}
     assert hosts.service_metrics("prefill-0")["pdserve:kv_replica_releases"] > before
     wait_until(hosts.pools_idle, SLACK, "every pool idle after the rejoin")
+    print(f"\nrejoin: both decodes reconnected to prefill-0 {rejoined_in:.2f} s into this test")
 
 
 def test_router_cut_off_from_a_decode_host(

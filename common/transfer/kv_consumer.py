@@ -31,8 +31,11 @@ from pdserve.common.transfer.kv_transfer import (
 )
 
 log = structlog.get_logger("pdserve.kv_transfer")
-# A producer a READ failed from (unreachable: a partition) is reconnected at most this often
+# A producer a READ failed from (unreachable: a partition) is reconnected after this long,
+# doubling after each failed try up to RECONNECT_MAX_SECONDS: a try blocks the pulling
+# thread for UCX's connect timeout (~1.3 s on TCP) while the producer stays unreachable.
 RECONNECT_SECONDS = 2.0
+RECONNECT_MAX_SECONDS = 30.0
 
 
 class KVConsumer(_CacheAgent):
@@ -65,8 +68,8 @@ class KVConsumer(_CacheAgent):
             else self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
         )
         self._remotes: dict[tuple[str, int, str], Remote] = {}  # (engine, epoch, agent)
-        # Remotes dropped after a failed READ: (their handshake, when to try to reconnect)
-        self._lost: dict[tuple[str, int, str], tuple[HandshakeReply, float]] = {}
+        # Remotes dropped after a failed READ: (their handshake, next try, the wait after it)
+        self._lost: dict[tuple[str, int, str], tuple[HandshakeReply, float, float]] = {}
         # Releases go out from a second agent (no memory, no READs). Sent from the reading
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
         # completion then waits until the producer's agent has made progress: measured
@@ -169,19 +172,19 @@ class KVConsumer(_CacheAgent):
         none is posted now: load its metadata again, so that a producer which is reachable
         again (a partition healed) serves without a restart. Its epoch is unchanged: the
         blocks of its handles are the ones it still holds under their leases. While the
-        producer is unreachable the load fails after UCX's connect timeout (~1.3 s on TCP,
-        on this thread): tried again at a pull RECONNECT_SECONDS later, the pulls between
-        failing at once."""
+        producer is unreachable the load fails (after UCX's connect timeout, on this
+        thread): tried again at a pull RECONNECT_SECONDS later, doubling to
+        RECONNECT_MAX_SECONDS; the pulls between fail at once."""
         now = time.monotonic()
         lost = self._remotes.get(key)
         if lost is not None:
             self._drop(key)
-            self._lost[key] = (lost.reply, now)
-        reply, next_try = self._lost[key]
+            self._lost[key] = (lost.reply, now, RECONNECT_SECONDS)
+        reply, next_try, wait = self._lost[key]
         if now < next_try:
             raise _pull_error(request_id, peer_name(*key), "unreachable since a READ from it "
-                              f"failed; reconnecting at most every {RECONNECT_SECONDS:g} s")  # fmt: skip
-        self._lost[key] = (reply, now + RECONNECT_SECONDS)
+                              f"failed; reconnecting in {next_try - now:.1f} s")  # fmt: skip
+        self._lost[key] = (reply, now + wait, min(2 * wait, RECONNECT_MAX_SECONDS))
         try:
             self.connect(reply)
         except KVTransferError as exc:
