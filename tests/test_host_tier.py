@@ -269,3 +269,13 @@ def test_router_affinity_counts_likely_tier_blocks_less() -> None:
     for hashes in others:
         plain.remember(hashes)
     assert plain.prefix_score(prompt) == plain.cached_prefix(prompt) == 8
+
+
+def test_a_tier_on_an_engine_of_several_ranks_is_refused_at_load() -> None:
+    from pdserve.common.runtime.service_config import load_config
+
+    with pytest.raises(PdserveError, match="decode has 2 ranks"):
+        load_config(decode_tp=2, engine={"kv_host_cache_gb": 1})
+    # the role of several ranks without a tier, the other with one: fine
+    cfg = load_config(pcp=2, engine={"kv_host_cache_gb": 1}, prefill_engine={"kv_host_cache_gb": 0})
+    assert cfg.engine_for("decode").kv_host_cache_gb == 1

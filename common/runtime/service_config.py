@@ -213,6 +213,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"decode_tp lists {len(self.decode_tp)} sizes for {self.decode_instances} "
                 "decode instances: give one size, or one per instance"
             )
+        for role, num_ranks in (("prefill", self.pcp * self.prefill_tp), ("decode", max(sizes))):
+            if num_ranks > 1 and self.engine_for(role).kv_host_cache_gb > 0:
+                raise PdserveError(
+                    f"kv_host_cache_gb: the host tier needs one-rank engines for now, and {role} "
+                    f"has {num_ranks} ranks (TP x PCP); set [{role}_engine] kv_host_cache_gb = 0"
+                )
         for name in (
             "prefill_timeout_seconds",
             "first_token_timeout_seconds",
