@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -44,6 +45,7 @@ CLONE_NEWNET = 0x40000000
 _NETNS_DIR = Path("/var/run/netns")
 
 
+@functools.cache
 def unavailable() -> str | None:
     """Why this machine cannot run a lab (None: it can): not root, no ``ip``, no netns."""
     if os.geteuid() != 0:
