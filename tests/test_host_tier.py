@@ -33,6 +33,9 @@ class Recorder:
     def copy_up(self, slot: int, block: int) -> None:
         self.copies.append(("up", slot, block))
 
+    def flush(self) -> None:
+        self.copies.append(("flush", -1, -1))
+
 
 def cached_pool(num_blocks: int, num_slots: int) -> tuple[BlockPool, Recorder]:
     pool = BlockPool(num_blocks)

@@ -30,6 +30,9 @@ class TierMover(Protocol):
 
     def copy_up(self, slot: int, block: int) -> None: ...
 
+    def flush(self) -> None:
+        """Wait until every copy down asked for so far has read its block."""
+
     @property
     def block_bytes(self) -> int: ...
 
@@ -101,6 +104,12 @@ class HostTier:
         for h in hashes:
             del self._slot_of[h]
         return slot
+
+    def flush(self) -> None:
+        """Before something outside the device's stream writes blocks the pool just handed
+        out (a KV pull's RDMA): their old contents must have reached the tier first."""
+        if self.mover is not None:
+            self.mover.flush()
 
     def clear(self) -> None:
         """Forget every block (the prefix cache was reset, or the engine drains)."""

@@ -282,6 +282,8 @@ class Scheduler:
         if needed > self.pool.num_free_blocks:
             return False
         self.tables.reserve_pulled(req, remote.num_tokens, remote.first_blocks)
+        if self.pool.tier is not None:
+            self.pool.tier.flush()  # the pull writes the blocks from outside the stream
         return True
 
     def remote_kv_arrived(self, req: Request) -> None:

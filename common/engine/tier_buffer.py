@@ -3,7 +3,8 @@ device cache's layout with ``num_slots`` blocks, and the copies between the two.
 
 On CUDA the buffer is pinned and both copies are ``non_blocking`` on the current stream:
 the host enqueues them and goes on, and stream order puts a block's copy down before any
-later write to its slot and its copy up before the step that reads it. On CPU the
+later write to its slot and its copy up before the step that reads it. Writes from outside
+the stream (a KV pull into blocks the pool just handed out) wait for ``flush``. On CPU the
 "device" cache is host memory too and a copy is a memcpy of one block.
 """
 
@@ -40,6 +41,7 @@ class TierBuffer:
         self.owner = owner
         self.layout = msgspec.structs.replace(layout, num_blocks=num_slots)
         self._non_blocking = owner.kv_cache.device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy down
         # never read before written: empty, not zeros (no page of it is touched up front)
         storage = torch.empty(
             self.layout.storage_shape,
@@ -55,6 +57,15 @@ class TierBuffer:
 
     def copy_down(self, block: int, slot: int) -> None:
         self.slots[slot].copy_(self.owner.kv_cache[block], non_blocking=self._non_blocking)
+        if self._non_blocking:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def flush(self) -> None:
+        """Wait for the last copy down (stream order: every earlier one is done too)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def copy_up(self, slot: int, block: int) -> None:
         self.owner.kv_cache[block].copy_(self.slots[slot], non_blocking=self._non_blocking)
