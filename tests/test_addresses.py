@@ -11,11 +11,13 @@ from pdserve.common.runtime.net_scope import check_bindable, set_ucx
 from pdserve.common.runtime.service_config import InstanceAddresses, load_config
 
 
-def test_a_wildcard_address_is_refused_naming_bind_host() -> None:
-    with pytest.raises(PdserveError, match="wildcard.*bind_host"):
-        InstanceAddresses(address="tcp://0.0.0.0:5620")
-    with pytest.raises(PdserveError, match="side_channel tcp://0.0.0.0:5611"):
-        InstanceAddresses(address="tcp://10.0.0.1:5610", side_channel="tcp://0.0.0.0:5611")
+def test_a_wildcard_address_is_refused_naming_bind_host_and_where() -> None:
+    with pytest.raises(PdserveError, match=r"wildcard.*bind_host.*\$\.decode\[1\]"):
+        load_config(None, decode=[{"address": "tcp://10.0.0.2:5620"},
+                                  {"address": "tcp://0.0.0.0:5630"}])  # fmt: skip
+    with pytest.raises(PdserveError, match=r"side_channel tcp://0.0.0.0:5611.*\$\.prefill\[0\]"):
+        load_config(None, prefill=[{"address": "tcp://10.0.0.1:5610",
+                                    "side_channel": "tcp://0.0.0.0:5611"}])  # fmt: skip
 
 
 def test_bind_host_binds_the_advertised_ports() -> None:

@@ -48,7 +48,8 @@ class InstanceAddresses(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         for name in ("address", "side_channel"):
             value = getattr(self, name)
             if value and urlsplit(value).hostname in WILDCARD_HOSTS:
-                raise PdserveError(
+                # ValueError: msgspec adds where in the file (`$.decode[1]`)
+                raise ValueError(
                     f"{name} {value} is a wildcard, which peers cannot connect to: give the "
                     'address they reach this service at, and bind_host = "0.0.0.0" to bind '
                     "every interface"
