@@ -285,10 +285,14 @@ def test_a_tier_on_an_engine_of_several_ranks_is_refused_at_load() -> None:
 
 
 @pytest.mark.slow
-def test_a_deployment_serves_second_turns_from_the_tier(model_dir: Path, tmp_path: Path) -> None:
-    """Real processes, disaggregated: 4 users' first turns (3 blocks each) overflow pools of
-    8 blocks, so the second turns find their first prompts in the host tier: every full
-    block of them counted in usage's cached_tokens, the hits in /metrics."""
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_deployment_serves_second_turns_from_the_tier(
+    model_dir: Path, tmp_path: Path, colocated: bool
+) -> None:
+    """Real processes: 4 users' first turns (3 blocks each) overflow pools of 8 blocks, so
+    the second turns find their first prompts in the host tier of the engine that computes
+    prompts: every full block of them counted in usage's cached_tokens, the hits in
+    /metrics."""
     import json
     import re
     import urllib.request
@@ -298,7 +302,7 @@ def test_a_deployment_serves_second_turns_from_the_tier(model_dir: Path, tmp_pat
 
     out = tmp_path / "chat.json"
     engine = {"block_size": 16, "num_kv_blocks": 8, "kv_host_cache_gb": 0.01}
-    with deployment(tmp_path / "dep", model_dir, engine=engine) as dep:
+    with deployment(tmp_path / "dep", model_dir, engine=engine, colocated=colocated) as dep:
         rc = main(["bench", "serve", "--url", dep.url, "--num-prompts", "8", "--multi-turn",
                    "2", "--input-len", "48", "--output-len", "4", "--max-concurrency", "1",
                    "--json", str(out)])  # fmt: skip
@@ -308,7 +312,8 @@ def test_a_deployment_serves_second_turns_from_the_tier(model_dir: Path, tmp_pat
     [run] = json.loads(out.read_text())["runs"]
     assert run["metrics"]["failed"] == 0
     assert run["metrics"]["cached_prompt_tokens"] == 4 * 48  # each first prompt, whole
-    hits = re.findall(r'^pdserve:kv_host_cache_hits_total\{[^}]*service="prefill"[^}]*\} (\S+)',
-                      text, re.MULTILINE)  # fmt: skip
+    service = "decode" if colocated else "prefill"
+    pattern = rf'^pdserve:kv_host_cache_hits_total\{{[^}}]*service="{service}"[^}}]*\}} (\S+)'
+    hits = re.findall(pattern, text, re.MULTILINE)
     assert hits and float(hits[0]) > 0
     assert re.search(r"^pdserve:kv_host_cache_offload_bytes_total\{", text, re.MULTILINE)
