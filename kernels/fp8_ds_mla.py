@@ -143,8 +143,10 @@ def dequantize_keys(
     lead = raw.shape[:-1]
     flat = raw.reshape(-1, raw.shape[-1])
     values = flat[:, :index_dim].contiguous().view(FP8_DTYPE).float()
-    scales = flat[:, index_dim:].contiguous().view(torch.float32)  # [T, tiles]
-    keys = values.reshape(flat.shape[0], -1, KEY_TILE) * scales[..., None]
+    scales = (
+        flat[:, index_dim:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    )  # [T, tiles]
+    keys = values.reshape(flat.shape[0], index_dim // KEY_TILE, KEY_TILE) * scales[..., None]
     return keys.reshape(*lead, index_dim).to(dtype)
 
 

@@ -30,11 +30,13 @@ import msgspec
 
 from pdserve.common.engine.kv_layout import DTYPE_SIZES
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.dsv4_config import CSA
 
 KINDS = ("auto", "fp8_ds_mla")
 FP8_DTYPE = "float8_e4m3fn"  # EngineConfig's name for --kv-cache-dtype fp8
 DS_MLA_TILE = 128  # latent values per fp32 scale (kernels/fp8_ds_mla.py's TILE)
 INDEX_TILE = 128  # indexer key values per fp32 scale (kernels/fp8_ds_mla.py's KEY_TILE)
+V4_TILE = 64  # DeepSeek-V4 K=V nope values per ue8m0 scale byte (kernels/fp8_ds_v4.py's TILE)
 
 
 class Section(NamedTuple):
@@ -145,13 +147,40 @@ def cache_head(
     ``kv_cache_dtype`` (None: the model's ``dtype``): its K/V heads, or for MLA one latent
     row per token in ``LatentFormat`` (V3.2: with the indexer's key)."""
     if cfg.v4 is not None:  # one row per token and layer (common/model/dsv4_config.py)
-        if kv_cache_dtype not in (None, dtype):
-            raise ValueError(
-                f"{kv_cache_dtype} for DeepSeek-V4 is not implemented: its cache rows are "
-                f"stored in the model's dtype; use --kv-cache-dtype auto"
-            )
-        return cfg.v4.row_width(cfg.head_dim), 1, dtype
+        if kv_cache_dtype in (None, dtype):
+            return cfg.v4.row_width(cfg.head_dim), 1, dtype
+        if kv_cache_dtype != FP8_DTYPE:
+            raise ValueError(f"a DeepSeek-V4 cache stores {dtype} or fp8, not {kv_cache_dtype}")
+        return v4_fp8_row_bytes(cfg, dtype), 1, "uint8"
     if not cfg.is_mla:
         return cfg.head_dim, 2, kv_cache_dtype or dtype
     fmt = latent_format(cfg, dtype, kv_cache_dtype)
     return fmt.elements, 1, fmt.storage_dtype
+
+
+def v4_fp8_row_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes of a DeepSeek-V4 cache slot with --kv-cache-dtype fp8 (kernels/fp8_ds_v4.py's
+    rows, arithmetic only: the router imports no torch): the wider of a per-token row (the
+    K=V row in vLLM's fp8 form, then the compressors' projections in ``dtype``) and an
+    entry (the K=V record, then CSA's indexer key in fp8 with its float32 scale)."""
+    v4 = cfg.v4
+    assert v4 is not None
+    head_dim, rope = cfg.head_dim, v4.rope_dim
+    nope = head_dim - rope
+    if nope < V4_TILE or nope % V4_TILE:
+        raise ValueError(
+            f"the fp8 DeepSeek-V4 row needs head_dim - rope_dim to be a multiple of "
+            f"{V4_TILE}, the model's is {head_dim} - {rope} = {nope}"
+        )
+    kv = nope + 2 * rope + nope // V4_TILE + 1  # 584 in V4-Flash: 448 + 128 + 7 + a pad
+    rows = kv + (v4.row_width(head_dim) - head_dim) * DTYPE_SIZES[dtype]
+    entries = kv
+    if CSA in v4.layer_kinds:
+        index = v4.index_head_dim
+        if index % INDEX_TILE:
+            raise ValueError(
+                f"the fp8 indexer key needs index_head_dim to be a multiple of "
+                f"{INDEX_TILE}, the model's is {index}"
+            )
+        entries += index + 4 * (index // INDEX_TILE)
+    return max(rows, entries)

@@ -20,7 +20,10 @@ each token's row (its K=V row and the compressor's, and the indexer compressor's
 kv and gate projections) in a sliding group whose window also covers what the compressors
 still pool; the entries (K=V, and CSA's indexer key) in a compressed group, B entries a
 block. A step writes its rows, pools the windows it closed into entries, and attends over
-the window's rows and every closed entry.
+the window's rows and every closed entry. With ``--kv-cache-dtype fp8`` both are stored as
+kernels/fp8_ds_v4.py lays them out (the K=V row and entry in vLLM's fp8 form, the indexer
+key in fp8, the compressors' projections unquantized): quantized as written, dequantized
+as read, so the arithmetic after a read is the auto cache's.
 
 Tensor parallel (common/model/dsv4_tp.py): a rank holds ``H / N`` query heads, their sinks
 and their ``o_groups / N`` output groups; ``wo_b`` is row-parallel (all-reduced). The K=V
@@ -39,6 +42,7 @@ from pdserve.common.model.dsa import sequences, write_rows
 from pdserve.common.model.dsv4_config import CSA, SLIDING
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
+from pdserve.kernels import fp8_ds_v4
 
 
 def rows_at(
@@ -191,6 +195,7 @@ class V4Attention(nn.Module):
         # this rank's heads and output groups (whole groups: common/model/dsv4_tp.py)
         self.num_heads, self.head_dim = cfg.num_attention_heads // par.tp_size, cfg.head_dim
         self.window = 0  # set by the model: transformers' sliding_window
+        self.rope_dim = v4.rope_dim  # fp8 rows keep these last values in bf16
         self.eps = cfg.rms_norm_eps
         self.groups = v4.o_groups // par.tp_size
         hidden = cfg.hidden_size
@@ -232,9 +237,11 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             parts.append(self.indexer.compressor.project(x))
         row = torch.cat(parts, dim=-1)
-        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1]))
         if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
             row = meta.kv_gather(row[None])[0]
+        if fp8_ds_v4.is_fp8(rows_cache.dtype):  # each rank quantizes the same rows
+            row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
+        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1]))
         write_rows(rows_cache, row, meta.slot_mapping)
         seqs = sequences(meta)
         entry_tables: list[torch.Tensor | None] = [None] * len(seqs)
@@ -245,11 +252,11 @@ class V4Attention(nn.Module):
         out = torch.empty_like(q)  # [T, H, D]
         for (lo, hi, ctx, table), entry_table in zip(seqs, entry_tables, strict=True):
             first = max(0, ctx - (hi - lo) - self.window + 1)
-            rows = rows_at(rows_cache, table, first, ctx).to(q.dtype)  # [ctx - first, row]
+            rows = self._rows(rows_at(rows_cache, table, first, ctx))  # [ctx - first, row]
             entries = None
             if entry_table is not None and entries_cache is not None and self.compressor:
                 num = ctx // self.compressor.rate  # every closed entry of the sequence
-                entries = rows_at(entries_cache, entry_table, 0, num).to(q.dtype)
+                entries = self._entries(rows_at(entries_cache, entry_table, 0, num))
             cs = (cos_sin[0][lo:hi], cos_sin[1][lo:hi])
             out[lo:hi] = self._attend(
                 q[lo:hi], q_resid[lo:hi], x[lo:hi], cs, rows, first, ctx, entries
@@ -279,19 +286,35 @@ class V4Attention(nn.Module):
             if first == stop:
                 continue
             lo = (first - 1) * m if comp.overlap and first > 0 else first * m
-            rows = rows_at(rows_cache, meta.seq_block_tables[i], lo, stop * m)
-            rows = rows.to(self.wkv.weight.dtype)
+            rows = self._rows(rows_at(rows_cache, meta.seq_block_tables[i], lo, stop * m))
             parts = [comp.entries(rows[:, d : d + comp.width], first, rope)]
             if self.indexer is not None:
                 at = d + comp.width
                 index = self.indexer.compressor
                 parts.append(index.entries(rows[:, at : at + index.width], first, rope))
             entry = torch.cat(parts, dim=-1)  # [stop - first, D (+ index_head_dim)]
+            if fp8_ds_v4.is_fp8(entries_cache.dtype):
+                width = entries_cache.shape[-1]
+                entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
             entry = F.pad(entry, (0, entries_cache.shape[-1] - entry.shape[-1]))
             w = torch.arange(first, stop, device=entry.device)
             size = entries_cache.shape[3]
             table = entries_meta.seq_block_tables[i].to(w.device).long()
             entries_cache[table[w // size], 0, 0, w % size] = entry.to(entries_cache.dtype)
+
+    def _rows(self, raw: torch.Tensor) -> torch.Tensor:  # [n, row] -> model dtype
+        """Per-token rows as the auto cache holds them; fp8 ones dequantized."""
+        dtype = self.wkv.weight.dtype
+        if not fp8_ds_v4.is_fp8(raw.dtype):
+            return raw.to(dtype)
+        return fp8_ds_v4.unpack_rows(raw, self.head_dim, self.rope_dim, dtype)
+
+    def _entries(self, raw: torch.Tensor) -> torch.Tensor:  # [E, row] -> model dtype
+        dtype = self.wkv.weight.dtype
+        if not fp8_ds_v4.is_fp8(raw.dtype):
+            return raw.to(dtype)
+        index_dim = self.indexer.head_dim if self.indexer is not None else 0
+        return fp8_ds_v4.unpack_entries(raw, self.head_dim, self.rope_dim, index_dim, dtype)
 
     def _attend(
         self,

@@ -14,8 +14,9 @@ monolithic, chunked, preempted, prefix-cached, disaggregated and with a PCP pref
 window of per-token rows and the compressed entries are KV cache groups
 (common/engine/kv_groups.py cache_groups), which pulls and PCP replicas carry like any
 other. Refused by name: CUDA (common/engine/model_loader.py), a TP that does not split it
-(here), an fp8 KV cache (common/engine/latent_format.py), a softmax or sigmoid router, a
-main rope other than the default one.
+(here), an fp8 KV cache of shapes vLLM's fp8 form does not tile (common/engine/
+latent_format.py; kernels/fp8_ds_v4.py), a softmax or sigmoid router, a main rope other
+than the default one.
 """
 
 from __future__ import annotations
