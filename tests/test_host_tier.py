@@ -180,10 +180,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
                              vocab_size=2048)  # fmt: skip
 
 
-def engine(model: Path, tier_gb: float) -> LLMEngine:
+def engine(model: Path, tier_gb: float, kv_order: str = "auto") -> LLMEngine:
     # 9 blocks: one 25-token request at a time fits, the next prompt evicts its prefix
     return LLMEngine(EngineConfig(model=str(model), block_size=B, num_kv_blocks=9,
-                                  kv_host_cache_gb=tier_gb))  # fmt: skip
+                                  kv_host_cache_gb=tier_gb, kv_order=kv_order))  # fmt: skip
 
 
 def turns(eng: LLMEngine) -> list[tuple[list[int], int]]:
@@ -195,9 +195,13 @@ def turns(eng: LLMEngine) -> list[tuple[list[int], int]]:
     return out
 
 
-def test_a_prefix_evicted_to_the_tier_gives_the_same_greedy_tokens(tiny: Path) -> None:
-    plain = engine(tiny, 0.0)
-    tiered = engine(tiny, 0.001)  # ~1 MiB: every block of these prompts
+@pytest.mark.parametrize("kv_order", ["head", "block"])
+def test_a_prefix_evicted_to_the_tier_gives_the_same_greedy_tokens(
+    tiny: Path, kv_order: str
+) -> None:
+    """The tier's slots are block-major whatever the cache's order (tier_buffer.py)."""
+    plain = engine(tiny, 0.0, kv_order)
+    tiered = engine(tiny, 0.001, kv_order)  # ~1 MiB: every block of these prompts
     expected, got = turns(plain), turns(tiered)
     assert [t for t, _ in got] == [t for t, _ in expected]
     assert expected[-1][1] == 0  # without the tier A's prefix was lost

@@ -1,5 +1,6 @@
-"""TierBuffer: the bytes of a host tier (common/engine/host_tier.py), a host tensor in the
-device cache's layout with ``num_slots`` blocks, and the copies between the two.
+"""TierBuffer: the bytes of a host tier (common/engine/host_tier.py), a host tensor of
+``num_slots`` blocks in the device cache's layout (block order), and the copies between
+the two.
 
 On CUDA the buffer is pinned and both copies are ``non_blocking`` on the current stream:
 the host enqueues them and goes on, and stream order puts a block's copy down before any
@@ -15,6 +16,7 @@ from typing import Protocol
 import msgspec
 import torch
 
+from pdserve.common.engine.kv_cache import storage_of
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.errors import PdserveError
 
@@ -31,32 +33,40 @@ def num_tier_slots(gigabytes: float, layout: KVLayout) -> int:
 
 
 class CacheOwner(Protocol):
-    """A ModelRunner: read ``kv_cache`` at each copy (``resize`` replaces the tensor)."""
+    """A ModelRunner: read at each copy (``resize`` replaces the tensor and its layout)."""
 
     kv_cache: torch.Tensor  # logical [N, L, 2, H_kv, B, D] (common/engine/kv_cache.py)
+    layout: KVLayout
 
 
 class TierBuffer:
     def __init__(self, owner: CacheOwner, layout: KVLayout, num_slots: int) -> None:
         self.owner = owner
-        self.layout = msgspec.structs.replace(layout, num_blocks=num_slots)
+        # Block order whatever the cache's: a slot is one contiguous run of bytes, so a
+        # copy between the two is one memcpy on the host's side (a head-order device block
+        # is gathered on the device first, by torch)
+        self.layout = msgspec.structs.replace(layout, num_blocks=num_slots, order="block")
         self._non_blocking = owner.kv_cache.device.type == "cuda"
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy down
         # never read before written: empty, not zeros (no page of it is touched up front)
-        storage = torch.empty(
-            self.layout.storage_shape,
+        self.slots = torch.empty(
+            self.layout.storage_shape,  # [S, H_kv, L, 2, B, D]
             dtype=owner.kv_cache.dtype,
             device="cpu",
             pin_memory=self._non_blocking,
         )
-        self.slots = storage.permute(self.layout.logical_from_storage)  # [S, L, 2, H_kv, B, D]
 
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
+    def _device_block(self, block: int) -> torch.Tensor:
+        """Device ``block`` in the slots' shape: [H_kv, L, 2, B, D]."""
+        storage = storage_of(self.owner.kv_cache, self.owner.layout)
+        return storage[block] if self.owner.layout.order == "block" else storage[:, block]
+
     def copy_down(self, block: int, slot: int) -> None:
-        self.slots[slot].copy_(self.owner.kv_cache[block], non_blocking=self._non_blocking)
+        self.slots[slot].copy_(self._device_block(block), non_blocking=self._non_blocking)
         if self._non_blocking:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -68,4 +78,4 @@ class TierBuffer:
             self._copied = None
 
     def copy_up(self, slot: int, block: int) -> None:
-        self.owner.kv_cache[block].copy_(self.slots[slot], non_blocking=self._non_blocking)
+        self._device_block(block).copy_(self.slots[slot], non_blocking=self._non_blocking)
