@@ -21,8 +21,8 @@ dtype), in two settings:
   margin is > 0.05 (one position of 36); bfloat16 min 0.969, top-1 81.8% and 100%. Any
   precision change does this: the bfloat16 auto cache against the float32 one (no fp8)
   gives cosine min 0.981, top-1 83.3% overall and 100% where the margin is > 0.05 on the
-  same model. Thresholds: cosine mean >= 0.99,
-  top-1 >= 75% overall and >= 90% where the margin is > 0.05.
+  same model. Thresholds: cosine mean >= 0.99, top-1 >= 75% overall and >= 90% where the
+  margin is > 0.05.
 """
 
 from __future__ import annotations
