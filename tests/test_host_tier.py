@@ -116,6 +116,51 @@ def test_reset_and_clear_forget_everything() -> None:
     assert tier.num_blocks == 0 and pool.hold_prefix(hash_blocks(list(range(B)), B)) == []
 
 
+def test_a_pinned_slot_is_never_recycled_until_its_last_unpin() -> None:
+    """A pin (a lease a consumer may READ the slot under) keeps the slot and its bytes:
+    recycling takes the least recent unpinned slot, and with every slot pinned an evicted
+    block is forgotten without a copy; pins count, and one unpin too many is an error."""
+    tier = HostTier(2, Recorder())
+    mover = tier.mover
+    assert isinstance(mover, Recorder)
+    a, b, c, d = (hash_blocks(list(range(k, k + B)), B)[0] for k in (0, 100, 200, 300))
+    assert tier.offload(0, [a]) == 0 and tier.offload(1, [b]) == 1
+    assert tier.pin(c) is None  # not held: nothing to pin
+    slot_a = tier.pin(a)
+    assert slot_a == 0 and tier.pin(a) == 0 and tier.num_pinned == 1  # two pins, one slot
+    tier.touch(1)  # b most recent: a would be recycled first, were it not pinned
+    assert tier.offload(2, [c]) == 1 and a in tier and b not in tier
+    tier.pin(c)
+    assert tier.offload(3, [d]) is None and d not in tier  # every slot pinned
+    assert ("down", 3, 0) not in mover.copies and ("down", 3, 1) not in mover.copies
+    tier.unpin(slot_a)
+    assert a in tier and tier.offload(3, [d]) is None  # a still pinned once
+    tier.unpin(slot_a)
+    assert tier.offload(3, [d]) == 0 and a not in tier and mover.copies[-1] == ("down", 3, 0)
+    with pytest.raises(RuntimeError, match="slot 0 unpinned more often than pinned"):
+        tier.unpin(0)
+
+
+def test_clear_keeps_a_pinned_slot_until_it_is_unpinned_once() -> None:
+    """A reset forgets a pinned block's hash but not its slot: nothing is written there
+    until the reader's unpin, which frees it exactly once."""
+    tier = HostTier(2, Recorder())
+    a, b, c, d = (hash_blocks(list(range(k, k + B)), B)[0] for k in (0, 100, 200, 300))
+    tier.offload(0, [a])
+    slot = tier.pin(a)
+    assert slot == 0
+    tier.clear()
+    assert a not in tier and tier.num_blocks == 0 and tier.num_pinned == 1
+    assert tier.offload(1, [b]) == 1
+    assert tier.offload(2, [c]) == 1 and b not in tier  # recycles b's slot, not the read one
+    tier.unpin(slot)
+    assert tier.num_pinned == 0 and tier.offload(3, [d]) == 0  # free again, once
+    with pytest.raises(RuntimeError):
+        tier.unpin(slot)
+    tier.clear()
+    assert [tier.offload(k, [h]) for k, h in enumerate((a, b))] == [0, 1]
+
+
 def test_random_traffic_keeps_the_tier_consistent() -> None:
     """Seeded random prompts through a pool of 6 blocks over a tier of 5 slots: every hash
     in at most one slot, no slot named by two blocks, the tier never over its size, and

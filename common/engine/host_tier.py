@@ -10,8 +10,9 @@ slot, so evicting it again copies nothing.
 This class knows slots and hashes only; the bytes are moved by a ``TierMover``
 (common/engine/tier_buffer.py: a host tensor in the cache's layout). Slots are recycled
 least recently used first; each hash lives in at most one slot (a block is never held
-twice). No request references a slot: a running request reads its device copy, so any
-slot may be recycled.
+twice). No running request references a slot (it reads its device copy); a slot is kept
+from recycling only while ``pin``ned: a consumer may READ it straight from host memory
+(a prefill lease publishing a tier block, issue #39), until the matching ``unpin``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class HostTier:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._used: OrderedDict[int, list[BlockHash]] = OrderedDict()  # slot -> hashes, LRU first
         self._slot_of: dict[BlockHash, int] = {}
+        self._pins: dict[int, int] = {}  # slot -> pins held (never recycled while any)
+        self._stale: set[int] = set()  # pinned slots ``clear`` forgot: free at their last unpin
         # totals in blocks since start (metrics read them as counters)
         self.num_hits = 0  # blocks a prefix lookup found here and brought up
         self.num_offloaded = 0  # blocks copied down
@@ -71,14 +74,16 @@ class HostTier:
 
     def offload(self, block: int, hashes: Sequence[BlockHash]) -> int | None:
         """Keep device ``block`` (about to be forgotten under ``hashes``) in a slot: the
-        least recently used one when none is free. None when the tier has it already
-        (then it only counts as used now)."""
+        least recently used unpinned one when none is free. None when the tier has it
+        already (then it only counts as used now) or every slot is pinned."""
         held = {self._slot_of[h] for h in hashes if h in self._slot_of}
         if held:
-            for slot in held:
-                self._used.move_to_end(slot)
+            for used in held:
+                self._used.move_to_end(used)
             return None
         slot = self._free.pop() if self._free else self._recycle()
+        if slot is None:  # every slot pinned: the block is forgotten, as without a tier
+            return None
         self._used[slot] = list(hashes)
         for h in hashes:
             self._slot_of[h] = slot
@@ -99,11 +104,46 @@ class HostTier:
         self.num_hits += 1
         self.num_reloaded += 1
 
-    def _recycle(self) -> int:
-        slot, hashes = self._used.popitem(last=False)
-        for h in hashes:
+    def _recycle(self) -> int | None:
+        """The least recently used slot no pin holds, its hashes forgotten; None when
+        every used slot is pinned."""
+        slot = next((s for s in self._used if s not in self._pins), None)
+        if slot is None:
+            return None
+        for h in self._used.pop(slot):
             del self._slot_of[h]
         return slot
+
+    @property
+    def num_pinned(self) -> int:
+        """Slots some pin holds now."""
+        return len(self._pins)
+
+    def pin(self, block_hash: BlockHash) -> int | None:
+        """Keep the slot holding ``block_hash`` from being recycled (and so rewritten)
+        until ``unpin``: a reader outside this process may READ it meanwhile. Pins count:
+        a slot returns to the LRU order at its last unpin. None when the tier does not
+        hold the hash."""
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
+            return None
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+        self._used.move_to_end(slot)
+        return slot
+
+    def unpin(self, slot: int) -> None:
+        """Drop one pin of ``slot`` (``pin``'s result); RuntimeError when it holds none,
+        as a block freed twice is."""
+        count = self._pins.get(slot, 0)
+        if count <= 0:
+            raise RuntimeError(f"host tier slot {slot} unpinned more often than pinned")
+        if count > 1:
+            self._pins[slot] = count - 1
+            return
+        del self._pins[slot]
+        if slot in self._stale:
+            self._stale.discard(slot)
+            self._free.append(slot)
 
     def flush(self) -> None:
         """Before something outside the device's stream writes blocks the pool just handed
@@ -112,7 +152,9 @@ class HostTier:
             self.mover.flush()
 
     def clear(self) -> None:
-        """Forget every block (the prefix cache was reset, or the engine drains)."""
+        """Forget every block (the prefix cache was reset, or the engine drains). A pinned
+        slot keeps its bytes for its reader and becomes free at its last unpin."""
         self._used.clear()
         self._slot_of.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._stale = set(self._pins)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in self._pins]
