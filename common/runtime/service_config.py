@@ -25,9 +25,11 @@ ENV_PREFIX = "PDSERVE_"
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "deepseek_v3", "deepseek_v31",
                      "deepseek_v4", "deepseek_v41")  # fmt: skip
 POLICIES = ("fail", "recompute")
-# Tokens under which a prompt prefilled on its decode instance got its first token sooner
-# than through a prefill instance (the CPU sweep of benchmarks/README.md, embedded model).
-LOCAL_PREFILL_THRESHOLD = 256
+# On CPU (embedded model) a prompt prefilled on its decode instance got its first token
+# sooner than through a prefill instance at most lengths measured, 32 to 1,024 tokens; from
+# 512 on, local prefills raised the TPOT of the streams decoding there (1.3-1.6x), so
+# prompts under 512 (benchmarks/README.md, "Conditional disaggregation").
+LOCAL_PREFILL_THRESHOLD = 512
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
