@@ -210,26 +210,45 @@ def host_tier(gigabytes: float) -> dict[str, Any]:
     return {"prefill_engine": tier, "decode_engine": tier}
 
 
+def with_a_block_in_the_tier(engine_config: EngineConfig, **cfg: Any) -> Pair:
+    """A pair whose prefill pool of 6 blocks lost the tail of PROMPT's cached prefix to
+    another prompt: PROMPT again finds 2 blocks on the device and 1 in the tier."""
+    pair = Pair(
+        engine_config, prefill_engine={"num_kv_blocks": 6, "kv_host_cache_gb": 0.001}, **cfg
+    )
+    other = list(range(300, 314))
+    for rid, prompt in (("a", PROMPT), ("b", other)):
+        pair.send_decode(pair.prefilled(rid, prompt=prompt), prompt=prompt)
+        assert isinstance(pair.run_until_terminal(rid), p.Finished)
+    tier = pair.prefill.engine.pool.tier
+    assert tier is not None and tier.num_offloaded == 1 and tier.num_hits == 0
+    return pair
+
+
 def test_a_prefix_half_in_the_host_tier_pulls_the_monolithic_tokens(
     engine_config: EngineConfig, reference: list[int]
 ) -> None:
-    """Prefill's pool of 6 blocks loses the tail of PROMPT's cached prefix to another
-    prompt; PROMPT again finds 2 blocks on the device and 1 in the tier, which is copied
-    up before the step (a PrefillDone describes device blocks only), and decode's pull of
-    them all gives the monolithic tokens."""
-    pair = Pair(engine_config, prefill_engine={"num_kv_blocks": 6, "kv_host_cache_gb": 0.001})
-    other = list(range(300, 314))
+    """PROMPT's tier block is copied up for prefill's own step; its PrefillDone names that
+    block by its tier slot (pinned under the lease; the device block back in the pool at
+    once), and decode's one pull reads 3 device blocks and the tier slot: the monolithic
+    tokens."""
+    pair = with_a_block_in_the_tier(engine_config)
+    tier = pair.prefill.engine.pool.tier
+    assert tier is not None
     try:
-        for rid, prompt in (("a", PROMPT), ("b", other)):
-            pair.send_decode(pair.prefilled(rid, prompt=prompt), prompt=prompt)
-            assert isinstance(pair.run_until_terminal(rid), p.Finished)
-        tier = pair.prefill.engine.pool.tier
-        assert tier is not None and tier.num_offloaded == 1 and tier.num_hits == 0
         done = pair.prefilled("again")
         assert done.num_cached_tokens == 3 * B and tier.num_hits == 1
+        handle = done.handle
+        [at] = [i for i, s in enumerate(handle.host_slots) if s >= 0]
+        slot = handle.host_slots[at]
+        assert at == 2 and handle.block_ids[at] == -1 and tier.hashes_of(slot)
+        assert tier.num_pinned == 1  # pinned under the lease: never recycled meanwhile
+        assert pair.prefill.engine.pool.num_free_blocks == 6 - 3  # 3 device blocks pinned
         pair.send_decode(done)
         assert isinstance(pair.run_until_terminal("again"), p.Finished)
         assert pair.tokens("again") == reference
+        assert pair.consumer.num_host_blocks_read == 1  # read from the slot, not a device copy
+        assert tier.num_pinned == 0  # the release unpinned it
         pair.assert_every_block_free()
         metric = pair.prefill.metrics.value
         assert metric("pdserve:kv_host_cache_hits") == 1
@@ -241,6 +260,32 @@ def test_a_prefix_half_in_the_host_tier_pulls_the_monolithic_tokens(
     finally:
         pair.close()
     assert pair.prefill.engine.pool.tier is None  # teardown gave the tier back
+
+
+def test_a_lease_that_expires_unpins_its_tier_slots_once(engine_config: EngineConfig) -> None:
+    """The lease of a handle naming a tier slot runs out while the pull is held: the slot
+    is unpinned with the device blocks, once (a second unpin would raise), and the late
+    release is a no-op; the slot is recycled like any other after that."""
+    pair = with_a_block_in_the_tier(engine_config, lease_seconds=0.2, heartbeat_seconds=0.1)
+    tier = pair.prefill.engine.pool.tier
+    assert tier is not None
+    try:
+        done = pair.prefilled("again")
+        assert tier.num_pinned == 1 and max(done.handle.host_slots) >= 0
+        pair.consumer.hold.add("again")
+        pair.send_decode(done)
+        pair.turn()
+        time.sleep(0.3)
+        pair.turn()  # the lease expires: blocks and the slot unpinned
+        assert pair.prefill.metrics.value("pdserve:kv_expired_requests", rank=0) == 1
+        assert tier.num_pinned == 0
+        assert pair.prefill.engine.pool.num_free_blocks == 6
+        pair.consumer.hold.clear()
+        assert isinstance(pair.run_until_terminal("again"), p.Finished)  # late release: no-op
+        assert tier.num_pinned == 0
+        pair.assert_every_block_free()
+    finally:
+        pair.close()
 
 
 @pytest.mark.parametrize("tier_gb", [0, 0.001], ids=["no_tier", "host_tier"])

@@ -124,6 +124,6 @@ def test_the_scheduler_owns_remote_kv_blocks_and_pins() -> None:
     plan, _ = s.schedule()  # b's first decode: its prompt is computed
     assert plan.seqs[0].start_position == 14 and plan.seqs[0].token_ids == [7]
     s.on_step_done([b], plan)
-    assert s.pin(b) == b.held_block_ids and s.pool.num_free_blocks == 2
+    assert s.pin(b) == (b.held_block_ids, []) and s.pool.num_free_blocks == 2
     assert s.unpin("b") and not s.unpin("b")  # freed once
     assert s.pool.num_free_blocks == 6

@@ -186,6 +186,10 @@ class BlockPool:
         """Free references no step ever saw (``hold_prefix``'s): at once, fence or not."""
         self._free_now(blocks)
 
+    def hashes_of(self, block: int) -> list[BlockHash]:
+        """The hashes ``block`` is registered under (none: not a full, hashed block)."""
+        return list(self._hash_of.get(block, ()))
+
     def cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, if the prefix cache still has it."""
         if not self.enable_prefix_caching:

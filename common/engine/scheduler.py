@@ -26,7 +26,10 @@ a decode request whose prompt KV comes from a producer waits in
 lands in (``reserve_remote``, False while they are not free), then reports the pull done
 (``remote_kv_arrived``: it joins the waiting queue with its prompt computed) or failed
 (``remote_kv_failed``: the blocks come back). A prefilled request whose blocks a consumer
-still has to pull is pinned (``pin``) until its lease ends (``unpin``).
+still has to pull is pinned (``pin``) until its lease ends (``unpin``). With
+``publish_host_tier`` (a producer that serves its host tier), a pinned block the tier also
+holds is published as its tier slot, pinned in the tier instead, and its device block goes
+back to the pool at once.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         # prefill: finished requests whose blocks stay referenced until a consumer pulled
         self.pinned: dict[str, Request] = {}
+        # prefill whose producer registered the host tier: ``pin`` publishes tier slots
+        self.publish_host_tier = False
+        self.pinned_slots: dict[str, list[int]] = {}  # request -> tier slots it pins
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
         # prompt tokens recomputed because a sliding window lost blocks of a cached prefix
@@ -310,22 +316,51 @@ class Scheduler:
 
     # -- pins (prefill) -------------------------------------------------------------------
 
-    def pin(self, req: Request) -> list[int]:
+    def pin(self, req: Request) -> tuple[list[int], list[int]]:
         """End ``req`` here but keep the blocks it holds until ``unpin``: a consumer pulls
-        them (prefill's lease). Returns them group after group, the order a KV handle lists
-        them in; entries before ``req.dropped[g]`` left a sliding window and are not among
-        them."""
+        them (prefill's lease). Returns (block ids, host slots) as a KV handle lists them:
+        group after group, entries before ``req.dropped[g]`` (left a sliding window) not
+        among them; host slots empty, or per entry the tier slot serving it (block id -1)
+        or -1 (``publish_host_tier``)."""
         self.running.remove(req)
         req.status = Status.FINISHED
         self.pinned[req.request_id] = req
-        return req.held_block_ids
+        blocks = req.held_block_ids
+        slots = self._pin_host_slots(req)
+        if not slots:
+            return blocks, []
+        self.pinned_slots[req.request_id] = [s for s in slots if s >= 0]
+        # The consumer reads these from the tier: their device blocks go back to the pool
+        # now (still cached there), not at the lease's end. The table keeps the rest only,
+        # what ``unpin`` frees.
+        self.pool.free([b for b, s in zip(blocks, slots, strict=True) if s >= 0])
+        req.tables[0] = [b for b, s in zip(blocks, slots, strict=True) if s < 0]
+        return [-1 if s >= 0 else b for b, s in zip(blocks, slots, strict=True)], slots
+
+    def _pin_host_slots(self, req: Request) -> list[int]:
+        """Per held block, the tier slot now pinned for it or -1; empty when none is (the
+        tier holds one full-attention group only, so one hash a block)."""
+        tier = self.pool.tier
+        if not self.publish_host_tier or tier is None or len(req.tables) != 1:
+            return []
+        slots = []
+        for block in req.held_block_ids:
+            hashes = self.pool.hashes_of(block)
+            slot = tier.pin(hashes[0]) if hashes else None
+            slots.append(-1 if slot is None else slot)
+        return slots if max(slots, default=-1) >= 0 else []
 
     def unpin(self, request_id: str) -> bool:
-        """Free a pinned request's blocks; False when it holds none (unpinned already)."""
+        """Free a pinned request's blocks and tier slots; False when it holds none
+        (unpinned already)."""
         req = self.pinned.pop(request_id, None)
         if req is None:
             return False
         self.tables.release(req)
+        slots = self.pinned_slots.pop(request_id, [])
+        if slots and self.pool.tier is not None:
+            for slot in slots:
+                self.pool.tier.unpin(slot)
         return True
 
     def finish(self, req: Request, reason: str) -> None:

@@ -60,6 +60,12 @@ class TierBuffer:
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
+    @property
+    def logical(self) -> torch.Tensor:
+        """The slots as a cache's logical view, [S, L, 2, H_kv, B, D] (a producer serves
+        them as it serves its cache)."""
+        return self.slots.permute(self.layout.logical_from_storage)
+
     def _device_block(self, block: int) -> torch.Tensor:
         """Device ``block`` in the slots' shape: [H_kv, L, 2, B, D]."""
         storage = storage_of(self.owner.kv_cache, self.owner.layout)

@@ -98,10 +98,31 @@ def check_handle(handle: p.KVHandle, num_prompt_tokens: int) -> str | None:
     # Ids past the pool are the pull's to refuse, against the pool the producer's handshake
     # declared (not the handle's own claim): that failure follows kv_load_failure_policy
     # and releases the producer (tests/test_faults.py, wrong descriptors).
+    if handle.host_slots:
+        return check_host_slots(handle)
     bad = next((b for b in handle.block_ids if b < 0), None)
     if bad is not None:
         return f"block id {bad} is negative"
     if len(set(handle.block_ids)) != len(handle.block_ids):
+        return "the KV handle lists a block twice"
+    return None
+
+
+def check_host_slots(handle: p.KVHandle) -> str | None:
+    """A handle with host-tier blocks: each entry names a device block or a tier slot,
+    exactly one of the two, none twice (ids past either pool are the pull's to refuse)."""
+    if len(handle.host_slots) != len(handle.block_ids):
+        return (
+            f"the KV handle lists {len(handle.host_slots)} host slots for "
+            f"{len(handle.block_ids)} blocks"
+        )
+    pairs = list(zip(handle.block_ids, handle.host_slots, strict=True))
+    bad = next(((b, s) for b, s in pairs if (b < 0) == (s < 0) or min(b, s) < -1), None)
+    if bad is not None:
+        return f"block entry (device {bad[0]}, host slot {bad[1]}) names not exactly one place"
+    device = [b for b in handle.block_ids if b >= 0]
+    host = [s for s in handle.host_slots if s >= 0]
+    if len(set(device)) != len(device) or len(set(host)) != len(host):
         return "the KV handle lists a block twice"
     return None
 

@@ -122,6 +122,12 @@ class KVHandle(msgspec.Struct, kw_only=True, frozen=True):
     # A secret of this request's lease, known only to whoever received the handle (the
     # router, then the one decode it picked): a Release or Heartbeat must name it.
     token: str = ""
+    # Blocks the producer serves from its host tier (kv_host_cache_gb, issue #39): empty,
+    # every block is on its device; else one entry per block_ids entry, the tier slot
+    # holding that block (its block_ids entry then -1, which a decode older than this field
+    # refuses as a negative id instead of reading the wrong device block) or -1 for a
+    # device block. Tier slots are pinned under the lease as device blocks are.
+    host_slots: list[int] = []
 
 
 class PrefillDone(Message, kw_only=True, omit_defaults=True):

@@ -3,8 +3,10 @@ producer's cache and a consumer's, split by role as the field does (vLLM's conne
 scheduler side and a worker side; SGLang's disaggregation a sender and a receiver per
 backend).
 
-- The producer role (``KVProducerRole``, a prefill rank): registers its cache, publishes
-  a ``HandshakeReply`` consumers connect with, and reports the releases they send.
+- The producer role (``KVProducerRole``, a prefill rank): registers its cache (and its
+  host tier's, when it has one: a handle may name tier slots, ``KVHandle.host_slots``),
+  publishes a ``HandshakeReply`` consumers connect with, and reports the releases they
+  send.
 - The consumer role (``Puller`` of common/transfer/kv_pulls.py, a decode rank): connects
   to producers from their handshakes, pulls blocks into its cache, releases them.
 
@@ -42,6 +44,10 @@ class CacheSpec:
 class ProducerSpec(CacheSpec):
     engine_id: str
     epoch: int  # this life's: handles of another are refused
+    # The host tier's bytes (common/engine/tier_buffer.py), served too: a handle's
+    # host_slots name blocks of it. Logical [S, L, 2, H_kv, B, D] of a block-order layout.
+    host_cache: torch.Tensor | None = None
+    host_layout: KVLayout | None = None
     tp_rank: int = 0
     tp_size: int = 1
     pcp_rank: int = 0

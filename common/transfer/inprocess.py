@@ -73,6 +73,7 @@ class InProcessConsumer:
         self._done: dict[str, PullResult] = {}  # copied (or failed), reported at next poll
         self.hold: set[str] = set()  # request ids whose pulls stay in flight (tests)
         self.fail: dict[str, str] = {}  # request id -> error its pull ends with (tests)
+        self.num_host_blocks_read = 0  # blocks read from producers' host tiers (tests)
 
     def connect(self, replies: list[HandshakeReply]) -> None:
         for reply in replies:
@@ -104,17 +105,28 @@ class InProcessConsumer:
             producer = _producers.get(agent)
         if remote is None or producer is None:
             raise KVTransferError(f"KV pull of request {rid!r} from {peer}: not connected")
-        local = np.array(spec.local_block_ids, dtype=np.int64)
-        remote_ids = np.array(spec.remote_block_ids, dtype=np.int64)
-        sub = msgspec.structs.replace(handle, block_ids=spec.remote_block_ids)
-        check_ids(self.spec.layout, rid, peer, sub, remote, local, remote_ids)
         check_heads(self.spec.layout, rid, peer, remote, spec.heads)
-        src, dst = producer.spec.kv_cache, self.spec.kv_cache  # [N, L, 2, H_kv, B, D]
         num_bytes = 0
-        for s, d, n in spec.heads:
-            rows = src[remote_ids.tolist(), :, :, s : s + n]  # a copy: [n_blocks, L, 2, n, B, D]
-            dst[local.tolist(), :, :, d : d + n] = rows.to(dst.device)
-            num_bytes += rows.numel() * rows.element_size()
+        for from_host, remote_block_ids, local_block_ids in spec.parts():
+            # the tier's slots are a cache of their own: [S, L, 2, H_kv, B, D]
+            src = producer.spec.host_cache if from_host else producer.spec.kv_cache
+            host_layout = producer.spec.host_layout
+            if src is None or (from_host and host_layout is None):
+                raise KVTransferError(
+                    f"KV pull of request {rid!r} from {peer}: refused, it serves no host tier"
+                )
+            local = np.array(local_block_ids, dtype=np.int64)
+            remote_ids = np.array(remote_block_ids, dtype=np.int64)
+            sub = msgspec.structs.replace(handle, block_ids=remote_block_ids)
+            num_remote = host_layout.num_blocks if from_host and host_layout else None
+            check_ids(self.spec.layout, rid, peer, sub, remote, local, remote_ids, num_remote)
+            dst = self.spec.kv_cache  # [N, L, 2, H_kv, B, D]
+            for s, d, n in spec.heads:
+                rows = src[remote_ids.tolist(), :, :, s : s + n]  # a copy: [n, L, 2, h, B, D]
+                dst[local.tolist(), :, :, d : d + n] = rows.to(dst.device)
+                num_bytes += rows.numel() * rows.element_size()
+            if from_host:
+                self.num_host_blocks_read += len(remote_block_ids)
         return num_bytes
 
     def poll(self) -> list[PullResult]:

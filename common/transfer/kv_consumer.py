@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -23,6 +24,7 @@ from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_
 from pdserve.common.transfer.kv_pull_state import Pull, Remote, check_heads, check_ids
 from pdserve.common.transfer.kv_transfer import (
     KVTransferError,
+    NixlHandshake,
     _CacheAgent,
     _pull_error,
     incompatibilities,
@@ -118,17 +120,32 @@ class KVConsumer(_CacheAgent):
             block_dlist = (
                 None if blocks is None else self._agent.prep_xfer_dlist(name, blocks, nixl.mem_type)
             )
+            remote = Remote(reply=reply, dlist=dlist, blocks=block_dlist)
+            if nixl.host_num_slots:
+                self._prep_host_tier(remote, name, nixl)
             self._notifier.add_remote_agent(nixl.agent_metadata)
         except Exception as exc:
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
-        self._remotes[key] = Remote(reply=reply, dlist=dlist, blocks=block_dlist)
+        self._remotes[key] = remote
         log.info(
             "kv_remote_connected",
             peer=peer_name(*key),
             mem_type=nixl.mem_type,
             num_blocks=reply.layout.num_blocks,
         )
+
+    def _prep_host_tier(self, remote: Remote, name: str, nixl: NixlHandshake) -> None:
+        """The producer's host tier as a second remote cache: DRAM, block-major, its own
+        slot count (common/engine/tier_buffer.py lays it out so)."""
+        layout = msgspec.structs.replace(
+            remote.reply.layout, num_blocks=nixl.host_num_slots, order="block"
+        )
+        units = head_block_descs(nixl.host_base_address, layout, 0)
+        remote.host_dlist = self._agent.prep_xfer_dlist(name, units, "DRAM")
+        blocks = block_descs(nixl.host_base_address, layout, 0)
+        remote.host_blocks = self._agent.prep_xfer_dlist(name, blocks, "DRAM")
+        remote.host_layout = layout
 
     def _check_handshake(self, reply: HandshakeReply) -> None:
         what = (
@@ -159,6 +176,8 @@ class KVConsumer(_CacheAgent):
         for step in (
             remote.dlist.release,
             lambda: remote.blocks is not None and remote.blocks.release(),
+            lambda: remote.host_dlist is not None and remote.host_dlist.release(),
+            lambda: remote.host_blocks is not None and remote.host_blocks.release(),
             lambda: self._agent.remove_remote_agent(key[2]),
             lambda: self._notifier.remove_remote_agent(key[2]),
         ):
@@ -220,14 +239,26 @@ class KVConsumer(_CacheAgent):
         local_block_ids: list[int],
         replica: int = 0,
         heads: list[tuple[int, int, int]] | None = None,
+        from_host: bool = False,
     ) -> Pull:
         """Post a READ of handle.block_ids (on replica ``replica``) into local_block_ids.
 
         ``heads``: (remote first head, local first head, count) slices of the remote
-        rank's KV heads to read (tp.pull_plan); None reads every head into the same one."""
+        rank's KV heads to read (tp.pull_plan); None reads every head into the same one.
+        ``from_host``: the ids are slots of the producer's host tier (KVHandle.host_slots),
+        read with DRAM descriptors."""
         started = time.perf_counter()
         remote = self._remote_for(handle, replica, request_id)
         peer = peer_name(handle.engine_id, handle.epoch, remote.reply.agent_name)
+        rlayout, remote_units, remote_blocks = remote.reply.layout, remote.dlist, remote.blocks
+        if from_host:
+            if remote.host_layout is None:
+                raise _pull_error(request_id, peer, "refused, it serves no host tier")
+            rlayout, remote_units, remote_blocks = (
+                remote.host_layout,
+                remote.host_dlist,
+                remote.host_blocks,
+            )
         try:
             local_ids = np.array(local_block_ids, dtype=np.int64)
             remote_ids = np.array(handle.block_ids, dtype=np.int64)
@@ -235,18 +266,18 @@ class KVConsumer(_CacheAgent):
             raise _pull_error(
                 request_id, peer, f"refused, block ids are not block numbers: {exc}"
             ) from exc
-        check_ids(self.layout, request_id, peer, handle, remote, local_ids, remote_ids)
+        num_remote = rlayout.num_blocks
+        check_ids(self.layout, request_id, peer, handle, remote, local_ids, remote_ids, num_remote)
         local_ids, remote_ids = (
             local_ids.astype(np.int32),
             remote_ids.astype(np.int32),
         )  # in range now
-        rlayout = remote.reply.layout
         if heads is None:
             heads = [(0, 0, self.layout.num_kv_heads)]
         check_heads(self.layout, request_id, peer, remote, heads)
         num_heads = sum(n for _, _, n in heads)
         if (
-            remote.blocks is not None
+            remote_blocks is not None
             and self._local_blocks is not None
             and heads == [(0, 0, rlayout.num_kv_heads)]
             and rlayout.num_kv_heads == self.layout.num_kv_heads
@@ -254,7 +285,7 @@ class KVConsumer(_CacheAgent):
             # Every head, both caches block-major: whole blocks, indexed by block id.
             local_list, remote_list, local_idx, remote_idx = (
                 self._local_blocks,
-                remote.blocks,
+                remote_blocks,
                 local_ids,
                 remote_ids,
             )
@@ -265,7 +296,7 @@ class KVConsumer(_CacheAgent):
             # adjacent in the lists: block by block when both are block-major, else
             # head by head.
             by_block = self.layout.order == rlayout.order == "block"
-            local_list, remote_list = self._local_dlist, remote.dlist
+            local_list, remote_list = self._local_dlist, remote_units
             local_idx = np.concatenate(
                 [unit_indices(local_ids, self.layout, dst, n, by_block) for _, dst, n in heads]
             )

@@ -51,6 +51,11 @@ class Remote:
     dlist: Any  # prepped (head, block)-granular descriptor list of the remote cache
     blocks: Any = None  # block order: prepped list of whole blocks (all heads), else None
     failed: bool = False  # a READ from it failed: releases take the side channel
+    # its host tier (NixlHandshake.host_num_slots > 0): the slots' layout (block order) and
+    # prepped DRAM lists, (head, block) units and whole blocks, as of the cache above
+    host_layout: KVLayout | None = None
+    host_dlist: Any = None
+    host_blocks: Any = None
     num_posted: int = 0  # READs from it posted and not ended (a failed one is reconnected at 0)
 
 
@@ -62,9 +67,11 @@ def check_ids(
     remote: Remote,
     local: np.ndarray,
     remote_ids: np.ndarray,
+    num_remote: int | None = None,
 ) -> None:
     """Refused before posting: NIXL would reject the indices, but say which ones and why.
-    ``layout``: the local cache's."""
+    ``layout``: the local cache's; ``num_remote``: the remote's blocks (its host tier's
+    slots for a READ from the tier; None: its cache's)."""
     if handle.layout != remote.reply.layout:
         why = f"handle layout {handle.layout} differs from the handshake's"
         raise _pull_error(request_id, peer, f"refused, {why}")
@@ -72,7 +79,11 @@ def check_ids(
         why = f"{len(handle.block_ids)} remote blocks but {len(local)} local"
         raise _pull_error(request_id, peer, f"refused, {why}")
     for side, ids, n in (
-        ("remote", remote_ids, remote.reply.layout.num_blocks),
+        (
+            "remote",
+            remote_ids,
+            remote.reply.layout.num_blocks if num_remote is None else num_remote,
+        ),
         ("local", local, layout.num_blocks),
     ):
         if len(ids) and (ids.min() < 0 or ids.max() >= n):  # C-speed check; list only on error

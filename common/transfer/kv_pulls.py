@@ -22,6 +22,25 @@ class PullSpec(msgspec.Struct, array_like=True, frozen=True):
     remote_block_ids: list[int]
     local_block_ids: list[int]
     heads: list[tuple[int, int, int]]  # (remote first head, local first head, count)
+    # KVHandle.host_slots of these blocks (empty: all on the device): where >= 0, the
+    # block is read from that slot of the producer's host tier
+    remote_host_slots: list[int] = []
+
+    def parts(self) -> list[tuple[bool, list[int], list[int]]]:
+        """(from the host tier, remote ids, local ids) of each non-empty part: the device
+        blocks (VRAM descriptors on a GPU), then the tier slots (DRAM ones); a backend
+        posts one READ each."""
+        if not self.remote_host_slots:
+            return [(False, self.remote_block_ids, self.local_block_ids)]
+        rows = list(zip(self.remote_block_ids, self.remote_host_slots, self.local_block_ids,
+                        strict=True))  # fmt: skip
+        device = [(b, lo) for b, s, lo in rows if s < 0]
+        host = [(s, lo) for _, s, lo in rows if s >= 0]
+        return [
+            (from_host, [r for r, _ in pairs], [lo for _, lo in pairs])
+            for from_host, pairs in ((False, device), (True, host))
+            if pairs
+        ]
 
 
 @dataclass

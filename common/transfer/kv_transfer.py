@@ -5,10 +5,12 @@ pulls blocks and releases them. This module has the producer and what both sides
 ``NixlHandshake``, the payload of a ``HandshakeReply`` only NIXL reads.
 
 Descriptor count, not bandwidth, decides speed (FACTS.md), so:
-- each side registers its whole cache once, and the consumer prepares descriptor lists of
-  (head, block) units once (its own at start, each remote's at connect; block-major caches
-  also one of whole blocks), so a pull is one ``make_prepped_xfer`` call over two index
-  lists, no per-request list building (common/transfer/kv_descs.py);
+- each side registers its whole cache once (a producer with a host tier its tier too, as
+  DRAM: a handle's ``host_slots``), and the consumer prepares descriptor lists of
+  (head, block) units once (its own at start, each remote's at connect, a remote's tier
+  too; block-major caches also one of whole blocks), so a pull is one
+  ``make_prepped_xfer`` call per memory kind over two index lists, no per-request list
+  building (common/transfer/kv_descs.py);
 - adjacent units coalesce: ``make_prepped_xfer`` merges index pairs whose local AND
   remote descriptors are both contiguous into one descriptor (NIXL's default merging; the
   tests check NIXL's own count in transfer telemetry): ``runs x heads`` descriptors per
@@ -57,7 +59,7 @@ _release_decoder: Decoder[Release] = Decoder(Release)
 NIXL = "nixl"  # the backend's name (HandshakeReply.backend, kv_transfer_backend)
 
 
-class NixlHandshake(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class NixlHandshake(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """What a NIXL consumer needs of a producer rank beyond the shared handshake: its
     agent's metadata and where its cache is (``HandshakeReply.payload``, msgpack)."""
 
@@ -65,6 +67,11 @@ class NixlHandshake(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     base_address: int  # address of the registered KV cache tensor
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int = 0
+    # Its host tier (KVHandle.host_slots), registered as DRAM: the slots' address and
+    # count (0: none; omitted then, so a consumer older than these fields still reads
+    # the payload, and refuses one that names a tier). Slots are block-major.
+    host_base_address: int = 0
+    host_num_slots: int = 0
 
 
 _handshake_decoder = msgspec.msgpack.Decoder(NixlHandshake)
@@ -234,11 +241,26 @@ class KVProducer(_CacheAgent):
         tp_size: int = 1,
         pcp_rank: int = 0,
         pcp_size: int = 1,
+        host_cache: torch.Tensor | None = None,
+        host_layout: KVLayout | None = None,
     ) -> None:
         super().__init__(agent_name, kv_cache, layout, num_threads)
         self.engine_id = engine_id
         self.epoch = epoch
         self.num_bad_notifications = 0
+        self._host_reg: Any = None
+        host_address = num_host_slots = 0
+        if host_cache is not None and host_layout is not None:
+            # registered once, as the cache is: a pull names slots by index
+            _check_cache(host_cache, host_layout, f"agent {agent_name!r} host tier")
+            try:
+                self._host_reg = self._agent.register_memory(storage_of(host_cache, host_layout))
+            except Exception as exc:
+                self._close_agent()
+                raise KVTransferError(
+                    f"agent {agent_name!r}: registering the host tier failed: {exc!r}"
+                ) from exc
+            host_address, num_host_slots = host_cache.data_ptr(), host_layout.num_blocks
         spec = ProducerSpec(
             agent_name=agent_name,
             kv_cache=kv_cache,
@@ -256,6 +278,8 @@ class KVProducer(_CacheAgent):
             base_address=kv_cache.data_ptr(),
             mem_type=self.mem_type,
             device_id=self.device_id,
+            host_base_address=host_address,
+            host_num_slots=num_host_slots,
         )
         self._reply = spec.reply(NIXL, msgspec.msgpack.encode(payload))
 
@@ -307,4 +331,10 @@ class KVProducer(_CacheAgent):
         return release, ""
 
     def close(self) -> None:
+        if self._host_reg is not None and self._agent is not None:
+            try:
+                self._agent.deregister_memory(self._host_reg)
+            except Exception as exc:  # noqa: BLE001 - closing must not fail (often at exit)
+                log.warning("kv_deregister_failed", agent=self.agent_name, error=repr(exc))
+            self._host_reg = None
         self._close_agent()

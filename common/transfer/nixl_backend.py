@@ -78,20 +78,23 @@ class NixlPuller:
 def start_pulls(
     consumer: KVConsumer, rid: str, handle: p.KVHandle, specs: list[PullSpec]
 ) -> list[Pull]:
-    """Post one READ per spec; on a failure the ones already posted are aborted."""
+    """Post one READ per spec and place (device blocks, host-tier slots: one memory kind
+    a READ); on a failure the ones already posted are aborted."""
     pulls: list[Pull] = []
     try:
         for spec in specs:
-            sub = msgspec.structs.replace(handle, block_ids=spec.remote_block_ids)
-            pulls.append(
-                consumer.start_pull(
-                    rid,
-                    sub,
-                    spec.local_block_ids,
-                    spec.replica,
-                    heads=[(src, dst, n) for src, dst, n in spec.heads],
+            for from_host, remote_ids, local_ids in spec.parts():
+                sub = msgspec.structs.replace(handle, block_ids=remote_ids)
+                pulls.append(
+                    consumer.start_pull(
+                        rid,
+                        sub,
+                        local_ids,
+                        spec.replica,
+                        heads=[(src, dst, n) for src, dst, n in spec.heads],
+                        from_host=from_host,
+                    )
                 )
-            )
     except Exception:
         for pull in pulls:
             consumer.abort(pull)
@@ -124,6 +127,8 @@ class NixlBackend:
             tp_size=spec.tp_size,
             pcp_rank=spec.pcp_rank,
             pcp_size=spec.pcp_size,
+            host_cache=spec.host_cache,
+            host_layout=spec.host_layout,
         )
 
     def consumer(self, spec: CacheSpec) -> NixlPuller:

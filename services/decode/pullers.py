@@ -58,6 +58,7 @@ def plan_pulls(
                         handle.block_ids[a:b],
                         local_blocks[a:b],
                         [(sl.src_head, sl.dst_head, sl.num_heads)],
+                        handle.host_slots[a:b],
                     )
                 )
         plan.append(specs)

@@ -77,12 +77,16 @@ class PrefillEngineThread(EngineThread):
             replies = self.ranks.handshake_replies
         else:
             from pdserve.common.engine.model_runner import ModelRunner
+            from pdserve.common.engine.tier_buffer import TierBuffer
             from pdserve.common.transfer.backend import ProducerSpec
             from pdserve.common.transfer.registry import transfer_backend
 
             self.engine = PrefillEngine(engine_cfg)
             runner = self.engine.runner
             assert isinstance(runner, ModelRunner)  # in process: no rank group
+            tier = self.engine.pool.tier
+            buffer = None if tier is None else tier.mover
+            assert buffer is None or isinstance(buffer, TierBuffer)
             self.producer = transfer_backend(cfg.kv_transfer_backend).producer(
                 ProducerSpec(
                     engine_id=ctx.engine_id,
@@ -91,8 +95,12 @@ class PrefillEngineThread(EngineThread):
                     kv_cache=runner.kv_cache,
                     layout=runner.layout,
                     compat=runner.kv_compat(),
+                    host_cache=None if buffer is None else buffer.logical,
+                    host_layout=None if buffer is None else buffer.layout,
                 )
             )
+            # decode reads tier blocks from the tier: their device blocks free at publish
+            self.engine.scheduler.publish_host_tier = buffer is not None
             replies = [self.producer.handshake_reply]
         self.post(ctx.publish_handshakes, list(replies))
         self.replicas = [
@@ -264,6 +272,7 @@ class PrefillEngineThread(EngineThread):
             epoch=self.ctx.epoch,
             layout=self.engine.runner.layout,
             block_ids=done.block_ids,
+            host_slots=done.host_slots,
             first_block=done.first_block,
             group_first_blocks=done.group_first_blocks,
             group_rates=self._group_rates,

@@ -15,6 +15,7 @@ class Prefilled(msgspec.Struct, kw_only=True):
     request_id: str
     first_token: int
     block_ids: list[int]  # pinned until ``PrefillEngine.unpin`` (release or lease expiry)
+    host_slots: list[int] = []  # KVHandle.host_slots: tier slots pinned the same way
     first_block: int  # the table entry of block_ids[0]: those before left a sliding window
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     # several KV cache groups: block_ids hold each group's kept blocks, group after group;
@@ -32,12 +33,14 @@ class PrefillEngine(EngineCore[Prefilled]):
         req.output_token_ids.append(token_id)
         del self._requests[req.request_id]
         first_block, *group_first_blocks = req.dropped
+        block_ids, host_slots = self.scheduler.pin(req)
         return Prefilled(
             request_id=req.request_id,
             first_token=token_id,
             first_block=first_block,
             group_first_blocks=group_first_blocks,
-            block_ids=self.scheduler.pin(req),
+            block_ids=block_ids,
+            host_slots=host_slots,
             num_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
