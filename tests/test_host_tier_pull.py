@@ -21,6 +21,7 @@ from pdserve.common.transfer.kv_consumer import KVConsumer
 from pdserve.common.transfer.kv_pulls import PullSpec
 from pdserve.common.transfer.kv_transfer import KVProducer, KVTransferError
 from pdserve.common.transfer.nixl_backend import start_pulls
+from pdserve.services.decode.pullers import plan_pulls
 
 # head-order device caches (as on CPU), a block-order tier of 4 slots (as TierBuffer's)
 LAYOUT = KVLayout(
@@ -54,6 +55,17 @@ def test_pull_spec_parts_split_device_blocks_from_tier_slots() -> None:
     assert spec.parts() == [(False, [3, 5], [0, 2]), (True, [2, 0], [1, 3])]
     assert PullSpec(0, [3], [0], [(0, 0, 2)]).parts() == [(False, [3], [0])]
     assert PullSpec(0, [-1], [0], [(0, 0, 2)], [1]).parts() == [(True, [1], [0])]
+
+
+@pytest.mark.parametrize("consumer_tp", [1, 2])
+def test_every_decode_rank_reads_each_tier_slot_from_the_tier(consumer_tp: int) -> None:
+    """A TP-1 producer's handle of both kinds, planned for 1 or 2 decode ranks: each
+    rank's specs carry the host slots of their blocks, so each part goes where it lives."""
+    h = handle([3, -1, 5, -1], [-1, 2, -1, 0], "a")
+    plan = plan_pulls(h, [10, 11, 12, 13], LAYOUT.num_kv_heads, consumer_tp, striped=False)
+    for specs in plan:
+        [spec] = specs
+        assert spec.parts() == [(False, [3, 5], [10, 12]), (True, [2, 0], [11, 13])]
 
 
 @pytest.mark.parametrize(
