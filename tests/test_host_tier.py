@@ -365,4 +365,8 @@ def test_a_deployment_serves_second_turns_from_the_tier(
     pattern = rf'^pdserve:kv_host_cache_hits_total\{{[^}}]*service="{service}"[^}}]*\}} (\S+)'
     hits = re.findall(pattern, text, re.MULTILINE)
     assert hits and float(hits[0]) > 0
+    if not colocated:  # those blocks were published by tier slot: decode read host DRAM
+        pattern = r'^pdserve:kv_host_cache_served_total\{[^}]*service="prefill"[^}]*\} (\S+)'
+        served = re.findall(pattern, text, re.MULTILINE)
+        assert served and float(served[0]) > 0
     assert re.search(r"^pdserve:kv_host_cache_offload_bytes_total\{", text, re.MULTILINE)

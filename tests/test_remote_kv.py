@@ -257,6 +257,7 @@ def test_a_prefix_half_in_the_host_tier_pulls_the_monolithic_tokens(
         block_bytes = pair.prefill.engine.runner.layout.block_bytes
         assert metric("pdserve:kv_host_cache_offload_bytes") == 2 * block_bytes
         assert metric("pdserve:kv_host_cache_reload_bytes") == block_bytes
+        assert metric("pdserve:kv_host_cache_served") == 1
     finally:
         pair.close()
     assert pair.prefill.engine.pool.tier is None  # teardown gave the tier back

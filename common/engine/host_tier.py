@@ -53,6 +53,7 @@ class HostTier:
         self.num_hits = 0  # blocks a prefix lookup found here and brought up
         self.num_offloaded = 0  # blocks copied down
         self.num_reloaded = 0  # blocks copied up
+        self.num_served = 0  # pins: blocks a consumer was handed to read from here
 
     @property
     def num_blocks(self) -> int:
@@ -129,6 +130,7 @@ class HostTier:
             return None
         self._pins[slot] = self._pins.get(slot, 0) + 1
         self._used.move_to_end(slot)
+        self.num_served += 1
         return slot
 
     def unpin(self, slot: int) -> None:

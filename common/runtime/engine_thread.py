@@ -61,6 +61,7 @@ def report_tier(metrics: Metrics, tier: HostTier) -> None:
         "pdserve:kv_host_cache_hits": tier.num_hits,
         "pdserve:kv_host_cache_offload_bytes": tier.num_offloaded * tier.block_bytes,
         "pdserve:kv_host_cache_reload_bytes": tier.num_reloaded * tier.block_bytes,
+        "pdserve:kv_host_cache_served": tier.num_served,
     }
     for name, total in totals.items():  # an increment of 0 shows the counter exists
         metrics.inc(name, max(0.0, total - metrics.value(name)))

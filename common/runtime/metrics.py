@@ -35,6 +35,7 @@ COUNTERS = {
     "pdserve:kv_host_cache_hits": "prompt KV blocks a prefix lookup found in the host tier (not on the device) and copied back up",
     "pdserve:kv_host_cache_offload_bytes": "bytes of KV blocks the device pool evicted, copied down into the host tier",
     "pdserve:kv_host_cache_reload_bytes": "bytes of KV blocks copied back up from the host tier",
+    "pdserve:kv_host_cache_served": "prompt KV blocks a prefill handed decode from its host tier (KVHandle.host_slots: read from host DRAM)",
     "pdserve:local_prefills": "prompts the router sent to be prefilled by their decode instance (conditional disaggregation), by reason: short (uncached part under local_prefill_threshold) or prefill_behind",
     "pdserve:peer_down": "times the router found an instance down (silent or disconnected)",
     "pdserve:router_lost": "times a service found a router gone and aborted its requests",
