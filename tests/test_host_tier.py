@@ -370,3 +370,54 @@ def test_a_deployment_serves_second_turns_from_the_tier(
         served = re.findall(pattern, text, re.MULTILINE)
         assert served and float(served[0]) > 0
     assert re.search(r"^pdserve:kv_host_cache_offload_bytes_total\{", text, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_prefill_killed_before_decode_reads_its_tier_blocks(model_dir: Path, tmp_path: Path) -> None:
+    """The fault suite's kill of a prefill between its answer and the pull, with the answer's
+    prefix published from the prefill's host tier (tier slots pinned under the lease): the
+    request fails naming the producer, nothing is left held on decode, and the restarted
+    prefill serves the same prompt with every pool back to full."""
+    import concurrent.futures
+
+    from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
+    from tests.e2e import deployment
+    from tests.fault_suite import (
+        DETECT_BOUND,
+        FAST,
+        addresses,
+        client,
+        decode_waiting,
+        failure_of,
+        in_background,
+        restart,
+    )
+    from tests.fault_tools import pools_full, service_metrics, wait_until
+
+    def served() -> float:
+        metrics = service_metrics(dep.cfg.prefill_addresses[0].address, "prefill")
+        return metrics.get("pdserve:kv_host_cache_served", 0.0)
+
+    hold = tmp_path / "hold-pulls"
+    engine = {"block_size": 16, "num_kv_blocks": 8, "kv_host_cache_gb": 0.01}
+    first, *others = [list(range(1000 * k, 1000 * k + 48)) for k in range(1, 5)]  # 3 blocks each
+    second = first + list(range(9000, 9016))
+    with deployment(tmp_path / "dep", model_dir, engine=engine,
+                    env={HOLD_PULLS_ENV: str(hold)}, **FAST) as dep:  # fmt: skip
+        with client(dep) as c:  # the first prompt, then three more that push it to the tier
+            for ids in [first, *others]:
+                assert c.generate(prompt_token_ids=ids, max_tokens=2).token_ids
+        before = served()
+        hold.touch()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = in_background(pool, dep, second, max_tokens=4)
+            wait_until(lambda: decode_waiting(dep), 30, "decode to hold the pull")
+            assert served() > before  # the handle names tier slots, pinned under its lease
+            dep.kill("prefill-0")
+            hold.unlink()
+            err = failure_of(fut, DETECT_BOUND)
+        assert err.reason == "kv_transfer" and "prefill-0" in err.message, err
+        restart(dep, "prefill-0")
+        with client(dep) as c:
+            assert len(c.generate(prompt_token_ids=second, max_tokens=4).token_ids) == 4
+        wait_until(lambda: pools_full(addresses(dep)), 15, "every pool back to full")
