@@ -373,7 +373,9 @@ def test_a_deployment_serves_second_turns_from_the_tier(
 
 
 @pytest.mark.slow
-def test_prefill_killed_before_decode_reads_its_tier_blocks(model_dir: Path, tmp_path: Path) -> None:
+def test_prefill_killed_before_decode_reads_its_tier_blocks(
+    model_dir: Path, tmp_path: Path
+) -> None:
     """The fault suite's kill of a prefill between its answer and the pull, with the answer's
     prefix published from the prefill's host tier (tier slots pinned under the lease): the
     request fails naming the producer, nothing is left held on decode, and the restarted
