@@ -322,3 +322,37 @@ def test_a_request_forgotten_mid_pull_keeps_its_blocks_until_the_reads_end(h: Ha
     h.turn()
     assert h.engine.pool.num_free_blocks == NUM_BLOCKS and h.thread.pulls.requests == {}
     assert h.terminal("a") == [] and h.puller.released == ["a"]
+
+
+def test_a_producer_a_pull_could_not_reach_is_reported_until_reconnected(h: Harness) -> None:
+    """What the decode's Pongs name (router pairs it with other prefills meanwhile): set by
+    a transport failure, not by a refusal; cleared by the reconnect or a pull that works."""
+    h.turn(connected(), decode("a", handle()))
+    h.puller.results.append(
+        PullResult("a", f"KV pull of request 'a' from {ENGINE}: refused, stale")
+    )
+    h.turn()
+    assert h.thread.unreachable_producers == []
+    h.turn(decode("b", handle()))
+    h.puller.results.append(
+        PullResult("b", f"KV pull of request 'b' from {ENGINE}: transfer failed: NIXL state ERR")
+    )
+    h.turn()
+    assert h.thread.unreachable_producers == [ENGINE]
+    h.turn(decode("c", handle()))
+    why = "unreachable since a READ from it failed; reconnecting in 1.5 s"
+    h.puller.results.append(PullResult("c", f"KV pull of request 'c' from {ENGINE}: {why}"))
+    h.turn()
+    assert h.thread.unreachable_producers == [ENGINE]
+    h.turn(connected())  # connect ahead reached its side channel again: reconnected
+    assert h.thread.unreachable_producers == []
+    h.turn(decode("d", handle()))
+    h.puller.results.append(PullResult("d", "reconnecting failed: KV handshake timed out"))
+    h.turn()
+    assert h.thread.unreachable_producers == [ENGINE]
+    h.turn(decode("e", handle()))
+    h.puller.results.append(PullResult("e", None, num_bytes=1, num_descriptors=1))
+    h.turn()
+    assert h.thread.unreachable_producers == []
+    assert all(len(h.terminal(rid)) == 1 for rid in "abcde")
+    assert h.engine.pool.num_free_blocks == NUM_BLOCKS

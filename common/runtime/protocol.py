@@ -231,6 +231,9 @@ class Pong(Message, kw_only=True):
     # them which remembered blocks are still on the device and which in the host tier
     num_kv_blocks: int = 0
     num_host_blocks: int = 0
+    # decode: the producers (engine ids, "prefill-N") its last pull from failed on the
+    # transport, until it reaches them again; the router pairs it with other prefills
+    unreachable_producers: list[str] = []
 
 
 class MetricSample(msgspec.Struct, array_like=True):

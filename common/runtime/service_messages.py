@@ -204,11 +204,16 @@ class ServiceMessages:
                 num_waiting=waiting,
                 num_kv_blocks=int(self.metrics.value("pdserve:kv_blocks_total")),
                 num_host_blocks=int(self.metrics.value("pdserve:kv_host_cache_blocks_total")),
+                unreachable_producers=self.unreachable_producers(),
             ),
         )
 
     def load(self) -> tuple[int, int]:
         return 0, 0
+
+    def unreachable_producers(self) -> list[str]:
+        """Producers (engine ids) this service cannot reach now (a decode's, for Pong)."""
+        return []
 
     def on_metrics(self, identity: bytes, msg: p.MetricsQuery) -> None:
         self.reply(identity, p.MetricsReport(samples=self.metrics.samples()))

@@ -93,12 +93,17 @@ class KVConsumer(_CacheAgent):
 
     def connect(self, reply: HandshakeReply) -> None:
         """Load one producer replica's agent and prepare its descriptor list. Idempotent;
-        a newer epoch of an engine replaces the older one (whose handles are then refused)."""
+        a newer epoch of an engine replaces the older one (whose handles are then refused).
+        A replica a READ failed from (none posted now) or dropped since is loaded again
+        at once: the decode's side channel reached the producer again (connect ahead)."""
         key = (reply.engine_id, reply.epoch, reply.agent_name)
         nixl = nixl_handshake(reply)
         self._check_handshake(reply)
-        if key in self._remotes:
+        known = self._remotes.get(key)
+        if known is not None and not (known.failed and not known.num_posted):
             return
+        if known is not None:
+            self._drop(key)
         related = [k for k in self._remotes if k[0] == reply.engine_id or k[2] == reply.agent_name]
         for old in related:
             if old[0] != reply.engine_id or old[1] < reply.epoch:  # restarted, or name reused
@@ -128,6 +133,7 @@ class KVConsumer(_CacheAgent):
             self._agent.remove_remote_agent(name)
             raise KVTransferError(f"KV handshake with {peer_name(*key)}: {exc}") from exc
         self._remotes[key] = remote
+        self._lost.pop(key, None)
         log.info(
             "kv_remote_connected",
             peer=peer_name(*key),
@@ -208,7 +214,6 @@ class KVConsumer(_CacheAgent):
             self.connect(reply)
         except KVTransferError as exc:
             raise _pull_error(request_id, peer_name(*key), f"reconnecting failed: {exc}") from exc
-        del self._lost[key]
         log.info("kv_remote_reconnected", peer=peer_name(*key), request_id=request_id)
         return self._remotes[key]
 

@@ -43,6 +43,23 @@ class PullSpec(msgspec.Struct, array_like=True, frozen=True):
         ]
 
 
+# What a consumer's pull error says when the producer did not answer on the transport (a
+# READ ended in error, none could be posted, or the reconnect after one is pending or
+# failed: common/transfer/kv_consumer.py), as against a refusal (stale epoch, bad ids).
+UNREACHABLE_ERRORS = (
+    "transfer failed: NIXL state",
+    "posting the READ failed",
+    "unreachable since a READ from it failed",
+    "reconnecting failed",
+)
+
+
+def is_unreachable(error: str) -> bool:
+    """Whether a pull's error says its producer is unreachable from this decode (the
+    router then avoids pairing them: the decode names it in its Pongs)."""
+    return any(marker in error for marker in UNREACHABLE_ERRORS)
+
+
 @dataclass
 class PullResult:
     request_id: str

@@ -52,6 +52,8 @@ class DecodeEngineThread(EngineThread):
         })  # fmt: skip
         # What the service's heartbeats name, replaced whole every turn (a snapshot).
         self.pending_by_producer: PendingByProducer = {}
+        # Producers a pull failed to reach (PendingPulls.unreachable), for the service's Pongs.
+        self.unreachable_producers: list[str] = []
         self.peers: dict[str, tuple[bytes, str]] = {}  # request id -> (router identity, trace id)
         self.pulls: PendingPulls  # made by setup (open_pulls)
         self.spec_reporter: SpecDecodeReporter | None = None  # set up with a speculator
@@ -115,6 +117,7 @@ class DecodeEngineThread(EngineThread):
             self._step()
         self._update_gauges()
         self.pending_by_producer = self.pulls.by_producer()
+        self.unreachable_producers = sorted(self.pulls.unreachable)
         computing = self.engine.has_unfinished and self.engine.last_step_tokens > 0
         return computing or self.pulls.is_pulling
 

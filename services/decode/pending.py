@@ -17,6 +17,7 @@ import structlog
 from pdserve.common.errors import FatalError, PdserveError
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_commands import ProducerKey
+from pdserve.common.transfer.kv_pulls import is_unreachable
 
 if TYPE_CHECKING:
     from pdserve.common.runtime.fault_hooks import FaultHooks
@@ -87,6 +88,9 @@ class PendingPulls:
         self.requests: dict[str, PendingPull] = {}
         self.producers: dict[ProducerKey, str | None] = {}  # None: connected; str: why not
         self.connected_at: dict[ProducerKey, float] = {}  # wall time of each producer's handshake
+        # engine ids the last pull from failed on the transport (kv_pulls.is_unreachable),
+        # until a pull from it works or its (re)connect does: the router avoids the pair
+        self.unreachable: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -116,6 +120,9 @@ class PendingPulls:
             self.puller.connect(replies)
             self.producers[key] = None
             self.connected_at[key] = time.time()
+            if key[0] in self.unreachable:
+                self.unreachable.discard(key[0])
+                log.info("kv_producer_reachable", engine_id=key[0], epoch=key[1])
         except PdserveError as exc:
             self.producers[key] = str(exc)
             log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
@@ -181,8 +188,13 @@ class PendingPulls:
     def _pulled(self, rid: str, pp: PendingPull, result: PullResult) -> None:
         pp.pulling = False
         if result.error is not None:
+            if is_unreachable(result.error) and pp.key[0] not in self.unreachable:
+                self.unreachable.add(pp.key[0])
+                log.warning("kv_producer_unreachable", engine_id=pp.key[0], epoch=pp.key[1],
+                            request_id=rid, trace_id=pp.msg.trace_id)  # fmt: skip
             self._failed(rid, pp, result.error, release=True)
             return
+        self.unreachable.discard(pp.key[0])
         del self.requests[rid]
         pp.marks["pull_done"] = time.time()
         self.metrics.inc("pdserve:kv_transfers")

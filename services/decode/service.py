@@ -66,6 +66,10 @@ class DecodeService(Service):
             self.metrics.value("pdserve:num_requests_waiting")
         )
 
+    def unreachable_producers(self) -> list[str]:
+        engine = getattr(self, "decode_engine", None)  # made at start
+        return [] if engine is None else engine.unreachable_producers  # its thread's snapshot
+
     # -- router -----------------------------------------------------------------------------
 
     def on_decode(self, identity: bytes, msg: p.DecodeRequest) -> None:
@@ -135,7 +139,9 @@ class DecodeService(Service):
             await asyncio.sleep(CONNECT_AHEAD_SECONDS)
 
     async def _probe(self, address: str) -> None:
-        """Connect ahead to the producer at ``address`` if its current epoch is new to us."""
+        """Connect ahead to the producer at ``address`` if its current epoch is new to us,
+        or again if a pull found it unreachable (its side channel answering now: a
+        partition healed), which clears it from our Pongs once the reconnect works."""
         try:
             first = await self._ask(address, CURRENT, 0)
         except Exception as exc:  # not up yet, or busy: the next probe asks again
@@ -144,7 +150,10 @@ class DecodeService(Service):
             )
             return
         key = (first.engine_id, first.epoch)
-        if key not in self._handshakes:
+        if key not in self._handshakes or (
+            first.engine_id in self.decode_engine.unreachable_producers
+            and self._handshakes[key].done()
+        ):
             num_ranks = max(1, first.tp_size * first.pcp_size)
             self._handshakes[key] = task = asyncio.create_task(
                 self._handshake(key, [address] * num_ranks, first)

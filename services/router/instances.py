@@ -103,6 +103,7 @@ class Instances:
                 "address": link.address,
                 "ready": link.is_alive(now, self.peer_timeout),
                 "inflight": len(link.inflight),
+                **({"unreachable": sorted(link.unreachable)} if link.unreachable else {}),
             }
             for link in self.links
         }
@@ -156,6 +157,7 @@ class Instances:
                 link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
                 link.heard = link.last_pong
                 link.num_kv_blocks, link.num_host_blocks = msg.num_kv_blocks, msg.num_host_blocks
+                self._reachability(link, frozenset(msg.unreachable_producers))
             elif isinstance(msg, p.MetricsReport):
                 fut = self._scrapes.pop(link.name, None)
                 if fut is not None and not fut.done():
@@ -213,6 +215,14 @@ class Instances:
                 self._peer_down(link, "dropped its connection")
             elif handshakes is not None:  # CURVE: a refused handshake is logged
                 handshakes(event["event"])
+
+    def _reachability(self, link: Link, unreachable: frozenset[str]) -> None:
+        """What a decode's Pong says it cannot pull from now; each change logged once
+        (router.py pairs it with the other prefills meanwhile)."""
+        if unreachable != link.unreachable:
+            log.warning("producers_unreachable", peer=link.name, unreachable=sorted(unreachable),
+                        was=sorted(link.unreachable))  # fmt: skip
+            link.unreachable = unreachable
 
     def _peer_down(self, link: Link, why: str) -> None:
         """Stop routing to ``link`` until it answers a ping as ready again, and fail what it

@@ -38,6 +38,8 @@ class Link:
     # remembered says whether it is likely on the device, in the tier, or gone
     num_kv_blocks: int = 0
     num_host_blocks: int = 0
+    # a decode's: the prefills (their names, "prefill-N") its pulls cannot reach now
+    unreachable: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -97,3 +99,26 @@ def pick(
     if hashes:
         return max(alive, key=lambda link: (link.prefix_score(hashes), -link.outstanding_tokens))
     return min(alive, key=lambda link: link.outstanding_tokens)
+
+
+def reachable_prefills(
+    prefills: list[Link], decodes: list[Link], now: float, timeout: float
+) -> list[Link]:
+    """The prefills some live decode can pull from (none names it unreachable in its
+    Pongs). When no live one is left so (every decode cut from every live prefill), all of
+    them: the request goes as before, its pull failed or recomputed as
+    ``kv_load_failure_policy`` says."""
+    live = [d for d in decodes if d.is_alive(now, timeout)]
+    reached = [
+        link
+        for link in prefills
+        if link.is_alive(now, timeout) and any(link.name not in d.unreachable for d in live)
+    ]
+    return reached or prefills
+
+
+def decodes_reaching(producer: str, decodes: list[Link], now: float, timeout: float) -> list[Link]:
+    """The decodes that can pull from prefill ``producer`` (its engine id, the link's
+    name); all of them when no live one can (as ``reachable_prefills``)."""
+    reaching = [d for d in decodes if d.is_alive(now, timeout) and producer not in d.unreachable]
+    return reaching or decodes

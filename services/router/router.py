@@ -26,7 +26,7 @@ from pdserve.common.runtime.ttft import ttft_parts
 from pdserve.services.router.core_api import Refused
 from pdserve.services.router.fair_queue import FairQueue
 from pdserve.services.router.instances import Instances
-from pdserve.services.router.links import Link, pick
+from pdserve.services.router.links import Link, decodes_reaching, pick, reachable_prefills
 from pdserve.services.router.local_prefill import (
     REASONS,
     PrefillBacklog,
@@ -284,7 +284,7 @@ class Router(Instances):
                 first_logprobs = done.first_logprobs
                 prompt_logprobs = done.prompt_logprobs
                 state.marks.update(done.timings)
-            decode = local or await self._pick(self.decodes)
+            decode = local or await self._pick(self._decodes_for(handle))
             if decode is None:
                 yield self._failed(state, "peer_down", "no decode instance is up; retry later")
                 return
@@ -396,7 +396,9 @@ class Router(Instances):
         hashes: list[BlockHash],
         sampling: p.SamplingParams,
     ) -> p.PrefillDone | p.Failed | p.Finished:
-        link = await self._pick(self.prefills, hashes)
+        now = time.monotonic()
+        prefills = reachable_prefills(self.prefills, self.decodes, now, self.peer_timeout)
+        link = await self._pick(prefills, hashes)
         if link is None:
             return self._failed(state, "peer_down", "no prefill instance is up; retry later")
         self._dispatch(
@@ -423,6 +425,13 @@ class Router(Instances):
             )
             state.finished = True
         return event
+
+    def _decodes_for(self, handle: p.KVHandle | None) -> list[Link]:
+        """The decodes that can pull ``handle``'s blocks (none names its producer
+        unreachable: a partition, links.py); every decode without a handle or when none can."""
+        if handle is None:
+            return self.decodes
+        return decodes_reaching(handle.engine_id, self.decodes, time.monotonic(), self.peer_timeout)
 
     async def _next(self, state: RequestState, timeout: float, phase: str) -> Any:
         """The request's next event, or past ``timeout`` (0: none) a Failed "timeout" naming
