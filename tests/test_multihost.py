@@ -28,7 +28,7 @@ from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.fault_hooks import HOLD_PULLS_ENV
 from pdserve.common.runtime.service_config import DeploymentConfig
-from pdserve.common.transfer.kv_consumer import RECONNECT_MAX_SECONDS
+from pdserve.services.decode.service import CONNECT_AHEAD_SECONDS, HANDSHAKE_TIMEOUT
 from tests.fault_suite import FAST, LEASE, PEER_TIMEOUT, SLACK
 from tests.fault_tools import wait_until
 from tests.multihost import MultiHost, abort_and_collect, raw_requests
@@ -40,6 +40,7 @@ pytestmark = [
 ]
 
 READY_TIMEOUT = 180.0
+DECODES = ("decode-0", "decode-1")
 STREAM_TOKENS = 250  # the steady streams of the fault cases: still running when hit
 DEADLINE = 20.0  # the router's first-token deadline here: every request ends within it
 SETTINGS: dict[str, Any] = {
@@ -187,15 +188,29 @@ def check_answers(
     return counts
 
 
+def unreachable_reported(hosts: MultiHost) -> dict[str, float]:
+    """Prefills each decode reports it cannot pull from, as the router last heard (its
+    pdserve:unreachable_producers gauge)."""
+    text = hosts.metrics_text()
+    return {d: counter(text, "pdserve:unreachable_producers", peer=d) for d in DECODES}
+
+
+def releases(hosts: MultiHost, prefill: str) -> float:
+    return hosts.service_metrics(prefill).get("pdserve:kv_replica_releases", 0.0)
+
+
 def test_partition_between_a_prefill_and_the_decodes_mid_pull(
     hosts: MultiHost, hold: Path, reference: tuple[list[list[int]], list[list[int]]]
 ) -> None:
     """prefill0 cut from both decode hosts while their pulls from it start: the READs fail
     within UCX_TCP_USER_TIMEOUT (before prefill-0's leases could end), decode-0 (policy
-    fail) fails them naming prefill-0 and counts them, decode-1 (recompute) recomputes them;
-    the router still reaches everyone and serves; after the heal prefill-0 serves again."""
+    fail) fails them naming prefill-0 and counts them, decode-1 (recompute) recomputes them.
+    Each decode then reports prefill-0 unreachable in its Pongs (once a pull of its own
+    failed: routing decides which decodes tried it) and the router, which still reaches
+    every instance, sends new requests through prefill-1: all served with tokens, none
+    failed or recomputed."""
     ids, want = reference
-    names = ("decode-0", "decode-1", "prefill-0")
+    names = ("decode-0", "decode-1", "prefill-0", "prefill-1")
     before = {d: hosts.service_metrics(d) for d in names}
     hold.touch()
     sent = [ids[i % len(ids)] for i in range(8)]
@@ -207,54 +222,70 @@ def test_partition_between_a_prefill_and_the_decodes_mid_pull(
     hold.unlink()
     results = [f.result(timeout=DEADLINE + SLACK) for f in futures]
     answered_in = time.monotonic() - cut_at
-    during = [hosts.generate(prompt, max_tokens=8) for prompt in ids]  # while still cut
+    learning: list[Any] = []  # requests sent until both decodes report prefill-0
+
+    def learned() -> bool:
+        if all(unreachable_reported(hosts).values()):
+            return True
+        learning.extend(f.result(timeout=DEADLINE)
+                        for f in [hosts.submit(x, max_tokens=8) for x in ids])  # fmt: skip
+        return False
+
+    wait_until(learned, 2 * DEADLINE + SLACK, "both decodes report prefill-0 unreachable", 0.2)
+    learned_in = time.monotonic() - cut_at
     assert hosts.health()[0] == 200  # the router reaches every instance
-    counts = check_answers(results + during, sent + ids, ids, want)
-    after = {d: hosts.service_metrics(d) for d in names}
-    delta = {d: {k: after[d][k] - before[d].get(k, 0.0) for k in after[d]} for d in names}
+    counts = check_answers(results + learning, sent + ids * (len(learning) // len(ids)), ids, want)
+    mid = {d: hosts.service_metrics(d) for d in names}
+    delta = {d: {k: mid[d][k] - before[d].get(k, 0.0) for k in mid[d]} for d in names}
     failed_fail = delta["decode-0"]["pdserve:kv_transfer_failures"]
     failed_recompute = delta["decode-1"]["pdserve:kv_transfer_failures"]
     # Policy fail: every failed pull is a failed request (none silently recomputed);
     # policy recompute: none is.
     assert counts.get("kv_transfer", 0) == failed_fail
     assert failed_fail + failed_recompute >= 1
+    # The router knows: every new request through prefill-1, served with tokens.
+    during = [f.result(timeout=DEADLINE) for f in [hosts.submit(x, max_tokens=8) for x in sent]]
+    assert check_answers(during, sent, ids, want) == {"tokens": len(sent)}
+    for d in DECODES:
+        assert (
+            hosts.service_metrics(d)["pdserve:kv_transfer_failures"]
+            == (mid[d]["pdserve:kv_transfer_failures"])
+        ), d  # none failed (decode-0) or recomputed (decode-1)
+    wait_until(lambda: releases(hosts, "prefill-1")
+               >= mid["prefill-1"].get("pdserve:kv_replica_releases", 0.0) + len(sent),
+               SLACK, "prefill-1 released every request served during the partition")  # fmt: skip
     hosts.lab.heal("prefill0", "decode0")
     hosts.lab.heal("prefill0", "decode1")
     healed_at = time.monotonic()
     wait_until(hosts.pools_idle, LEASE + SLACK, "every pool back at its idle count")
     idle_in = time.monotonic() - healed_at
-    print(f"\npartition: {len(sent)} held + {len(ids)} during: {counts}; decode-0 (fail) "
-          f"failed {failed_fail:g}, decode-1 (recompute) recomputed {failed_recompute:g}; all "
-          f"answered in {answered_in:.2f} s; pools idle {idle_in:.2f} s after the heal")  # fmt: skip
+    print(f"\npartition: {len(sent)} held + {len(learning)} before both decodes reported "
+          f"prefill-0 ({learned_in:.2f} s after the cut): {counts}; decode-0 (fail) failed "
+          f"{failed_fail:g}, decode-1 (recompute) recomputed {failed_recompute:g}; held ones "
+          f"answered in {answered_in:.2f} s; then {len(during)} of {len(during)} served "
+          f"through prefill-1; pools idle {idle_in:.2f} s after the heal")  # fmt: skip
 
 
 def test_the_separated_prefill_rejoins_after_the_heal(
     hosts: MultiHost, reference: tuple[list[list[int]], list[list[int]]]
 ) -> None:
     """After the partition above healed, prefill-0 serves both decodes again without a
-    restart: a decode loads its NIXL metadata again at a READ from it once its reconnect
-    backoff (RECONNECT_SECONDS, doubling while the partition lasted) has passed; a pull
-    from it before that fails at once, as during the partition."""
+    restart: each decode's connect ahead reaches its side channel again (a probe that was
+    waiting when the heal came times out first: HANDSHAKE_TIMEOUT), loads its NIXL
+    metadata again and stops reporting it; the router then routes through it again."""
     ids, want = reference
-
-    def reconnected() -> bool:
-        results = [f.result(timeout=DEADLINE) for f in [hosts.submit(x, max_tokens=8)
-                                                        for x in ids]]  # fmt: skip
-        assert set(check_answers(results, ids, ids, want)) <= {"tokens", "kv_transfer"}
-        logs = [hosts.log_path(f"decode-{i}").read_text() for i in range(2)]
-        # every decode a READ from prefill-0 failed at (routing decides which did)
-        return all("kv_remote_reconnected" in log for log in logs if "kv_pull_failed" in log)
-
     healed_at = time.monotonic()
-    wait_until(reconnected, RECONNECT_MAX_SECONDS + SLACK, "the decodes reconnected", 0.5)
+    bound = 2 * HANDSHAKE_TIMEOUT + CONNECT_AHEAD_SECONDS + SLACK
+    wait_until(lambda: not any(unreachable_reported(hosts).values()), bound,
+               "no decode reports prefill-0 unreachable", 0.5)  # fmt: skip
     rejoined_in = time.monotonic() - healed_at
-    before = hosts.service_metrics("prefill-0")["pdserve:kv_replica_releases"]
+    before = releases(hosts, "prefill-0")
     sent = [ids[i % len(ids)] for i in range(8)]
     results = [f.result(timeout=DEADLINE) for f in [hosts.submit(x, max_tokens=8) for x in sent]]
     assert check_answers(results, sent, ids, want) == {"tokens": 8}
-    assert hosts.service_metrics("prefill-0")["pdserve:kv_replica_releases"] > before
+    wait_until(lambda: releases(hosts, "prefill-0") > before, SLACK, "prefill-0 used again")
     wait_until(hosts.pools_idle, SLACK, "every pool idle after the rejoin")
-    print(f"\nrejoin: the decodes reconnected to prefill-0 {rejoined_in:.2f} s into this test")
+    print(f"\nrejoin: no decode reports prefill-0 {rejoined_in:.2f} s into this test")
 
 
 def test_router_cut_off_from_a_decode_host(

@@ -60,6 +60,7 @@ GAUGES = {
     "pdserve:num_requests_waiting": "requests waiting",
     "pdserve:service_down": "1 while `pdserve up` has the service down: waiting to restart it, or not restarting it",
     "pdserve:loop_lag_seconds": "how late the event loop's periodic task last woke (beyond its interval)",
+    "pdserve:unreachable_producers": "prefill instances a decode (peer) last reported it cannot pull from (a partition); the router pairs it with others meanwhile",
 }
 HISTOGRAMS = {
     "pdserve:time_to_first_token_seconds": "time from arrival to the first token",

@@ -223,6 +223,7 @@ class Instances:
             log.warning("producers_unreachable", peer=link.name, unreachable=sorted(unreachable),
                         was=sorted(link.unreachable))  # fmt: skip
             link.unreachable = unreachable
+            self.metrics.set("pdserve:unreachable_producers", len(unreachable), peer=link.name)
 
     def _peer_down(self, link: Link, why: str) -> None:
         """Stop routing to ``link`` until it answers a ping as ready again, and fail what it
