@@ -284,6 +284,30 @@ def test_restarted_producer_epoch_replaces_old(
     assert not consumer.is_connected(ENGINE, EPOCH + 1)
 
 
+def test_connect_reloads_a_remote_a_read_failed_from(
+    producers: list[ProducerProc], consumer: KVConsumer
+) -> None:
+    """Issue 41: after a READ from a replica failed (a partition), the decode's connect
+    ahead reaching the producer again calls connect with the same reply: the remote is
+    loaded again at once (no backoff), and a pull from it works; a connected, healthy
+    remote is left as it is. The failure is marked as ``KVConsumer._finish`` marks it (a
+    real cut: tests/test_multihost.py)."""
+    connect_all(consumer, producers)
+    reply = producers[0].read_reply()
+    key = (reply.engine_id, reply.epoch, reply.agent_name)
+    healthy = consumer._remotes[key]
+    consumer.connect(reply)
+    assert consumer._remotes[key] is healthy
+    healthy.failed = True  # as a READ that ended in error leaves it
+    consumer.connect(reply)
+    again = consumer._remotes[key]
+    assert again is not healthy and not again.failed
+    pull = consumer.start_pull("req-again", make_handle([4, 5]), [0, 1])
+    wait_pull(consumer, pull)
+    assert torch.equal(consumer.kv_cache[[0, 1]], seeded_cache(LAYOUT, SEED)[[4, 5]])
+    assert consumer.release(make_handle([4, 5]), "req-again") == []
+
+
 def test_dead_producer_fails_pull_and_release(
     all_producers: list[ProducerProc], consumer: KVConsumer
 ) -> None:
