@@ -25,6 +25,7 @@ from pdserve.common.runtime.fault_hooks import FaultHooks
 from pdserve.common.runtime.metrics import Metrics
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.transfer.kv_pulls import PullResult, PullSpec
+from pdserve.common.transfer.kv_transfer import KVTransferError
 from pdserve.services.decode.engine_thread import DecodeContext, DecodeEngineThread
 
 BLOCK = 4
@@ -356,3 +357,26 @@ def test_a_producer_a_pull_could_not_reach_is_reported_until_reconnected(h: Harn
     assert h.thread.unreachable_producers == []
     assert all(len(h.terminal(rid)) == 1 for rid in "abcde")
     assert h.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_failed_reconnect_keeps_the_producer_unreachable_not_refused(h: Harness) -> None:
+    """Connect ahead reached the side channel but reloading the NIXL metadata failed: the
+    producer stays reported unreachable and its requests still pull (and may reconnect
+    then); only a first handshake that fails refuses a producer."""
+    h.turn(connected(), decode("a", handle()))
+    h.puller.results.append(PullResult("a", "transfer failed: NIXL state ERR"))
+    h.turn()
+    assert h.thread.unreachable_producers == [ENGINE]
+
+    def refuse(replies: list[p.HandshakeReply]) -> None:
+        raise KVTransferError("loading its NIXL metadata failed: timed out")
+
+    h.puller.connect = refuse  # type: ignore[method-assign]
+    h.turn(connected())
+    assert h.thread.unreachable_producers == [ENGINE]
+    h.turn(decode("b", handle()))
+    assert [rid for rid, _ in h.puller.started] == ["a", "b"]  # pulled, not refused
+    h.puller.results.append(PullResult("b", None, num_bytes=1, num_descriptors=1))
+    h.turn()
+    assert h.thread.unreachable_producers == []
+    assert [type(m) for m in h.terminal("b")] == [p.Finished]

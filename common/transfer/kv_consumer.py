@@ -102,8 +102,9 @@ class KVConsumer(_CacheAgent):
         known = self._remotes.get(key)
         if known is not None and not (known.failed and not known.num_posted):
             return
-        if known is not None:
+        if known is not None:  # lost until the load below works (a pull then retries it)
             self._drop(key)
+            self._lost[key] = (known.reply, time.monotonic() + RECONNECT_SECONDS, RECONNECT_SECONDS)
         related = [k for k in self._remotes if k[0] == reply.engine_id or k[2] == reply.agent_name]
         for old in related:
             if old[0] != reply.engine_id or old[1] < reply.epoch:  # restarted, or name reused

@@ -124,6 +124,10 @@ class PendingPulls:
                 self.unreachable.discard(key[0])
                 log.info("kv_producer_reachable", engine_id=key[0], epoch=key[1])
         except PdserveError as exc:
+            if key[0] in self.unreachable and self.producers.get(key, "") is None:
+                # a reconnect after a partition (connect ahead): still unreachable, not refused
+                log.warning("kv_reconnect_failed", engine_id=key[0], epoch=key[1], error=str(exc))
+                return
             self.producers[key] = str(exc)
             log.error("kv_handshake_refused", engine_id=key[0], epoch=key[1], error=str(exc))
 
