@@ -5,6 +5,9 @@ systemd units start it: one TOML file, the same on every host, and on each host
 
 The test process is a client on a host of its own ("client"): every HTTP request, SDK
 call and metrics query runs on threads in that host's namespace (:meth:`MultiHost.call`).
+Given a :class:`tests.sd_listener.NotifyListener`, every service runs as under systemd's
+``Type=notify`` with ``WatchdogSec``: ``NOTIFY_SOCKET``, ``WATCHDOG_USEC`` and
+``WATCHDOG_PID`` set, its READY=1 and WATCHDOG=1 datagrams kept with their times.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, TypeVar
 from pdserve.common.runtime.curve import CurveKeys, create_keys
 from tests.fault_tools import Peer
 from tests.netns_hosts import Lab
+from tests.sd_listener import NotifyListener, with_watchdog_pid
 
 T = TypeVar("T")
 PREFILL_PORT, SIDE_PORT, DECODE_PORT, ROUTER_PORT, HTTP_PORT = 5610, 5611, 5620, 5600, 8000
@@ -49,9 +53,11 @@ class MultiHost:
         num_decode: int,
         settings: dict[str, Any],
         env: dict[str, dict[str, str]] | None = None,
+        systemd: NotifyListener | None = None,
     ) -> None:
         self.lab, self.work = lab, work
         self.env = env or {}  # per service name ("decode-1"): its unit's own env file
+        self.systemd = systemd  # where set, each service gets its notify socket and watchdog
         for name in (
             ["router", "client"]
             + [f"prefill{i}" for i in range(num_prefill)]
@@ -118,6 +124,9 @@ class MultiHost:
             log = open(self.log_path(service), "ab")  # noqa: SIM115 - the process owns it
             env = {**base, **self.env.get(service, {})}
             argv = [pdserve, *args, "--config", str(self.config)]
+            if self.systemd is not None:
+                env.update(self.systemd.env(service))
+                argv = with_watchdog_pid(argv)
             self.procs[service] = self.lab.spawn(host, argv, env, log)
             log.close()
 

@@ -5,15 +5,19 @@ first; then faults between hosts under load: a partition between a prefill and t
 hosts mid-pull, the router cut off from a decode host, SIGSTOP and SIGKILL of a service,
 and an abort storm. Each checks that every accepted request got one terminal answer within
 its deadline, that the pools are back at their idle counts, that the healthy side serves
-meanwhile and that the separated instance rejoins without a restart. The figures go into
+meanwhile and keeps its systemd watchdog (every service runs with a notify socket the test
+reads and a watchdog timeout, as its unit's WatchdogSec sets) and that the separated
+instance rejoins without a restart. The figures go into
 docs/operations.md ("Across hosts").
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -33,6 +37,7 @@ from tests.fault_suite import FAST, LEASE, PEER_TIMEOUT, SLACK
 from tests.fault_tools import wait_until
 from tests.multihost import MultiHost, abort_and_collect, raw_requests
 from tests.netns_hosts import Lab, unavailable
+from tests.sd_listener import NotifyListener
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,6 +46,12 @@ pytestmark = [
 
 READY_TIMEOUT = 180.0
 DECODES = ("decode-0", "decode-1")
+SERVICES = ("router", "prefill-0", "prefill-1", *DECODES)
+UNITS = Path(__file__).resolve().parents[1] / "deploy" / "systemd"
+# WATCHDOG_USEC the services get: shorter than the units' WatchdogSec (30 s) as the
+# liveness settings are shorter than their defaults, so that every fault case spans several
+# timeouts; a service silent for longer would be killed by systemd with this setting.
+WATCHDOG_SECONDS = 3.0
 STREAM_TOKENS = 250  # the steady streams of the fault cases: still running when hit
 DEADLINE = 20.0  # the router's first-token deadline here: every request ends within it
 SETTINGS: dict[str, Any] = {
@@ -77,11 +88,16 @@ def hosts(
     work = tmp_path_factory.mktemp("multihost")
     held = {HOLD_PULLS_ENV: str(hold_path)}
     env = {"decode-0": held, "decode-1": {**held, "PDSERVE_KV_LOAD_FAILURE_POLICY": "recompute"}}
-    with Lab() as lab:
-        dep = MultiHost(lab, work, model_dir, 2, 2, SETTINGS, env)
-        dep.start()
-        dep.wait_ready(READY_TIMEOUT)
-        yield dep
+    # A short directory: an AF_UNIX path holds 107 bytes at most.
+    with tempfile.TemporaryDirectory(prefix="pdsd") as notify_dir, Lab() as lab:
+        systemd = NotifyListener(Path(notify_dir), SERVICES, WATCHDOG_SECONDS)
+        try:
+            dep = MultiHost(lab, work, model_dir, 2, 2, SETTINGS, env, systemd)
+            dep.start()
+            dep.wait_ready(READY_TIMEOUT)
+            yield dep
+        finally:
+            systemd.close()
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +119,16 @@ def counter(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def watchdog_kept(hosts: MultiHost, since: float, services: tuple[str, ...] = SERVICES) -> str:
+    """Every one of ``services`` sent WATCHDOG=1 within WATCHDOG_SECONDS of the last one
+    at every moment since ``since`` (systemd would have killed it otherwise); returns the
+    longest silences for the case's printout."""
+    assert hosts.systemd is not None
+    silences = {s: hosts.systemd.longest_silence(s, since) for s in services}
+    assert max(silences.values()) <= WATCHDOG_SECONDS, silences
+    return "longest watchdog silence " + ", ".join(f"{s} {v:.2f} s" for s, v in silences.items())
 
 
 def test_greedy_across_hosts_is_the_monolithic_engines(
@@ -152,6 +178,21 @@ def test_ucx_and_bind_settings_reached_the_services(hosts: MultiHost) -> None:
     assert f"{hosts.lab.hosts['decode0'].ip}:5620" in listening("decode0")
     status, detail = hosts.health()
     assert status == 200, detail
+
+
+def test_every_service_notified_ready_and_pings_its_watchdog(hosts: MultiHost) -> None:
+    """As a Type=notify unit with WatchdogSec: one READY=1 once serving, then WATCHDOG=1
+    within every timeout through the cases above (WATCHDOG_PID named each service's own
+    pid, so none ignored it)."""
+    assert hosts.systemd is not None
+    for unit in UNITS.glob("pdserve-*.service"):
+        found = re.search(r"^WatchdogSec=(\d+)s$", unit.read_text(), re.MULTILINE)
+        assert found and WATCHDOG_SECONDS <= int(found.group(1)), unit
+    for service in SERVICES:
+        ready = hosts.systemd.times(service, "READY=1")
+        assert len(ready) == 1, (service, ready)
+        assert hosts.systemd.times(service, "WATCHDOG=1"), service
+    print("\n" + watchdog_kept(hosts, max(hosts.systemd.times(s, "READY=1")[0] for s in SERVICES)))
 
 
 @pytest.fixture
@@ -259,11 +300,12 @@ def test_partition_between_a_prefill_and_the_decodes_mid_pull(
     healed_at = time.monotonic()
     wait_until(hosts.pools_idle, LEASE + SLACK, "every pool back at its idle count")
     idle_in = time.monotonic() - healed_at
+    kept = watchdog_kept(hosts, cut_at)  # the separated prefill's too: it is not stopped
     print(f"\npartition: {len(sent)} held + {len(learning)} before both decodes reported "
           f"prefill-0 ({learned_in:.2f} s after the cut): {counts}; decode-0 (fail) failed "
           f"{failed_fail:g}, decode-1 (recompute) recomputed {failed_recompute:g}; held ones "
           f"answered in {answered_in:.2f} s; then {len(during)} of {len(during)} served "
-          f"through prefill-1; pools idle {idle_in:.2f} s after the heal")  # fmt: skip
+          f"through prefill-1; pools idle {idle_in:.2f} s after the heal; {kept}")  # fmt: skip
 
 
 def test_the_separated_prefill_rejoins_after_the_heal(
@@ -315,9 +357,10 @@ def test_router_cut_off_from_a_decode_host(
     wait_until(lambda: hosts.health()[0] == 200, PEER_TIMEOUT + SLACK, "decode-1 back in /health")
     back_in = time.monotonic() - healed_at
     wait_until(hosts.pools_idle, LEASE + SLACK, "every pool back at its idle count")
+    kept = watchdog_kept(hosts, cut_at)  # decode-1's too: cut off, not stopped
     print(f"\nrouter cut from decode1: {kinds.count('peer_down')} of {len(kinds)} streams "
           f"peer_down, all answered in {answered_in:.2f} s; {len(ids)} new requests served "
-          f"during the cut; ready again {back_in:.2f} s after the heal")  # fmt: skip
+          f"during the cut; ready again {back_in:.2f} s after the heal; {kept}")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -332,6 +375,8 @@ def test_a_decode_stopped_or_killed_on_its_host(
     past the peer timeout), decode-0's finish and it serves new requests; decode-1 comes
     back (SIGCONT, or started again as systemd's Restart= does) and /health is 200 again."""
     ids, want = reference
+    assert hosts.systemd is not None
+    readies = len(hosts.systemd.times("decode-1", "READY=1"))
     long = [
         hosts.submit(ids[i % len(ids)], max_tokens=STREAM_TOKENS, ignore_eos=True) for i in range(6)
     ]
@@ -354,9 +399,15 @@ def test_a_decode_stopped_or_killed_on_its_host(
     hosts.wait_ready(READY_TIMEOUT)
     back_in = time.monotonic() - back_at
     wait_until(hosts.pools_idle, LEASE + SLACK, "every pool back at its idle count")
+    kept = watchdog_kept(hosts, hit_at, tuple(s for s in SERVICES if s != "decode-1"))
+    # decode-1 itself: its watchdog pings again after SIGCONT; started again, it sent
+    # READY=1 again.
+    assert len(hosts.systemd.times("decode-1", "READY=1")) == readies + (sig == signal.SIGKILL)
+    wait_until(lambda: max(hosts.systemd.times("decode-1", "WATCHDOG=1")) > back_at,
+               WATCHDOG_SECONDS, "decode-1's watchdog pinged again")  # fmt: skip
     print(f"\n{sig.name} decode-1: {kinds.count('peer_down')} of {len(kinds)} streams peer_down, "
           f"all answered in {answered_in:.2f} s; {len(ids)} served meanwhile; ready again "
-          f"{back_in:.2f} s after SIGCONT / restart")  # fmt: skip
+          f"{back_in:.2f} s after SIGCONT / restart; {kept}")  # fmt: skip
 
 
 STORM_CLIENTS, STORM_PER_CLIENT = 4, 250  # the issue's 1,000 aborts (256 a client at most)
