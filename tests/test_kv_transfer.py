@@ -10,20 +10,24 @@ are daemons, so they never outlive the test run.
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 
 from pdserve.common.engine.kv_cache import new_cache
+from pdserve.common.runtime import sd_notify
 from pdserve.common.runtime.protocol import (
     Heartbeat,
     Release,
     encode,
 )
+from pdserve.common.runtime.sd_notify import Watchdog
 from pdserve.common.transfer.kv_consumer import KVConsumer
 from pdserve.common.transfer.kv_descs import coalesce
 from pdserve.common.transfer.kv_transfer import KVTransferError
@@ -306,6 +310,33 @@ def test_connect_reloads_a_remote_a_read_failed_from(
     wait_pull(consumer, pull)
     assert torch.equal(consumer.kv_cache[[0, 1]], seeded_cache(LAYOUT, SEED)[[4, 5]])
     assert consumer.release(make_handle([4, 5]), "req-again") == []
+
+
+def test_loading_a_producer_pings_the_watchdog_first(
+    producers: list[ProducerProc],
+    consumer: KVConsumer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 41: loading a producer's NIXL metadata connects to it, and an unreachable one
+    (a reconnect during a partition) holds the pulling thread, which kicks the watchdog,
+    for UCX's connect timeout: the load pings first (sd_notify.before_wait), within the
+    watchdog's interval, so the wait counts from a fresh ping (the wait itself across
+    hosts: tests/test_multihost.py)."""
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        systemd.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", str(3600 * 10**6))  # an interval of 30 minutes
+        monkeypatch.delenv("WATCHDOG_PID", raising=False)
+        monkeypatch.setattr(sd_notify, "_current", None)
+        dog = Watchdog.from_env()
+        assert dog is not None
+        dog.kick()
+        assert systemd.recv(64) == b"WATCHDOG=1"
+        consumer.connect(producers[0].read_reply())
+        assert systemd.recv(64) == b"WATCHDOG=1"
 
 
 def test_dead_producer_fails_pull_and_release(

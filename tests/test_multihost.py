@@ -49,8 +49,9 @@ DECODES = ("decode-0", "decode-1")
 SERVICES = ("router", "prefill-0", "prefill-1", *DECODES)
 UNITS = Path(__file__).resolve().parents[1] / "deploy" / "systemd"
 # WATCHDOG_USEC the services get: shorter than the units' WatchdogSec (30 s) as the
-# liveness settings are shorter than their defaults, so that every fault case spans several
-# timeouts; a service silent for longer would be killed by systemd with this setting.
+# liveness settings are shorter than their defaults, so that each fault case's window (4-10 s
+# from the fault to the pools idle) holds several pings (every 1.5 s); a service silent for
+# longer would be killed by systemd with this setting.
 WATCHDOG_SECONDS = 3.0
 STREAM_TOKENS = 250  # the steady streams of the fault cases: still running when hit
 DEADLINE = 20.0  # the router's first-token deadline here: every request ends within it
@@ -126,9 +127,12 @@ def watchdog_kept(hosts: MultiHost, since: float, services: tuple[str, ...] = SE
     at every moment since ``since`` (systemd would have killed it otherwise); returns the
     longest silences for the case's printout."""
     assert hosts.systemd is not None
-    silences = {s: hosts.systemd.longest_silence(s, since) for s in services}
+    end = time.monotonic()
+    silences = {s: hosts.systemd.longest_silence(s, since, end) for s in services}
     assert max(silences.values()) <= WATCHDOG_SECONDS, silences
-    return "longest watchdog silence " + ", ".join(f"{s} {v:.2f} s" for s, v in silences.items())
+    return f"longest watchdog silence over {end - since:.1f} s: " + ", ".join(
+        f"{s} {v:.2f} s" for s, v in silences.items()
+    )
 
 
 def test_greedy_across_hosts_is_the_monolithic_engines(

@@ -110,6 +110,29 @@ def test_from_env_is_none_without_a_watchdog(monkeypatch: pytest.MonkeyPatch) ->
     assert sd_notify.watchdog_seconds() == 0.5
 
 
+def test_before_wait_pings_the_process_watchdog_at_once(
+    listener: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a bounded wait on a peer (a KV reconnect), the process's watchdog pings
+    within its interval: the wait counts from then; without a watchdog, nothing is sent."""
+    monkeypatch.setattr(sd_notify, "_current", None)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert Watchdog.from_env() is None
+    sd_notify.before_wait()
+    assert _pending(listener) == []
+    monkeypatch.setenv("WATCHDOG_USEC", str(3600 * 10**6))
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    dog = Watchdog.from_env()
+    assert dog is not None
+    dog.kick()
+    dog.kick()
+    assert _pending(listener) == ["WATCHDOG=1"]
+    sd_notify.before_wait()
+    assert _pending(listener) == ["WATCHDOG=1"]
+    dog.kick()  # the interval counts from the forced ping
+    assert _pending(listener) == []
+
+
 def test_a_manager_that_stops_reading_never_blocks_the_sender(listener: socket.socket) -> None:
     # The kernel queues ~10 datagrams per socket; a blocking send would hang the 11th.
     sent: list[bool] = []

@@ -23,6 +23,7 @@ import structlog
 log = structlog.get_logger("pdserve.sd_notify")
 
 _warned = False
+_current: Watchdog | None = None  # this process's (Watchdog.from_env), for before_wait
 
 
 def notify(*fields: str) -> bool:
@@ -81,17 +82,32 @@ class Watchdog:
 
     @classmethod
     def from_env(cls, needs_loop: bool = False) -> Watchdog | None:
+        """The process's watchdog when systemd set one (``before_wait`` then pings it)."""
+        global _current
         timeout = watchdog_seconds()
-        return None if timeout is None else cls(timeout, needs_loop)
+        _current = None if timeout is None else cls(timeout, needs_loop)
+        return _current
 
     def loop_tick(self) -> None:
         self._loop_seen = time.monotonic()
 
-    def kick(self) -> None:
+    def kick(self, force: bool = False) -> None:
+        """Ping if half the timeout passed since the last ping (``force``: at once)."""
         now = time.monotonic()
-        if now - self._last_sent < self.interval:
+        if now - self._last_sent < self.interval and not force:
             return
         if self.needs_loop and now - self._loop_seen > self.timeout:
             return
         self._last_sent = now
         notify("WATCHDOG=1")
+
+
+def before_wait() -> None:
+    """Called by the thread that kicks the watchdog just before it waits on a peer for a
+    bounded time (a KV reconnect to an unreachable producer waits out UCX's connect
+    timeout): pings this process's watchdog at once, so that the wait counts from a fresh
+    ping rather than from up to half a timeout before it. Without this, a ping due just
+    as the wait starts comes only after it: the watchdog then needs the wait under half
+    its timeout, not under all of it. A wait that never ends still stops the pings."""
+    if _current is not None:
+        _current.kick(force=True)

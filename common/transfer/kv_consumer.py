@@ -19,6 +19,7 @@ import torch
 
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.runtime.protocol import HandshakeReply, KVHandle, encode
+from pdserve.common.runtime.sd_notify import before_wait
 from pdserve.common.transfer.backend import release_of
 from pdserve.common.transfer.kv_descs import block_descs, head_block_descs, num_runs, unit_indices
 from pdserve.common.transfer.kv_pull_state import Pull, Remote, check_heads, check_ids
@@ -110,6 +111,9 @@ class KVConsumer(_CacheAgent):
             if old[0] != reply.engine_id or old[1] < reply.epoch:  # restarted, or name reused
                 log.info("kv_remote_replaced", old=peer_name(*old), new=peer_name(*key))
                 self._drop(old)
+        # Loading connects: an unreachable producer holds this thread for UCX's connect
+        # timeout, which must count from a fresh watchdog ping (sd_notify.before_wait).
+        before_wait()
         try:
             name = self._agent.add_remote_agent(nixl.agent_metadata)
         except Exception as exc:
