@@ -63,6 +63,7 @@ class Commands:
 
     def __init__(self) -> None:
         self.submitted: list[Command] = []
+        self.unreachable_producers: list[str] = []  # the thread's snapshot: none here
 
     def submit(self, command: Command) -> None:
         self.submitted.append(command)
