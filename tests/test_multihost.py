@@ -49,9 +49,9 @@ DECODES = ("decode-0", "decode-1")
 SERVICES = ("router", "prefill-0", "prefill-1", *DECODES)
 UNITS = Path(__file__).resolve().parents[1] / "deploy" / "systemd"
 # WATCHDOG_USEC the services get: shorter than the units' WatchdogSec (30 s) as the
-# liveness settings are shorter than their defaults, so that each fault case's window (4-10 s
-# from the fault to the pools idle) holds several pings (every 1.5 s); a service silent for
-# longer would be killed by systemd with this setting.
+# liveness settings are shorter than their defaults, so that each fault case's window (the
+# few seconds from the fault to the pools idle) holds several pings (due every 1.5 s); a
+# service silent for longer would be killed by systemd with this setting.
 WATCHDOG_SECONDS = 3.0
 STREAM_TOKENS = 250  # the steady streams of the fault cases: still running when hit
 DEADLINE = 20.0  # the router's first-token deadline here: every request ends within it
