@@ -3,7 +3,8 @@
 Every accepted request gets exactly one terminal event (Finished or Failed). A consumer
 that stops early (client gone) aborts the request on whichever service holds it. The
 links to the instances (liveness, receiving, metrics scrapes) are `Instances`
-(instances.py), which `Router` extends.
+(instances.py); where a request goes (a live instance, local prefill, a decode that can
+reach the producer) is `Placement` (placement.py) over them, which `Router` extends.
 """
 
 from __future__ import annotations
@@ -25,14 +26,8 @@ from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.ttft import ttft_parts
 from pdserve.services.router.core_api import Refused
 from pdserve.services.router.fair_queue import FairQueue
-from pdserve.services.router.instances import Instances
-from pdserve.services.router.links import Link, decodes_reaching, pick, reachable_prefills
-from pdserve.services.router.local_prefill import (
-    REASONS,
-    PrefillBacklog,
-    local_reason,
-    uncached_tokens,
-)
+from pdserve.services.router.links import reachable_prefills
+from pdserve.services.router.placement import Placement
 from pdserve.services.router.request_state import (
     MAX_LABEL_CHARS,
     PHASE_KEYS,
@@ -47,10 +42,8 @@ __all__ = ["MAX_LABEL_CHARS", "Event", "Router"]
 
 log = structlog.get_logger("pdserve.router")
 
-STALL_POLL_SECONDS = 0.05
 
-
-class Router(Instances):
+class Router(Placement):
     def __init__(
         self,
         cfg: DeploymentConfig,
@@ -64,7 +57,6 @@ class Router(Instances):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.block_size = cfg.engine.block_size
         # A text longer than this has more tokens than max_model_len: refused untokenised.
         self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
         self.per_owner: dict[str, int] = {}  # requests in flight by owner (their cap)
@@ -72,9 +64,6 @@ class Router(Instances):
         self.admission = FairQueue(cfg.dispatch_window, cfg.dispatch_share)
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
-        if not cfg.colocated:
-            for reason in REASONS:
-                self.metrics.declare("pdserve:local_prefills", reason=reason)
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
         self.draining = False  # SIGTERM: new requests fail "draining" (main.py drains)
 
@@ -139,20 +128,6 @@ class Router(Instances):
             ):
                 return ("peer_down", f"no {role} instance is up; retry later")
         return None
-
-    async def _pick(self, links: list[Link], hashes: list[BlockHash] | None = None) -> Link | None:
-        """A live instance. Right after this loop stalled, only one that answered a ping
-        since, waiting up to ``peer_timeout_seconds`` for one to (``stall_mark``): the
-        request waits instead of failing 503, or of being sent down a connection about to
-        be found dropped."""
-        deadline = time.monotonic() + self.peer_timeout
-        while True:
-            mark = self.stall_mark()
-            heard = links if mark is None else [link for link in links if link.heard > mark]
-            link = pick(heard, hashes, self.peer_timeout)
-            if link is not None or mark is None or time.monotonic() >= deadline:
-                return link
-            await asyncio.sleep(STALL_POLL_SECONDS)
 
     async def _labelled(
         self, state: RequestState, events: AsyncIterator[Event]
@@ -354,41 +329,6 @@ class Router(Instances):
             else:
                 self.per_owner.pop(state.owner, None)
 
-    async def _local_prefill(self, state: RequestState, hashes: list[BlockHash]) -> Link | None:
-        """The decode instance that prefills this prompt itself (conditional
-        disaggregation, local_prefill.py), its tokens counted in that instance's local
-        backlog until the first token; None: a prefill instance computes it."""
-        threshold = self.cfg.local_prefill_threshold
-        if threshold <= 0:
-            return None
-        decode = await self._pick(self.decodes)
-        if decode is None:
-            return None  # judged again after the prefill, as without conditional prefill
-        num, size, now = state.num_prompt_tokens, self.block_size, time.monotonic()
-        backlogs = [
-            PrefillBacklog(link.outstanding_tokens,
-                           uncached_tokens(num, link.cached_prefix(hashes), size))
-            for link in self.prefills if link.is_alive(now, self.peer_timeout)
-        ]  # fmt: skip
-        uncached = uncached_tokens(num, decode.cached_prefix(hashes), size)
-        reason = local_reason(threshold, uncached, decode.local_queued_tokens, backlogs)
-        if reason is None:
-            return None
-        self.metrics.inc("pdserve:local_prefills", reason=reason)
-        log.debug("local_prefill", request_id=state.request_id, trace_id=state.trace_id,
-                  at=decode.name, reason=reason, uncached_tokens=uncached)  # fmt: skip
-        decode.local_queued_tokens += uncached
-        state.local_prefill = (decode, uncached)
-        return decode
-
-    def _local_prefilled(self, state: RequestState) -> None:
-        """A local prefill's first token came (or the request ended): its tokens leave its
-        decode instance's local backlog."""
-        if state.local_prefill is not None:
-            link, num = state.local_prefill
-            link.local_queued_tokens -= num
-            state.local_prefill = None
-
     async def _prefill(
         self,
         state: RequestState,
@@ -426,13 +366,6 @@ class Router(Instances):
             state.finished = True
         return event
 
-    def _decodes_for(self, handle: p.KVHandle | None) -> list[Link]:
-        """The decodes that can pull ``handle``'s blocks (none names its producer
-        unreachable: a partition, links.py); every decode without a handle or when none can."""
-        if handle is None:
-            return self.decodes
-        return decodes_reaching(handle.engine_id, self.decodes, time.monotonic(), self.peer_timeout)
-
     async def _next(self, state: RequestState, timeout: float, phase: str) -> Any:
         """The request's next event, or past ``timeout`` (0: none) a Failed "timeout" naming
         the phase and the instance, which is told to abort the request."""
@@ -461,19 +394,6 @@ class Router(Instances):
         marks = {**state.marks, **first.timings, "router_first_chunk": time.time()}
         for part, seconds in ttft_parts(marks).items():
             self.metrics.observe("pdserve:ttft_part_seconds", seconds, part=part)
-
-    def _dispatch(self, state: RequestState, link: Link, msg: p.Message) -> None:
-        state.link = link
-        link.outstanding_tokens += state.num_prompt_tokens
-        link.inflight.add(state.request_id)
-        self._send(link, msg)
-
-    def _undispatch(self, state: RequestState) -> None:
-        link = state.link
-        if link is not None and state.request_id in link.inflight:
-            link.inflight.discard(state.request_id)
-            link.outstanding_tokens -= state.num_prompt_tokens
-        state.link = None
 
     def _ended(self, state: RequestState, event: Event) -> Event:
         """A request that ends before it was dispatched (an abort, the drain, a timeout)."""
