@@ -40,7 +40,7 @@ from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.model.config import ModelConfig
 from pdserve.kernels import fp8_ds_mla
 from tests.test_dsa import build_v32
-from tests.test_fp8_kv import CLEAR_MARGIN, COSINE_MIN, TOP1_MIN, _runner, _step_logits
+from tests.test_fp8_kv import COSINE_MIN, TOP1_MIN, _runner, _step_logits, agreement
 
 pytest.importorskip("transformers")
 
@@ -130,17 +130,7 @@ def _logits_against_auto(model: Path, dtype: str) -> tuple[torch.Tensor, torch.T
     ref, tokens = _step_logits(_runner(model, dtype, None), prompts, None, 32)
     got, _ = _step_logits(_runner(model, dtype, "float8_e4m3fn"), prompts, tokens, 32)
     ref, got = ref.flatten(0, 1), got.flatten(0, 1)  # [positions, vocab]
-    assert not torch.equal(ref, got)  # the cache really was fp8
-    cosine = torch.nn.functional.cosine_similarity(ref, got, dim=-1)
-    agree = ref.argmax(-1) == got.argmax(-1)
-    top2 = ref.topk(2, dim=-1).values
-    margin = top2[:, 0] - top2[:, 1]
-    clear = margin > CLEAR_MARGIN
-    worst = margin[~agree].max().item() if (~agree).any() else 0.0
-    print(f"{model.parent.name} {dtype}: cosine min {cosine.min():.5f} mean {cosine.mean():.5f}, "
-          f"top-1 {agree.float().mean():.3f} over {len(agree)} positions, "
-          f"{agree[clear].float().mean():.3f} over the {int(clear.sum())} clear ones, "
-          f"largest margin of a disagreement {worst:.4f}")  # fmt: skip
+    cosine, agree, clear = agreement(ref, got, f"{model.parent.name} {dtype}")
     return cosine, torch.stack((agree, clear))
 
 

@@ -133,6 +133,23 @@ def _step_logits(
     return torch.stack(logits), fed
 
 
+def agreement(ref: torch.Tensor, got: torch.Tensor, label: str) -> tuple[torch.Tensor, ...]:
+    """(cosine, top-1 agreement, clear margin) per position of an fp8 cache's logits ``got``
+    against the auto cache's ``ref`` ([positions, vocab], the same tokens fed), printed."""
+    assert not torch.equal(ref, got)  # the cache really was fp8
+    cosine = torch.nn.functional.cosine_similarity(ref, got, dim=-1)
+    agree = ref.argmax(-1) == got.argmax(-1)
+    top2 = ref.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    clear = margin > CLEAR_MARGIN
+    worst = margin[~agree].max().item() if (~agree).any() else 0.0
+    print(f"{label}: cosine min {cosine.min():.5f} mean {cosine.mean():.5f}, "
+          f"top-1 {agree.float().mean():.3f} over {len(agree)} positions, "
+          f"{agree[clear].float().mean():.3f} over the {int(clear.sum())} clear ones, "
+          f"largest margin of a disagreement {worst:.4f}")  # fmt: skip
+    return cosine, agree, clear
+
+
 CUDA = pytest.param(
     "cuda",
     "bfloat16",
