@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import zmq
+
 from pdserve.common.runtime.curve import CurveKeys, create_keys
 from tests.fault_tools import Peer
 from tests.netns_hosts import Lab
@@ -97,6 +99,10 @@ class MultiHost:
         self.config.write_text("\n".join(lines) + "\n")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.pool = lab.executor("client", workers=64)
+        # The clients' own ZMQ context: libzmq starts its I/O threads at its first socket,
+        # made on a client-host thread, so they live in that namespace. The process's
+        # shared Context.instance() must not: later tests of this worker use it on loopback.
+        self.ctx: Any = zmq.Context()
         self.internal = CurveKeys.client(self.keys)  # the deployment's own pair: services
 
     # -- services -----------------------------------------------------------------------
@@ -202,7 +208,8 @@ class MultiHost:
         """An SDK client (CURVE, the tester's key); make and use it inside :meth:`call`."""
         from pdserve.services.router.client import Client
 
-        return Client(self.front, timeout=timeout, curve=CurveKeys.client(self.keys, CLIENT))
+        return Client(self.front, timeout=timeout, curve=CurveKeys.client(self.keys, CLIENT),
+                      ctx=self.ctx)  # fmt: skip
 
     def _generate(self, ids: list[int], sampling: dict[str, Any]) -> Any:
         with self.client() as c:

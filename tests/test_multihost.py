@@ -92,6 +92,7 @@ def hosts(
     # A short directory: an AF_UNIX path holds 107 bytes at most.
     with tempfile.TemporaryDirectory(prefix="pdsd") as notify_dir, Lab() as lab:
         systemd = NotifyListener(Path(notify_dir), SERVICES, WATCHDOG_SECONDS)
+        dep = None
         try:
             dep = MultiHost(lab, work, model_dir, 2, 2, SETTINGS, env, systemd)
             dep.start()
@@ -99,6 +100,8 @@ def hosts(
             yield dep
         finally:
             systemd.close()
+            if dep is not None:
+                dep.ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")
