@@ -28,7 +28,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling import SamplingParams
@@ -42,11 +41,11 @@ from pdserve.common.model.dsv4 import hyper_weights
 from pdserve.common.model.dsv4_attention import Rope, rms
 from pdserve.common.model.random import save_random_v4
 from pdserve.common.model.random_dspark import add_random_v4_dspark
+from tests.test_dspark import PROMPTS, engine_of, greedy
 
 transformers = pytest.importorskip("transformers")
 
 K = 5
-PROMPTS = [list(range(100, 150)), [7, 8, 9, 10, 11, 12, 7, 8, 9], [5] * 20]
 STAGES = 3
 
 
@@ -59,18 +58,6 @@ def spec(
         confidence_threshold=threshold,
         model=None if model is None else str(model),
     )
-
-
-def engine_of(model: Path, sp: SpeculativeConfig | None = None, **kw: Any) -> LLMEngine:
-    torch.set_num_threads(1)
-    base: dict[str, Any] = dict(model=str(model), block_size=16, num_kv_blocks=512)
-    return LLMEngine(EngineConfig(**{**base, **kw}, speculative_config=sp))
-
-
-def greedy(eng: LLMEngine, prompts: list[list[int]] = PROMPTS, n: int = 32) -> list[list[int]]:
-    outs = eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    assert eng.pool.num_free_blocks == eng.pool.num_blocks
-    return [o.token_ids for o in outs]
 
 
 def with_dspark(target: Path, path: Path, outputs: list[list[int]] | None = None) -> Path:

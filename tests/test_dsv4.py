@@ -44,13 +44,9 @@ PROMPT_LENGTHS = (40, 300, 1500)
 V4: dict[str, Any] = RANDOM_V4
 
 
-def build_v4(out: Path, tokenizer_from: Path | None = None, **overrides: Any) -> Path:
-    return save_random_v4(out, tokenizer_from=tokenizer_from, **overrides)
-
-
 @pytest.fixture(scope="module")
 def v4_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
-    return build_v4(tmp_path_factory.mktemp("dsv4") / "v4", tokenizer_from=model_dir)
+    return save_random_v4(tmp_path_factory.mktemp("dsv4") / "v4", tokenizer_from=model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +112,9 @@ def test_the_indexer_and_the_window_decide_the_output(
 ) -> None:
     """The same weights with the indexer keeping every entry, or a window over the whole
     prompt: HF gives other tokens, so the identity above checks both."""
-    every_entry = build_v4(tmp_path / "topk", tokenizer_from=model_dir, index_topk=4096)
+    every_entry = save_random_v4(tmp_path / "topk", tokenizer_from=model_dir, index_topk=4096)
     assert hf_greedy(every_entry, prompts[1:2]) != reference[1:2]
-    whole = build_v4(tmp_path / "window", tokenizer_from=model_dir, sliding_window=4096)
+    whole = save_random_v4(tmp_path / "window", tokenizer_from=model_dir, sliding_window=4096)
     assert hf_greedy(whole, prompts[1:2]) != reference[1:2]
 
 
