@@ -7,8 +7,9 @@ import os
 import pytest
 
 from pdserve.common.errors import PdserveError
+from pdserve.common.runtime.instance_config import InstanceAddresses
 from pdserve.common.runtime.net_scope import check_bindable, set_ucx
-from pdserve.common.runtime.service_config import InstanceAddresses, load_config
+from pdserve.common.runtime.service_config import load_config
 
 
 def test_a_wildcard_address_is_refused_naming_bind_host_and_where() -> None:

@@ -20,8 +20,9 @@ from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_commands import Command, Connected, HandshakeFailed
+from pdserve.common.runtime.instance_config import InstanceAddresses
 from pdserve.common.runtime.ports import free_port
-from pdserve.common.runtime.service_config import DeploymentConfig, InstanceAddresses
+from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.services.decode.service import DecodeService
 
 LAYOUT = KVLayout(

@@ -45,7 +45,7 @@ def test_the_sdk_refuses_what_the_http_api_refuses() -> None:
 
 def test_internal_keys_alone_leave_the_front_door_open(tmp_path: Path) -> None:
     from pdserve.common.runtime.curve import WireSecurity, create_keys
-    from pdserve.common.runtime.service_config import SecurityConfig
+    from pdserve.common.runtime.instance_config import SecurityConfig
 
     create_keys(tmp_path)
     metrics = Metrics("router", 0)

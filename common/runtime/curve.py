@@ -46,8 +46,8 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve.common.errors import PdserveError
 
 if TYPE_CHECKING:
+    from pdserve.common.runtime.instance_config import SecurityConfig
     from pdserve.common.runtime.metrics import Metrics
-    from pdserve.common.runtime.service_config import SecurityConfig
 
 log = structlog.get_logger("pdserve.curve")
 

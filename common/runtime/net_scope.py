@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.runtime.service_config import InstanceAddresses
+from pdserve.common.runtime.instance_config import InstanceAddresses
 
 log = structlog.get_logger("pdserve.net")
 
