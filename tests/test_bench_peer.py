@@ -70,7 +70,8 @@ def test_peer_gets_the_same_loads(tmp_path: Path, capsys: pytest.CaptureFixture[
             openai_server("their-model", vocab=None) as (peer, theirs):  # fmt: skip
         rc = main(["bench", "serve", "--url", url, "--peer-url", peer, "--peer-label", "vllm",
                    "--num-prompts", "3", "--input-len", "8", "--output-len", "2",
-                   "--max-concurrency", "1,2", "--label", "pdserve", "--json", str(out)])  # fmt: skip
+                   "--max-concurrency", "1,2", "--label", "pdserve", "--num-warmups", "0",
+                   "--json", str(out)])  # fmt: skip
     assert rc == 0
     # warm-up + 3 prompts per load, each side; the peer got pdserve's prompts (ids below
     # pdserve's vocabulary of 500, not the fallback range a card without one gives): in order

@@ -353,7 +353,7 @@ def test_a_deployment_serves_second_turns_from_the_tier(
     engine = {"block_size": 16, "num_kv_blocks": 8, "kv_host_cache_gb": 0.01}
     with deployment(tmp_path / "dep", model_dir, engine=engine, colocated=colocated) as dep:
         rc = main(["bench", "serve", "--url", dep.url, "--num-prompts", "8", "--multi-turn",
-                   "2", "--input-len", "48", "--output-len", "4", "--max-concurrency", "1",
+                   "2", "--input-len", "48", "--output-len", "4", "--max-concurrency", "1", "--num-warmups", "0",
                    "--json", str(out)])  # fmt: skip
         with urllib.request.urlopen(f"{dep.url}/metrics", timeout=30) as resp:
             text = resp.read().decode()
