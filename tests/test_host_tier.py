@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.common.engine.block_pool import BlockPool, hash_blocks
@@ -423,3 +424,35 @@ def test_prefill_killed_before_decode_reads_its_tier_blocks(
         with client(dep) as c:
             assert len(c.generate(prompt_token_ids=second, max_tokens=4).token_ids) == 4
         wait_until(lambda: pools_full(addresses(dep)), 15, "every pool back to full")
+
+
+def test_a_sequence_evicted_together_takes_adjacent_slots_in_its_order() -> None:
+    """A sequence is evicted tail first (the pool frees it in reverse), but goes down in
+    sequence order: its blocks take ascending adjacent slots, so decode reading them from
+    the tier against its own adjacent blocks needs one descriptor, not one per block."""
+    from pdserve.common.transfer.kv_descs import num_runs
+
+    pool, mover = cached_pool(num_blocks=4, num_slots=8)
+    tier = pool.tier
+    assert tier is not None
+    seq = hash_blocks(list(range(4 * B)), B)
+    blocks = fill(pool, seq)
+    pool.allocate(4)  # all four evicted in one allocation: tail first
+    slots = [tier.slot_of(h) for h in seq]
+    assert slots == [0, 1, 2, 3]
+    assert [c[1] for c in mover.copies] == blocks  # copied down head first
+    local = np.arange(10, 14)
+    assert num_runs(np.array(slots), local) == 1
+    # a second sequence through recycled slots keeps its order too
+    pool.free(list(range(4)))
+    other = hash_blocks(list(range(1000, 1000 + 4 * B)), B)
+    fill(pool, other)  # evicts nothing: blocks were free, unregistered
+    pool.allocate(4)
+    slots = [tier.slot_of(h) for h in other]
+    assert slots == [4, 5, 6, 7] and num_runs(np.array(slots), local) == 1
+    third = hash_blocks(list(range(2000, 2000 + 4 * B)), B)
+    pool.free(list(range(4)))
+    fill(pool, third)
+    pool.allocate(4)  # the tier is full: the least recent slots, seq's, recycled in order
+    slots = [tier.slot_of(h) for h in third]
+    assert slots == [0, 1, 2, 3] and num_runs(np.array(slots), local) == 1
