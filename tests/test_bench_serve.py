@@ -261,7 +261,8 @@ def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
     out = tmp_path / "goodput.json"
     rc = main(["bench", "serve", "--compare", "--model", str(model_dir), "--num-prompts", "4",
                "--request-rate", "2,8", "--input-len", "32", "--output-len", "4",
-               "--goodput", "ttft:60000", "tpot:60000", "--json", str(out)])  # fmt: skip
+               "--goodput", "ttft:60000", "tpot:60000", "--num-warmups", "1",
+               "--json", str(out)])  # fmt: skip
     assert rc == 0
     payload = json.loads(out.read_text())
     runs = payload["runs"]
@@ -269,6 +270,10 @@ def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
         ("disaggregated", 2.0), ("disaggregated", 8.0), ("colocated", 2.0), ("colocated", 8.0),
         ("conditional", 2.0), ("conditional", 8.0)]  # fmt: skip
     assert all(r["metrics"]["completed"] == 4 for r in runs)
+    # each deployment warmed once, before its first load: buckets 16 and 32, bursts of 2, 4
+    warm = [r.get("warmup") for r in runs]
+    assert [w is not None for w in warm] == [True, False] * 3
+    assert all(w["num_requests"] == 2 + 6 and w["num_failed"] == 0 for w in warm[::2])
     # 32-token prompts: every one prefilled by decode in the conditional deployment, none in
     # the disaggregated one; colocated has no such counter
     assert [r["metrics"]["local_prefill_share"] for r in runs] == [0, 0, None, None, 1, 1]
