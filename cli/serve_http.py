@@ -251,6 +251,8 @@ async def warm_up(url: str, args: argparse.Namespace, loads: list[Load],
     caps = [load.concurrency for load in loads]
     max_burst = (max(c for c in caps if c is not None) if None not in caps
                  else min(args.num_prompts, WARMUP_MAX_BURST))  # fmt: skip
+    if workload.turns > 1:  # conversations: at most one turn of each user in flight
+        max_burst = min(max_burst, -(-args.num_prompts // workload.turns))
     plan = warmup_plan(args.num_warmups, prompt_lengths(lengths, workload.turns),
                        workload.output_len, max_burst)  # fmt: skip
     timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)

@@ -389,3 +389,20 @@ def test_num_warmups_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]
     rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-warmups", "-1"])
     assert rc != 0
     assert "--num-warmups must be 0 or more" in capsys.readouterr().err
+
+
+def test_a_multi_turn_warm_up_reaches_the_last_turns_length_in_bursts_of_the_users(
+    tmp_path: Path,
+) -> None:
+    """Conversations: the longest prompt is a last turn's (its history included), and no
+    more requests are in flight than there are users, so no burst is larger."""
+    out = tmp_path / "chat.json"
+    with openai_server("ours", vocab=500) as (url, bodies):
+        rc = main(["bench", "serve", "--url", url, "--num-prompts", "6", "--multi-turn", "3",
+                   "--input-len", "8", "--output-len", "2", "--num-warmups", "1",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    # buckets 16, then 28 (8 + 2 + 8 + 2 + 8); one burst of 2 (two users) at the median, 18
+    assert [len(b["prompt"]) for b in bodies[:4]] == [16, 28, 18, 18]
+    warm = json.loads(out.read_text())["runs"][0]["warmup"]
+    assert (warm["num_requests"], warm["bursts"]) == (4, [1, 2])
