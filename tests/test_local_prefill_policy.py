@@ -171,3 +171,67 @@ def test_the_choice_follows_the_measurements_as_they_change() -> None:
     assert local_reason(256, 2000, 0, [idle], models) is None
     models.observe(LOCAL, 100, 0.02)  # both paths learn from their own requests only
     assert models.local.num == MIN_SAMPLES + 1
+
+
+def test_the_router_measures_each_path_from_its_choice_to_the_first_token() -> None:
+    """Placement (services/router/placement.py) over two links with a mocked backlog and a
+    stepped clock: each choice's path measured when its first token comes (not when a
+    request ends without one), and once both paths are measured the choice follows them."""
+    import asyncio
+    import time
+
+    from pdserve.common.runtime.service_config import load_config
+    from pdserve.services.router.links import Link
+    from pdserve.services.router.placement import Placement
+    from pdserve.services.router.request_state import RequestState
+
+    async def scenario() -> None:
+        placement = Placement(load_config(local_prefill_threshold=256))
+        now = time.monotonic()
+        prefill, decode = (Link(role=role, index=0, address="", sock=None, ready=True,
+                                last_pong=now, heard=now) for role in ("prefill", "decode"))  # fmt: skip
+        placement.prefills, placement.decodes = [prefill], [decode]
+        placement._last_tick = now
+        clock = [0.0]
+        placement.clock = lambda: clock[0]
+
+        async def request(rid: str, tokens: int, seconds: float, answered: bool = True) -> str:
+            state = RequestState(request_id=rid, trace_id=rid, num_prompt_tokens=tokens)
+            local = await placement._local_prefill(state, [])
+            clock[0] += seconds
+            placement._local_prefilled(state, answered=answered)
+            return "local" if local is decode else "remote"
+
+        # short prompts: local (short), measured at 1 ms + 0.1 ms a token
+        for k, n in enumerate((50, 100, 150, 200)):
+            assert await request(f"s{k}", n, 0.001 + 1e-4 * n) == "local"
+        # long ones: the backlog rule sends them to the idle prefill instance; a handover
+        # costs 0.5 s there (time-sliced), its tokens 0.2 ms
+        for k, n in enumerate((400, 800, 1200, 1600)):
+            prefill.outstanding_tokens = 0
+            assert await request(f"l{k}", n, 0.5 + 2e-4 * n) == "remote"
+        models = placement.path_models
+        assert (models.local.num, models.remote.num) == (4, 4)
+        # both measured: a 1,000-token prompt is faster on decode (0.1 s against 0.7 s)
+        assert await request("m0", 1000, 0.1) == "local"
+        assert placement.metrics.value("pdserve:local_prefills", reason="faster_here") == 1
+        # a request that ended without a first token measures nothing
+        assert await request("x0", 1000, 30.0, answered=False) == "local"
+        assert models.local.num == 5 and not placement._choices
+
+    asyncio.run(scenario())
+
+
+def test_a_path_seen_at_one_work_size_borrows_the_other_paths_speed() -> None:
+    """Fixed-length prompts through an idle prefill instance: every remote sample has the
+    same work, so its overhead and speed cannot be told apart; the local path's measured
+    speed (a token costs the same on either instance) splits it, the rest overhead."""
+    same = trained(0.3, 2e-4, works=(1000,) * MIN_SAMPLES)
+    assert not same.spread and trained(0.3, 2e-4).spread
+    assert same.predict(2000) == pytest.approx(1.0)  # alone: a line through 0 (0.5 s / 1000)
+    models = PathModels(local=trained(0.01, 2e-4), remote=same)
+    assert models.predict(REMOTE, 2000) == pytest.approx(0.3 + 2e-4 * 2000)
+    assert models.predict(LOCAL, 2000) == pytest.approx(0.01 + 2e-4 * 2000)
+    # neither spread: each its own line through 0
+    flat = PathModels(local=trained(0.0, 1e-4, works=(100,) * 4), remote=same)
+    assert flat.predict(REMOTE, 2000) == pytest.approx(1.0)

@@ -55,6 +55,9 @@ def uncached_tokens(num_prompt_tokens: int, num_cached_blocks: int, block_size: 
 
 MIN_SAMPLES = 4  # observations a path needs before its predictions are used
 FORGET = 0.9  # each older observation's weight, per newer one: ~the last 10 count
+# below this spread of the work sizes seen (variance / mean^2: a standard deviation of 10%
+# of the mean), a path's overhead and speed cannot be told apart
+MIN_SPREAD = 0.01
 
 
 @dataclass
@@ -76,22 +79,32 @@ class PathModel:
                                                          strict=True)]  # fmt: skip
         self.num += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(overhead s, seconds per token), both >= 0; None before ``MIN_SAMPLES``."""
+    @property
+    def spread(self) -> bool:
+        """Work sizes varied enough to tell overhead from speed."""
+        w, sx, _, sxx, _ = self.sums
+        return sx > 0 and (w * sxx - sx * sx) / (sx * sx) >= MIN_SPREAD
+
+    def fit(self, slope_hint: float | None = None) -> tuple[float, float] | None:
+        """(overhead s, seconds per token), both >= 0; None before ``MIN_SAMPLES``. Work
+        sizes too alike to fit a slope (``spread``): ``slope_hint`` (the other path's, a
+        token costing the same on either) with the rest as overhead, else a line through 0."""
         if self.num < MIN_SAMPLES:
             return None
         w, sx, sy, sxx, sxy = self.sums
-        spread = w * sxx - sx * sx
-        if spread <= 1e-9 * max(w * sxx, 1.0):  # one work size seen: a line through 0
+        if not self.spread:
+            if slope_hint is not None:
+                return max(0.0, (sy - slope_hint * sx) / w), slope_hint
             return 0.0, (sy / sx if sx > 0 else 0.0)
+        spread = w * sxx - sx * sx
         slope = max(0.0, (w * sxy - sx * sy) / spread)
         overhead = (sy - slope * sx) / w
         if overhead < 0:  # the line would cross 0 above no work: through 0 instead
             return 0.0, max(0.0, sxy / sxx)
         return overhead, slope
 
-    def predict(self, work_tokens: int) -> float | None:
-        fit = self.fit()
+    def predict(self, work_tokens: int, slope_hint: float | None = None) -> float | None:
+        fit = self.fit(slope_hint)
         return None if fit is None else fit[0] + fit[1] * work_tokens
 
 
@@ -104,6 +117,13 @@ class PathModels:
 
     def observe(self, path: str, work_tokens: int, seconds: float) -> None:
         (self.local if path == LOCAL else self.remote).observe(work_tokens, seconds)
+
+    def predict(self, path: str, work_tokens: int) -> float | None:
+        """``path``'s TTFT for ``work_tokens``; a path whose work sizes were too alike takes
+        the other's speed, when that one's is known."""
+        model, other = (self.local, self.remote) if path == LOCAL else (self.remote, self.local)
+        fit = other.fit() if other.spread else None
+        return model.predict(work_tokens, None if fit is None else fit[1])
 
 
 def remote_work(prefills: Sequence[PrefillBacklog]) -> int | None:
@@ -133,7 +153,7 @@ def local_reason(
     if remote is None:
         return None
     if measured is not None:
-        here, there = measured.local.predict(local), measured.remote.predict(remote)
+        here, there = measured.predict(LOCAL, local), measured.predict(REMOTE, remote)
         if here is not None and there is not None:
             return FASTER_HERE if here < there else None
     if all(b.num_queued_tokens + b.num_uncached_tokens > local for b in prefills):

@@ -42,6 +42,7 @@ class Placement(Instances):
         # the choices whose first token has not come yet (request id -> path, work, when)
         self.path_models = PathModels()
         self._choices: dict[str, tuple[str, int, float]] = {}
+        self.clock = time.monotonic  # when a choice was made and answered (tests step it)
         if not cfg.colocated:
             for reason in REASONS:
                 self.metrics.declare("pdserve:local_prefills", reason=reason)
@@ -82,9 +83,9 @@ class Placement(Instances):
         if reason is None:
             work = remote_work(backlogs)
             if work is not None:
-                self._choices[state.request_id] = (REMOTE, work, now)
+                self._choices[state.request_id] = (REMOTE, work, self.clock())
             return None
-        self._choices[state.request_id] = (LOCAL, queued + uncached, now)
+        self._choices[state.request_id] = (LOCAL, queued + uncached, self.clock())
         self.metrics.inc("pdserve:local_prefills", reason=reason)
         log.debug("local_prefill", request_id=state.request_id, trace_id=state.trace_id,
                   at=decode.name, reason=reason, uncached_tokens=uncached)  # fmt: skip
@@ -99,7 +100,7 @@ class Placement(Instances):
         choice = self._choices.pop(state.request_id, None)
         if choice is not None and answered:
             path, work, chosen = choice
-            self.path_models.observe(path, work, time.monotonic() - chosen)
+            self.path_models.observe(path, work, self.clock() - chosen)
         if state.local_prefill is not None:
             link, num = state.local_prefill
             link.local_queued_tokens -= num
