@@ -55,7 +55,9 @@ Host-tier pull (GB/s): the bytes decode read from a prefill's host tier during t
 over those READs' seconds (``pdserve:kv_host_tier_pull_bytes`` / ``_seconds``; a
 disaggregated deployment with --kv-host-cache-gb), "-" where none was read.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
-PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
+PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports; on one GPU its prefill and
+decode processes run under CUDA MPS (--gpu-share, cli/gpu_share.py; each deployment's
+"mps" in the JSON). The table goes to stdout,
 progress to stderr; --json writes the config, the metrics and every request. The load
 itself (HTTP requests on their schedule) is cli/serve_http.py's.
 """
