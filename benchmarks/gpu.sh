@@ -31,10 +31,11 @@
 #                 (caps 8,192 / 512), 64 requests at 8, 12 and 16 req/s, SLO TTFT 600 ms TPOT
 #                 40 ms, every deployment warmed (--num-warmups 1): the modes in one order, the
 #                 host-tier multi-turn run (disaggregated, 16 users x 4 turns, 256-block pools,
-#                 --kv-host-cache-gb 0 then 12), the modes in the reverse order, the tier run
+#                 --kv-host-cache-gb 0 then 12), the modes in the reverse order (at 12 req/s
+#                 only: the time a call has), the tier run
 #                 read from the tier's DRAM (kv_host_tier_serve host: its GB/s), then prefill
 #                 and decode under an MPS split ($PD_SPLIT, default prefill=60,decode=40);
-#                 parts in that priority, each skipped when $PD_BUDGET_S (default 500) cannot
+#                 parts in that priority, each skipped when $PD_BUDGET_S (default 540) cannot
 #                 hold it ($PD_PARTS=order-b,split,...: only those); then
 #                 benchmarks/pd_one_gpu.py's tables
 #   all           tests engine serve transfer engine-eager, in that order of priority
@@ -157,7 +158,7 @@ suite_serve-8b() {
 PD_T0=0
 pd_part() {  # NAME NEED_S TIMEOUT_S CMD...: run unless less than NEED_S of the budget is left
     local name=$1 need=$2 limit=$3; shift 3
-    local left=$(( ${PD_BUDGET_S:-500} - ($(date +%s) - PD_T0) ))
+    local left=$(( ${PD_BUDGET_S:-540} - ($(date +%s) - PD_T0) ))
     if [ -n "${PD_PARTS:-}" ] && [[ ",$PD_PARTS," != *",$name,"* ]]; then return 0; fi
     if [ "$left" -lt "$need" ]; then echo "pd-one-gpu: skipped $name (${left} s left)"; return 0; fi
     [ "$limit" -gt "$left" ] && limit=$left
@@ -170,14 +171,14 @@ suite_pd-one-gpu() {  # issue #48: disaggregation on one GPU, measured fairly
     PD_T0=$(date +%s)
     local m8b; m8b=$(shape_model 8b)
     local serve=(python3 -m pdserve bench serve --compare --model "$m8b" --device cuda --num-warmups 1)
-    local sweep=("${serve[@]}" --num-prompts 64 --request-rate 8,12,16 --length-dist lognormal
+    local sweep=("${serve[@]}" --num-prompts 64 --length-dist lognormal
         --input-len 1024 --output-len 128 --max-input-len 8192 --max-output-len 512
         --goodput ttft:600 tpot:40)
     local chat=("${serve[@]}" --modes disaggregated --num-prompts 64 --multi-turn 4 --input-len 1024
         --output-len 128)
     export PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3
-    pd_part order-a 200 230 "${sweep[@]}" --modes colocated,disaggregated,conditional \
-        --json "$OUT/pd_order_a.json"
+    pd_part order-a 240 330 "${sweep[@]}" --request-rate 8,12,16 \
+        --modes colocated,disaggregated,conditional --json "$OUT/pd_order_a.json"
     # the tier: 0, then 12 GB with decode reading tier blocks through the prefill's GPU
     # (kv_host_tier_serve auto on CUDA), later 12 GB read from the tier's DRAM (its GB/s)
     local tier=(env PDSERVE_ENGINE__NUM_KV_BLOCKS=256)
@@ -185,11 +186,13 @@ suite_pd-one-gpu() {  # issue #48: disaggregation on one GPU, measured fairly
         --json "$OUT/pd_tier_0.json"
     pd_part tier-12 70 100 "${tier[@]}" PDSERVE_ENGINE__KV_HOST_CACHE_GB=12 "${chat[@]}" \
         --json "$OUT/pd_tier_12.json"
-    pd_part order-b 200 230 "${sweep[@]}" --modes conditional,disaggregated,colocated \
-        --json "$OUT/pd_order_b.json"
+    # the reverse order at the middle rate only (the time a call has): with every deployment
+    # warmed, each mode's attainment there should match order a's
+    pd_part order-b 120 170 "${sweep[@]}" --request-rate 12 \
+        --modes conditional,disaggregated,colocated --json "$OUT/pd_order_b.json"
     pd_part tier-12-host 70 100 "${tier[@]}" PDSERVE_ENGINE__KV_HOST_CACHE_GB=12 \
         PDSERVE_ENGINE__KV_HOST_TIER_SERVE=host "${chat[@]}" --json "$OUT/pd_tier_12_host.json"
-    pd_part split 130 160 "${sweep[@]}" --modes disaggregated,conditional \
+    pd_part split 130 200 "${sweep[@]}" --request-rate 8,12,16 --modes disaggregated,conditional \
         --gpu-share "${PD_SPLIT:-prefill=60,decode=40}" --json "$OUT/pd_split.json"
     env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/pd_one_gpu.py \
         --goodput "$OUT/pd_order_a.json" "$OUT/pd_order_b.json" "$OUT/pd_split.json" \

@@ -30,13 +30,15 @@ def goodput_rows(path: Path) -> tuple[str, dict[str, Any]]:
     share = config.get("gpu_share", "?")
     series = {s["mode"]: s for s in payload.get("goodput", {}).get("series", [])}
     warm = {r["mode"]: r["warmup"] for r in payload["runs"] if "warmup" in r}
-    label = f"{order} [{share}]"
+    mps = [r["deployment"].get("mps") for r in payload["runs"] if "deployment" in r]
+    used = "MPS " + share if any(mps) else "no MPS"  # colocated never takes it
+    label = f"{order} [{used}]"
     return label, {"series": series, "warm": warm, "commit": config.get("git_commit"),
                    "command": config.get("command")}  # fmt: skip
 
 
 def print_goodput(paths: list[Path]) -> None:
-    header = ["run (order [gpu share])", *MODES, "disagg/coloc", "cond/best", "warm-up s"]
+    header = ["run (order [MPS, share])", *MODES, "disagg/coloc", "cond/best", "warm-up s"]
     rows = []
     for path in paths:
         label, data = goodput_rows(path)
@@ -56,6 +58,25 @@ def print_goodput(paths: list[Path]) -> None:
           "disagg/coloc >= 1.3, cond/best >= 1.0)")  # fmt: skip
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def print_attainment(paths: list[Path]) -> None:
+    """Each mode's share of requests within every SLO at each rate, per run: the modes'
+    orders compared rate for rate (a run with one rate has no goodput of its own)."""
+    rows, rates = [], set()
+    for path in paths:
+        payload = json.loads(path.read_text())
+        for series in payload.get("goodput", {}).get("series", []):
+            att = dict(zip(series["request_rates"], series["attainment"]["all"], strict=True))
+            rates |= set(att)
+            rows.append((path.stem, series["mode"], att))
+    cols = sorted(rates, key=float)
+    header = ["run", "mode", *(f"r={r}" for r in cols)]
+    body = [[stem, mode, *(_fmt(att.get(r), "{:.0%}") for r in cols)] for stem, mode, att in rows]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    print("\nSLO attainment (share of requests within every SLO) by rate")
+    for row in [header, ["-" * w for w in widths], *body]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
 def print_tier(paths: list[Path]) -> None:
@@ -88,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     tier = [path for path in args.tier if path.exists()]
     if goodput:
         print_goodput(goodput)
+        print_attainment(goodput)
     if tier:
         print_tier(tier)
 

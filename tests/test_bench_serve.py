@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,6 +250,12 @@ def test_goodput_sweep_against_real_sockets(tmp_path: Path,
 
     plot(str(out), str(tmp_path / "goodput.png"))  # attainment against rate
     assert (tmp_path / "goodput.png").stat().st_size > 0
+    from benchmarks.pd_one_gpu import main as summary  # gpu.sh pd-one-gpu's tables
+
+    summary(["--goodput", str(out), "--tier", str(out)])
+    printed = capsys.readouterr().out
+    assert "disagg/coloc" in printed and re.search(r"pdserve +100% +100%", printed)
+    assert "TTFT p99 (ms)" in printed
 
 
 @pytest.mark.slow
