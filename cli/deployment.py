@@ -116,7 +116,13 @@ class Deployment:
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(key, None)
         env.update(self.extra_env)
-        self._start_mps(env)
+        try:
+            self._start_mps(env)
+        except BaseException:
+            if self.made_keys is not None:  # nothing was started: leave nothing behind
+                shutil.rmtree(self.made_keys, ignore_errors=True)
+                self.made_keys = None
+            raise
         self._env = env
         for name, args in self.roles():
             self._spawn(name, args, env, "wb")

@@ -206,3 +206,18 @@ def test_the_flag_reaches_up_and_bench_serve(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--compare", "--gpu-share", "prefill=60,decode=200"])
     assert "1..100" in capsys.readouterr().err
+
+
+def test_a_deployment_whose_split_cannot_apply_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--gpu-share prefill=60,decode=40 on a CPU deployment: refused before any process
+    starts, and the keys the start made are gone."""
+    from pdserve.cli import deployment as dep_mod
+
+    monkeypatch.setattr(dep_mod, "zygote_for", lambda env: pytest.fail("a process started"))
+    cfg = dep_mod.local_config(device="cpu", base_port=47200, http_port=47299)
+    dep = dep_mod.Deployment(cfg, tmp_path / "logs", gpu_share=GpuShare("split", 60, 40))
+    with pytest.raises(PdserveError, match="needs CUDA MPS on one GPU: the deployment runs on cpu"):
+        dep.start()
+    assert dep.made_keys is None and not dep.procs
