@@ -177,6 +177,8 @@ suite_pd-one-gpu() {  # issue #48: disaggregation on one GPU, measured fairly
     local chat=("${serve[@]}" --modes disaggregated --num-prompts 64 --multi-turn 4 --input-len 1024
         --output-len 128)
     export PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3
+    # MPS itself on this machine: a daemon started, a CUDA process under it with a share
+    pd_part mps-test 20 60 python3 -m pytest -q -m gpu tests/test_gpu_share.py -p no:cacheprovider
     pd_part order-a 240 330 "${sweep[@]}" --request-rate 8,12,16 \
         --modes colocated,disaggregated,conditional --json "$OUT/pd_order_a.json"
     # the tier: 0, then 12 GB with decode reading tier blocks through the prefill's GPU

@@ -221,3 +221,32 @@ def test_a_deployment_whose_split_cannot_apply_starts_nothing(
     with pytest.raises(PdserveError, match="needs CUDA MPS on one GPU: the deployment runs on cpu"):
         dep.start()
     assert dep.made_keys is None and not dep.procs
+
+
+@pytest.mark.gpu
+def test_a_real_mps_daemon_serves_a_cuda_process_held_to_its_share(tmp_path: Path) -> None:
+    """On a GPU machine: the daemon found or started (start_mps), a CUDA process of a role
+    with its share of the SMs runs under it (a server appears for it), the daemon quit
+    after when this test started it. Nothing CUDA in this process."""
+    import shutil
+    import subprocess
+    import sys
+
+    from pdserve.cli.gpu_share import visible_gpus
+
+    if not visible_gpus(dict(os.environ)) or shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("needs a GPU and nvidia-cuda-mps-control")
+    daemon = start_mps(tmp_path, dict(os.environ))
+    env = {**os.environ, **daemon.env}
+    try:
+        code = ("import torch; x = torch.ones(1 << 20, device='cuda'); "
+                "print(int(x.sum().item()), torch.cuda.get_device_properties(0).multi_processor_count)")  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, env={**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split()[0] == str(1 << 20)
+        servers = subprocess.run([daemon.control], input="get_server_list\n", text=True,
+                                 capture_output=True, env=env, timeout=30)  # fmt: skip
+        assert servers.returncode == 0 and servers.stdout.strip(), servers.stderr
+    finally:
+        daemon.stop()
