@@ -160,7 +160,8 @@ def warmup_plan(num: int, prompt_lens: list[int], output_len: int,
     if num <= 0 or not prompt_lens:
         return []
     longest = max(prompt_lens)
-    median = sorted(prompt_lens)[len(prompt_lens) // 2]
+    # (at least 4 tokens: a burst's random prompts must differ)
+    median = max(4, sorted(prompt_lens)[len(prompt_lens) // 2])
     out = max(1, min(output_len, WARMUP_OUTPUT_LEN))
     buckets, size = [], WARMUP_MIN_LEN
     while size < longest:
