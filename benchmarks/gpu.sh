@@ -27,6 +27,17 @@
 #   gpu-tests     every gpu-marked test of tests/ in one pytest run
 #   spec          speculative decoding: its GPU test, then decode tok/s with and without it
 #                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
+#   pd-one-gpu    issue #48, ~9 min: bench serve --compare at the 8B shape, lognormal 1,024 / 128
+#                 (caps 8,192 / 512), 64 requests at 8, 12 and 16 req/s, SLO TTFT 600 ms TPOT
+#                 40 ms, every deployment warmed (--num-warmups 1): the modes in one order, the
+#                 host-tier multi-turn run (disaggregated, 16 users x 4 turns, 256-block pools,
+#                 --kv-host-cache-gb 0 then 12), the modes in the reverse order (at 12 req/s
+#                 only: the time a call has), the tier run
+#                 read from the tier's DRAM (kv_host_tier_serve host: its GB/s), then prefill
+#                 and decode under an MPS split ($PD_SPLIT, default prefill=60,decode=40);
+#                 parts in that priority, each skipped when $PD_BUDGET_S (default 540) cannot
+#                 hold it ($PD_PARTS=order-b,split,...: only those); then
+#                 benchmarks/pd_one_gpu.py's tables
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -36,7 +47,7 @@
 # from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,$(( $(grep -n "^set -uo" "$0" | cut -d: -f1) - 1 ))p" "$0"; exit 2; }
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -68,6 +79,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
 [ "$*" = gpu-tests ] && needs_1b=0
+[ "$*" = pd-one-gpu ] && needs_1b=0
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -142,6 +154,56 @@ suite_serve-8b() {
     PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 400 python3 -m pdserve bench serve --compare \
         --model "$(shape_model 8b)" --device cuda --num-prompts 32 --max-concurrency 8,32 \
         --input-len 2048 --output-len 128 --json "$OUT/serve_8b_h200.json" 2>"$OUT/serve_8b_err.txt" | tail -40
+}
+PD_T0=0
+pd_part() {  # NAME NEED_S TIMEOUT_S CMD...: run unless less than NEED_S of the budget is left
+    local name=$1 need=$2 limit=$3; shift 3
+    local left=$(( ${PD_BUDGET_S:-540} - ($(date +%s) - PD_T0) ))
+    if [ -n "${PD_PARTS:-}" ] && [[ ",$PD_PARTS," != *",$name,"* ]]; then return 0; fi
+    if [ "$left" -lt "$need" ]; then echo "pd-one-gpu: skipped $name (${left} s left)"; return 0; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    stamp "pd-one-gpu: $name (limit ${limit} s)"
+    timeout -s INT -k 30 "$limit" "$@" 2>"$OUT/pd_${name}_err.txt" | tail -45
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "pd-one-gpu: $name exited $rc"; grep -E "Error|error|failed" "$OUT/pd_${name}_err.txt" | tail -5; }
+}
+suite_pd-one-gpu() {  # issue #48: disaggregation on one GPU, measured fairly
+    PD_T0=$(date +%s)
+    local m8b; m8b=$(shape_model 8b)
+    local serve=(python3 -m pdserve bench serve --compare --model "$m8b" --device cuda --num-warmups 1)
+    local sweep=("${serve[@]}" --num-prompts 64 --length-dist lognormal
+        --input-len 1024 --output-len 128 --max-input-len 8192 --max-output-len 512
+        --goodput ttft:600 tpot:40)
+    local chat=("${serve[@]}" --modes disaggregated --num-prompts 64 --multi-turn 4 --input-len 1024
+        --output-len 128)
+    export PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3
+    # MPS itself on this machine: a daemon started, a CUDA process under it with a share
+    pd_part mps-test 20 60 python3 -m pytest -q -m gpu tests/test_gpu_share.py -p no:cacheprovider
+    pd_part order-a 240 330 "${sweep[@]}" --request-rate 8,12,16 \
+        --modes colocated,disaggregated,conditional --json "$OUT/pd_order_a.json"
+    # the tier: 0, then 12 GB with decode reading tier blocks through the prefill's GPU
+    # (kv_host_tier_serve auto on CUDA), later 12 GB read from the tier's DRAM (its GB/s)
+    local tier=(env PDSERVE_ENGINE__NUM_KV_BLOCKS=256)
+    pd_part tier-0 70 100 "${tier[@]}" PDSERVE_ENGINE__KV_HOST_CACHE_GB=0 "${chat[@]}" \
+        --json "$OUT/pd_tier_0.json"
+    pd_part tier-12 70 100 "${tier[@]}" PDSERVE_ENGINE__KV_HOST_CACHE_GB=12 "${chat[@]}" \
+        --json "$OUT/pd_tier_12.json"
+    # the reverse order at the middle rate only (the time a call has): with every deployment
+    # warmed, each mode's attainment there should match order a's
+    pd_part order-b 120 170 "${sweep[@]}" --request-rate 12 \
+        --modes conditional,disaggregated,colocated --json "$OUT/pd_order_b.json"
+    pd_part tier-12-host 70 100 "${tier[@]}" PDSERVE_ENGINE__KV_HOST_CACHE_GB=12 \
+        PDSERVE_ENGINE__KV_HOST_TIER_SERVE=host "${chat[@]}" --json "$OUT/pd_tier_12_host.json"
+    pd_part split 130 200 "${sweep[@]}" --request-rate 8,12,16 --modes disaggregated,conditional \
+        --gpu-share "${PD_SPLIT:-prefill=60,decode=40}" --json "$OUT/pd_split.json"
+    env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/pd_one_gpu.py \
+        --goodput "$OUT/pd_order_a.json" "$OUT/pd_order_b.json" "$OUT/pd_split.json" \
+        --tier "$OUT/pd_tier_0.json" "$OUT/pd_tier_12.json" "$OUT/pd_tier_12_host.json" \
+        | tee "$OUT/pd_one_gpu.txt"
+    for f in "$OUT"/pd_order_a.json "$OUT"/pd_order_b.json "$OUT"/pd_split.json; do
+        [ -f "$f" ] && python3 benchmarks/plot_serve.py "$f" "${f%.json}.png" 2>/dev/null
+    done
+    return 0
 }
 suite_transfer() {
     timeout 240 python3 -m pdserve bench transfer --device cuda --shape 1b,8b --tokens 1024,8192,32768 \
@@ -245,7 +307,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, pd-one-gpu, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

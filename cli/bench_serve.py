@@ -24,8 +24,15 @@ rate"; run twice against one deployment with a new --seed). --multi-turn N makes
 chats instead: num-prompts / N users, interleaved, each turn sent once its previous
 answer is in, its prompt the conversation so far (earlier prompts, seeded stand-ins for
 the answers) plus a new message of --input-len tokens (cli/serve_load.py conversations):
-the workload a host tier under the prefix cache pays on (--kv-host-cache-gb). One
-untimed warm-up request goes first. Requests
+the workload a host tier under the prefix cache pays on (--kv-host-cache-gb).
+
+Every server is warmed before its first load is measured (--num-warmups N, default 2; 0
+turns it off): N requests per length bucket (powers of two from 16 up to the load's
+longest prompt, one at a time) and N bursts per batch size (2, 4, ... up to the largest
+--max-concurrency, else up to 64 or --num-prompts, of the median prompt length), so that
+every kernel shape the load reaches is compiled outside the measured requests
+(cli/serve_load.py warmup_plan); the JSON keeps them (each first run's "warmup": how many,
+their lengths, bursts and durations). One more untimed request opens each load. Requests
 arrive all at once (--request-rate inf) or as a seeded Poisson process (--burstiness 1;
 gamma-distributed gaps otherwise, as vLLM's), at most --max-concurrency in flight. A list
 of rates or concurrencies runs one load per value (per pair, with both) on each server.
@@ -44,8 +51,13 @@ common/runtime/ttft.py): mean and median over the load's requests, from the rout
 (cli/ttft_parts.py); they add up to the router's TTFT (locally prefilled requests have
 none). The local prefill share: the load's requests the router had prefilled by their
 decode instance (``pdserve:local_prefills_total``), "-" where the server has no counter.
+Host-tier pull (GB/s): the bytes decode read from a prefill's host tier during the load
+over those READs' seconds (``pdserve:kv_host_tier_pull_bytes`` / ``_seconds``; a
+disaggregated deployment with --kv-host-cache-gb), "-" where none was read.
 --compare deploys with `pdserve up`'s defaults (PDSERVE_* variables apply, e.g.
-PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports. The table goes to stdout,
+PDSERVE_ENGINE__KV_CACHE_MEMORY_GB=2) on free local ports; on one GPU its prefill and
+decode processes run under CUDA MPS (--gpu-share, cli/gpu_share.py; each deployment's
+"mps" in the JSON). The table goes to stdout,
 progress to stderr; --json writes the config, the metrics and every request. The load
 itself (HTTP requests on their schedule) is cli/serve_http.py's.
 """
@@ -62,7 +74,7 @@ from typing import Any
 
 from pdserve.cli import bench_peer, goodput, ttft_parts
 from pdserve.cli.arg_types import positive_int, positive_ints  # stdlib-only at import time
-from pdserve.cli.engine_flags import add_kv_cache_dtype
+from pdserve.cli.engine_flags import add_gpu_share, add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 from pdserve.cli.serve_http import progress, run_loads
 from pdserve.cli.serve_load import STATS, Load, Workload
@@ -88,6 +100,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="--compare: HF directory or GGUF file")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="--compare only")
     add_kv_cache_dtype(p)  # --compare only
+    add_gpu_share(p)  # --compare only: its prefill and decode on one GPU (cli/gpu_share.py)
     p.add_argument(
         "--local-prefill-threshold",
         type=positive_int,
@@ -166,6 +179,15 @@ def add_parser(sub: Any) -> None:
         "once its previous answer is in, its prompt the history (earlier prompts and "
         "stand-ins for the answers) plus a new message of --input-len tokens; seeded",
     )
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=2,
+        metavar="N",
+        help="before measuring a server: N requests per length bucket (powers of two up "
+        "to the longest prompt) and N bursts per batch size (2, 4, ... up to the "
+        "concurrency), untimed, recorded in the JSON; 0: none (vLLM's --num-warmups)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
@@ -229,9 +251,12 @@ def run_deployed(args: argparse.Namespace, label: str,
     if label == "conditional" and cfg.local_prefill_threshold == 0:
         raise PdserveError("the conditional mode needs a local_prefill_threshold above 0 (it "
                            "is 0 in the environment or config); give --local-prefill-threshold")  # fmt: skip
-    dep = Deployment(cfg)
+    dep = Deployment(cfg, gpu_share=args.gpu_share)
     progress(f"{label}: starting {', '.join(n for n, _ in dep.roles())} (logs in {dep.log_dir})")
     with dep:
+        mps = None if dep.mps is None else {"started": dep.mps.started,
+                                            "pipe_dir": str(dep.mps.pipe_dir),
+                                            "role_env": dep.role_env}  # fmt: skip
         results = run_loads(dep.url, args, loads, label)
     for result in results:
         result["deployment"] = {
@@ -241,6 +266,7 @@ def run_deployed(args: argparse.Namespace, label: str,
             "prefill_torch_threads": cfg.prefill_torch_threads,
             "decode_torch_threads": cfg.decode_torch_threads,
             "log_dir": str(dep.log_dir),
+            "gpu_share": args.gpu_share.mode, "mps": mps,
         }  # fmt: skip
     return results
 
@@ -256,7 +282,8 @@ def table_rows() -> list[tuple[str, str, str]]:
             ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}"),
             ("cached_prompt_tokens", "cached prompt tokens", "{:d}"),
             ("prefix_hit_rate", "prefix hit rate", "{:.1%}"),
-            ("local_prefill_share", "local prefill share", "{:.0%}")]  # fmt: skip
+            ("local_prefill_share", "local prefill share", "{:.0%}"),
+            ("tier_pull_gbps", "host-tier pull (GB/s)", "{:.2f}")]  # fmt: skip
     for name, title in LATENCIES:
         rows += [(f"{stat}_{name}_ms", f"{title} {stat} (ms)", "{:.1f}") for stat in STATS]
     return rows
@@ -285,6 +312,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         "label": args.label, "mode": "compare" if args.compare else "url", "url": args.url,
         "model": args.model, "device": args.device, "num_prompts": args.num_prompts,
         "kv_cache_dtype": args.kv_cache_dtype, "peer_url": args.peer_url,
+        "gpu_share": args.gpu_share.describe() if args.gpu_share.mode != "off" else "off",
         "local_prefill_threshold": args.local_prefill_threshold,
         "modes": args.modes if args.compare else None,
         "request_rate": ["inf" if math.isinf(r) else r for r in args.request_rate],  # no inf in JSON
@@ -295,7 +323,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         **({} if args.length_dist == "fixed" else {
             "input_sigma": args.input_sigma, "output_sigma": args.output_sigma,
             "max_input_len": args.workload.input_cap, "max_output_len": args.workload.output_cap}),
-        "seed": args.seed, "timeout_s": args.timeout,
+        "seed": args.seed, "timeout_s": args.timeout, "num_warmups": args.num_warmups,
         "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
@@ -337,6 +365,8 @@ def check(args: argparse.Namespace) -> None:
     if args.hf_reference and (args.length_dist != "fixed" or len(args.request_rate) > 1):
         raise PdserveError("--hf-reference batches fixed-length prompts by concurrency; it "
                            "takes neither --length-dist lognormal nor a list of rates")  # fmt: skip
+    if args.num_warmups < 0:
+        raise PdserveError(f"--num-warmups must be 0 or more, got {args.num_warmups}")
     try:
         args.slos = goodput.slos_of(args.goodput)
     except argparse.ArgumentTypeError as exc:

@@ -12,12 +12,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -25,6 +26,9 @@ from pdserve.cli.service_process import zygote_for
 from pdserve.cli.supervisor import Supervisor
 from pdserve.common.errors import PdserveError
 from pdserve.common.runtime.service_config import DeploymentConfig
+
+if TYPE_CHECKING:
+    from pdserve.cli.gpu_share import GpuShare, MpsDaemon
 
 
 class ServiceHandle(Protocol):
@@ -46,10 +50,18 @@ class ServiceHandle(Protocol):
 
 class Deployment:
     def __init__(
-        self, cfg: DeploymentConfig, log_dir: Path | None = None, env: dict[str, str] | None = None
+        self,
+        cfg: DeploymentConfig,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        gpu_share: GpuShare | None = None,
     ) -> None:
         self.cfg = cfg
         self.extra_env = env or {}
+        # both roles on one GPU (cli/gpu_share.py): the MPS daemon used, each role's env
+        self.gpu_share = gpu_share
+        self.mps: MpsDaemon | None = None
+        self.role_env: dict[str, dict[str, str]] = {}
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.log_dir / "deployment.json"
@@ -104,12 +116,38 @@ class Deployment:
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             env.pop(key, None)
         env.update(self.extra_env)
+        try:
+            self._start_mps(env)
+        except BaseException:
+            if self.made_keys is not None:  # nothing was started: leave nothing behind
+                shutil.rmtree(self.made_keys, ignore_errors=True)
+                self.made_keys = None
+            raise
         self._env = env
         for name, args in self.roles():
             self._spawn(name, args, env, "wb")
         self.supervisor = Supervisor(self, report)
 
+    def _start_mps(self, env: dict[str, str]) -> None:
+        """``gpu_share`` (cli/gpu_share.py): on one GPU, the MPS daemon the services reach
+        (found, or started here and stopped by ``stop``) and each role's SM share."""
+        if self.gpu_share is None:
+            return
+        from pdserve.cli.gpu_share import plan, start_mps
+
+        use, note = plan(self.gpu_share, self.cfg.device, self.cfg.colocated, env)
+        if note:
+            print(note, file=sys.stderr)
+        if not use:
+            return
+        self.mps = start_mps(self.log_dir, env)
+        env.update(self.mps.env)
+        self.role_env = self.gpu_share.role_env()
+        print(f"CUDA MPS ({'started' if self.mps.started else 'running'}, pipes in "
+              f"{self.mps.pipe_dir}): {self.gpu_share.describe()}", file=sys.stderr)  # fmt: skip
+
     def _spawn(self, name: str, args: list[str], env: dict[str, str], log_mode: str) -> None:
+        env = {**env, **self.role_env.get(name.partition("-")[0], {})}
         self.procs[name] = zygote_for(env).spawn(
             name,
             [*args, "--config", str(self.config_path)],
@@ -205,6 +243,9 @@ class Deployment:
         if self.made_keys is not None:
             shutil.rmtree(self.made_keys, ignore_errors=True)
             self.made_keys = None
+        if self.mps is not None:  # after its clients: quit only what this deployment started
+            self.mps.stop()
+            self.mps = None
         return codes
 
     def __enter__(self) -> Deployment:

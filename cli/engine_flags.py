@@ -18,3 +18,26 @@ def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str | None = None) -
         "half the bytes of bf16; MLA models: the fp8_ds_mla latent, 656 bytes a token and "
         "layer). Default: [engine] kv_cache_dtype, else auto",
     )
+
+
+def _gpu_share(text: str) -> object:
+    from pdserve.cli.gpu_share import parse_gpu_share
+
+    try:
+        return parse_gpu_share(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_gpu_share(p: argparse.ArgumentParser) -> None:
+    """``--gpu-share`` (cli/gpu_share.py): prefill and decode on one GPU under CUDA MPS."""
+    p.add_argument(
+        "--gpu-share",
+        type=_gpu_share,
+        default="auto",
+        metavar="auto|off|prefill=P,decode=D",
+        help="prefill and decode processes on one GPU: auto (default) runs them under CUDA "
+        "MPS, concurrently on the SMs (a running MPS control daemon, else one started and "
+        "stopped with the deployment); prefill=P,decode=D also holds each role to P / D "
+        "percent of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); off: time-sliced",
+    )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.cli import ttft_parts
 from pdserve.cli.serve_load import (
+    WARMUP_MAX_BURST,
     Load,
     RequestRecord,
     Workload,
@@ -26,7 +27,9 @@ from pdserve.cli.serve_load import (
     compute_metrics,
     conversations,
     make_prompts,
+    prompt_lengths,
     prompts_of_lengths,
+    warmup_plan,
 )
 
 if TYPE_CHECKING:
@@ -225,12 +228,69 @@ async def run_load(url: str, args: argparse.Namespace, label: str) -> dict[str, 
     metrics.update(ttft_parts.part_metrics(ttft_parts.parse(before), ttft_parts.parse(after)))
     # the warm-up went before the first scrape: only the load's requests count
     metrics["local_prefill_share"] = ttft_parts.local_share(before, after, len(records))
+    metrics.update(ttft_parts.tier_pull(before, after))
     for record in records:
         if record.error:
             progress(f"{label}: request {record.index} failed: {record.error}")
     return {"label": label, "url": url, "server": info, "loadavg_1m_start": load_start,
             "loadavg_1m_end": os.getloadavg()[0], "metrics": metrics,
             "requests": [r.public() for r in records]}  # fmt: skip
+
+
+async def warm_up(url: str, args: argparse.Namespace, loads: list[Load],
+                  label: str) -> dict[str, Any]:  # fmt: skip
+    """Warm the server before any load is measured (``warmup_plan``: every length bucket
+    and batch size the loads reach, ``--num-warmups`` of each), and return the record the
+    JSON keeps: how many, their lengths, bursts and durations. Failed warm-up requests are
+    recorded; if every one failed the server cannot be measured (RuntimeError)."""
+    import aiohttp
+
+    url = url.rstrip("/")
+    workload: Workload = args.workload
+    lengths = workload.lengths(args.num_prompts, args.seed)
+    caps = [load.concurrency for load in loads]
+    max_burst = (max(c for c in caps if c is not None) if None not in caps
+                 else min(args.num_prompts, WARMUP_MAX_BURST))  # fmt: skip
+    if workload.turns > 1:  # conversations: at most one turn of each user in flight
+        max_burst = min(max_burst, -(-args.num_prompts // workload.turns))
+    plan = warmup_plan(args.num_warmups, prompt_lengths(lengths, workload.turns),
+                       workload.output_len, max_burst)  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        try:
+            info = await server_info(session, url)
+        except aiohttp.ClientError as exc:
+            raise RuntimeError(f"cannot reach {url}: {exc}") from exc
+        id_range = tuple(getattr(args, "token_id_range", None) or info["token_id_range"])
+        model = info["model"] if getattr(args, "name_model", False) else None
+        limit = info["max_model_len"]
+        for phase, requests in enumerate(plan):
+            if limit is not None:  # the load's own check names a request that cannot fit
+                requests = [(min(i, max(1, limit - o)), o) for i, o in requests]
+            prompts = prompts_of_lengths([i for i, _ in requests], id_range,
+                                         args.seed + 7919 * (phase + 1), "warm-up")  # fmt: skip
+            batch = [RequestRecord(len(records) + k) for k in range(len(requests))]
+            sent = time.perf_counter()
+            await asyncio.gather(*(send_request(session, url, prompt, o, record, model)
+                                   for prompt, (_, o), record in zip(prompts, requests, batch,
+                                                                     strict=True)))  # fmt: skip
+            for record in batch:
+                records.append({"phase": phase, "burst": len(requests),
+                                "sent_ms": (sent - start) * 1e3, **record.public()})  # fmt: skip
+    duration = time.perf_counter() - start
+    failed = sum(not r["ok"] for r in records)
+    if records and failed == len(records):
+        raise RuntimeError(f"every warm-up request to {url} failed: {records[0]['error']}")
+    progress(f"{label}: warmed up with {len(records)} requests in {len(plan)} phases, "
+             f"{duration:.1f} s" + (f", {failed} failed" if failed else ""))  # fmt: skip
+    return {"num_warmups": args.num_warmups, "num_requests": len(records),
+            "num_failed": failed, "duration_s": duration,
+            "prompt_lens": sorted({r["prompt_tokens"] for r in records}),
+            "bursts": sorted({r["burst"] for r in records}), "requests": records}  # fmt: skip
 
 
 def for_load(args: argparse.Namespace, index: int, load: Load) -> argparse.Namespace:
@@ -247,12 +307,18 @@ def run_loads(url: str, args: argparse.Namespace, loads: list[Load], mode: str,
     """Every load against one server, in order; each run tagged with its mode (a line of
     the plots), concurrency (``load``) and rate. ``extra`` goes into the namespace of
     each load (a peer's ``token_id_range``, ``name_model``)."""
-    runs = []
+    runs: list[dict[str, Any]] = []
+    warmup = None
+    if getattr(args, "num_warmups", 0) > 0 and loads:  # once per server, before any load
+        warm_args = argparse.Namespace(**{**vars(args), **extra})
+        warmup = asyncio.run(warm_up(url, warm_args, loads, mode))
     for index, load in enumerate(loads):
         load_args = for_load(args, index, load)
         vars(load_args).update(extra)
         result = asyncio.run(run_load(url, load_args, load.name(mode, loads)))
         rate = "inf" if math.isinf(load.rate) else load.rate  # JSON has no infinity
         result.update(load=load.concurrency, request_rate=rate, mode=mode)
+        if index == 0 and warmup is not None:  # the server's warm-up, before this first load
+            result["warmup"] = warmup
         runs.append(result)
     return runs

@@ -124,6 +124,58 @@ def conversations(lengths: list[tuple[int, int]], turns: int, id_range: tuple[in
     return prompts, after
 
 
+def prompt_lengths(lengths: list[tuple[int, int]], turns: int) -> list[int]:
+    """The prompt tokens each request sends: its length, or with ``turns`` > 1 its
+    conversation so far (``conversations``: earlier prompts' messages and answers, then its
+    own message)."""
+    users = -(-len(lengths) // turns)
+    sent: list[int] = []
+    for i, (new, _) in enumerate(lengths):
+        prev = i - users if i >= users else None
+        sent.append(new if prev is None else sent[prev] + lengths[prev][1] + new)
+    return sent
+
+
+WARMUP_MIN_LEN = 16  # the shortest length bucket a warm-up reaches
+WARMUP_MAX_BURST = 64  # the largest burst without a concurrency cap
+WARMUP_OUTPUT_LEN = 8  # decode steps per warm-up request (a burst's decode batch sizes)
+
+
+def warmup_plan(num: int, prompt_lens: list[int], output_len: int,
+                max_burst: int) -> list[list[tuple[int, int]]]:  # fmt: skip
+    """The warm-up of a deployment before it is measured (``--num-warmups``): phases of
+    (prompt tokens, output tokens), each phase's requests sent at once, so that every kernel
+    shape the load reaches is compiled before the clock starts (Triton compiles per shape
+    class; a lognormal load reaches many):
+
+    - per length bucket, the powers of two from ``WARMUP_MIN_LEN`` up to the longest prompt
+      of the load, then that longest one: ``num`` requests one at a time, of the bucket's
+      length, one token less, two less... (both sides of the kernels' divisibility
+      specialisations);
+    - per batch size, 2, 4, ... up to ``max_burst``: ``num`` bursts of that many concurrent
+      requests of the load's median prompt length (prefill batches and decode batches of
+      that size).
+
+    Empty when ``num`` is 0."""
+    if num <= 0 or not prompt_lens:
+        return []
+    longest = max(prompt_lens)
+    # (at least 4 tokens: a burst's random prompts must differ)
+    median = max(4, sorted(prompt_lens)[len(prompt_lens) // 2])
+    out = max(1, min(output_len, WARMUP_OUTPUT_LEN))
+    buckets, size = [], WARMUP_MIN_LEN
+    while size < longest:
+        buckets.append(size)
+        size *= 2
+    buckets.append(longest)
+    phases = [[(max(1, b - j), out)] for b in buckets for j in range(num)]
+    burst = 2
+    while burst <= max_burst:
+        phases += [[(median, out)] * burst for _ in range(num)]
+        burst *= 2
+    return phases
+
+
 def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
     """Seconds from the start at which each request is sent, as vLLM's bench sends them:
     gaps drawn from a gamma distribution of shape ``burstiness`` and mean 1 / rate (shape

@@ -93,6 +93,37 @@ async def scrape_text(session: aiohttp.ClientSession, url: str) -> str:
         return ""
 
 
+TIER_BYTES = "pdserve:kv_host_tier_pull_bytes"
+TIER_SECONDS = "pdserve:kv_host_tier_pull_seconds"
+
+
+def counter_total(text: str, family_name: str) -> float:
+    """A counter of one /metrics page, summed over its labels (instances)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == family_name
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def tier_pull(before: str, after: str) -> dict[str, float | None]:
+    """The load's reads of host-tier slots by decode (a disaggregated deployment with
+    ``kv_host_cache_gb``): bytes, and GB/s over the tier READs' own seconds; None where no
+    tier block was read (or the server has no such counter)."""
+    moved = counter_total(after, TIER_BYTES) - counter_total(before, TIER_BYTES)
+    seconds = counter_total(after, TIER_SECONDS) - counter_total(before, TIER_SECONDS)
+    if moved <= 0:
+        return {"tier_pull_bytes": None, "tier_pull_gbps": None}
+    return {
+        "tier_pull_bytes": moved,
+        "tier_pull_gbps": moved / seconds / 1e9 if seconds > 0 else None,
+    }
+
+
 def local_prefills(text: str) -> float:
     """``pdserve:local_prefills_total`` of one /metrics page, every reason summed (prompts
     the decode instances prefilled themselves: services/router/local_prefill.py)."""

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from pdserve.cli.engine_flags import add_kv_cache_dtype
+from pdserve.cli.engine_flags import add_gpu_share, add_kv_cache_dtype
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -101,6 +101,7 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         "evicts are kept there and copied back up on a prefix hit (0: off; default [engine] "
         "kv_host_cache_gb, else 0)",
     )
+    add_gpu_share(p)
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
     p.add_argument(
         "--speculative-config",
@@ -181,7 +182,7 @@ def _start(args: argparse.Namespace) -> Any:
     WireSecurity.from_dir(cfg.security.curve_keys_dir, internal_dir=cfg.security.internal_keys_dir)
     if cfg.security.insecure:
         print("--insecure: the internal sockets run without CURVE", file=sys.stderr)
-    dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None)
+    dep = Deployment(cfg, Path(args.log_dir) if args.log_dir else None, gpu_share=args.gpu_share)
     started = time.monotonic()
     print(
         f"starting {', '.join(name for name, _ in dep.roles())} (logs in {dep.log_dir})",

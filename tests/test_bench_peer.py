@@ -70,7 +70,8 @@ def test_peer_gets_the_same_loads(tmp_path: Path, capsys: pytest.CaptureFixture[
             openai_server("their-model", vocab=None) as (peer, theirs):  # fmt: skip
         rc = main(["bench", "serve", "--url", url, "--peer-url", peer, "--peer-label", "vllm",
                    "--num-prompts", "3", "--input-len", "8", "--output-len", "2",
-                   "--max-concurrency", "1,2", "--label", "pdserve", "--json", str(out)])  # fmt: skip
+                   "--max-concurrency", "1,2", "--label", "pdserve", "--num-warmups", "0",
+                   "--json", str(out)])  # fmt: skip
     assert rc == 0
     # warm-up + 3 prompts per load, each side; the peer got pdserve's prompts (ids below
     # pdserve's vocabulary of 500, not the fallback range a card without one gives): in order
@@ -116,5 +117,7 @@ def test_peer_beside_a_deployment(model_dir: Path, tmp_path: Path) -> None:
     assert [r["mode"] for r in runs] == ["serve", "peer"]
     vocab = runs[0]["server"]["vocab_size"]  # the router's, which the peer's prompts follow
     assert runs[1]["server"]["token_id_range"] == [0, vocab]
-    assert all(len(b["prompt"]) == 16 and max(b["prompt"]) < vocab for b in theirs)
+    # the peer warmed too (lengths 16 and 15, bursts of 2), all in pdserve's id range
+    assert all(max(b["prompt"]) < vocab for b in theirs)
+    assert [len(b["prompt"]) for b in theirs] == [16, 15, 16, 16, 16, 16] + [16] * 3
     assert runs[1]["metrics"]["completed"] == 2 and runs[0]["metrics"]["completed"] == 2

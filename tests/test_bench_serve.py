@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,9 @@ from pdserve.cli.serve_load import (
     conversations,
     make_prompts,
     percentile,
+    prompt_lengths,
     prompts_of_lengths,
+    warmup_plan,
 )
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
@@ -193,7 +196,8 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
-               "--output-len", "3", "--max-concurrency", "1", "--json", str(out)])  # fmt: skip
+               "--output-len", "3", "--max-concurrency", "1", "--num-warmups", "0",
+               "--json", str(out)])  # fmt: skip
     assert rc == 1  # failures make the exit status non-zero, after the table and the JSON
     payload = json.loads(out.read_text())
     # how the results were made: the commit ("unknown" without git) and the command as typed
@@ -220,7 +224,7 @@ def test_goodput_sweep_against_real_sockets(tmp_path: Path,
         rc = main(["bench", "serve", "--url", url, "--peer-url", peer, "--label", "pdserve",
                    "--num-prompts", "6", "--request-rate", "40,80", "--burstiness", "0.5",
                    "--length-dist", "lognormal", "--input-len", "16", "--output-len", "4",
-                   "--max-output-len", "12", "--goodput", "ttft:5000", "tpot:1000",
+                   "--max-output-len", "12", "--goodput", "ttft:5000", "tpot:1000", "--num-warmups", "0",
                    "--json", str(out)])  # fmt: skip
     assert rc == 0
     lengths = [(len(b["prompt"]), b["max_tokens"]) for b in ours]
@@ -246,6 +250,12 @@ def test_goodput_sweep_against_real_sockets(tmp_path: Path,
 
     plot(str(out), str(tmp_path / "goodput.png"))  # attainment against rate
     assert (tmp_path / "goodput.png").stat().st_size > 0
+    from benchmarks.pd_one_gpu import main as summary  # gpu.sh pd-one-gpu's tables
+
+    summary(["--goodput", str(out), "--tier", str(out)])
+    printed = capsys.readouterr().out
+    assert "disagg/coloc" in printed and re.search(r"pdserve +100% +100%", printed)
+    assert "TTFT p99 (ms)" in printed
 
 
 @pytest.mark.slow
@@ -258,7 +268,8 @@ def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
     out = tmp_path / "goodput.json"
     rc = main(["bench", "serve", "--compare", "--model", str(model_dir), "--num-prompts", "4",
                "--request-rate", "2,8", "--input-len", "32", "--output-len", "4",
-               "--goodput", "ttft:60000", "tpot:60000", "--json", str(out)])  # fmt: skip
+               "--goodput", "ttft:60000", "tpot:60000", "--num-warmups", "1",
+               "--json", str(out)])  # fmt: skip
     assert rc == 0
     payload = json.loads(out.read_text())
     runs = payload["runs"]
@@ -266,6 +277,10 @@ def test_goodput_sweep_compares_deployments(model_dir: Path, tmp_path: Path,
         ("disaggregated", 2.0), ("disaggregated", 8.0), ("colocated", 2.0), ("colocated", 8.0),
         ("conditional", 2.0), ("conditional", 8.0)]  # fmt: skip
     assert all(r["metrics"]["completed"] == 4 for r in runs)
+    # each deployment warmed once, before its first load: buckets 16 and 32, bursts of 2, 4
+    warm = [r.get("warmup") for r in runs]
+    assert [w is not None for w in warm] == [True, False] * 3
+    assert all(w["num_requests"] == 2 + 6 and w["num_failed"] == 0 for w in warm[::2])
     # 32-token prompts: every one prefilled by decode in the conditional deployment, none in
     # the disaggregated one; colocated has no such counter
     assert [r["metrics"]["local_prefill_share"] for r in runs] == [0, 0, None, None, 1, 1]
@@ -321,7 +336,7 @@ def test_multi_turn_conversations_carry_their_history_and_wait_for_answers(
     out = tmp_path / "chat.json"
     with openai_server("ours", vocab=500) as (url, bodies):
         rc = main(["bench", "serve", "--url", url, "--num-prompts", "6", "--multi-turn", "3",
-                   "--input-len", "8", "--output-len", "2", "--json", str(out)])  # fmt: skip
+                   "--input-len", "8", "--output-len", "2", "--num-warmups", "0", "--json", str(out)])  # fmt: skip
     assert rc == 0
     sent = [b["prompt"] for b in bodies[1:]]  # after the warm-up, in arrival order
     assert sorted(map(len, sent)) == [8, 8, 18, 18, 28, 28]
@@ -331,3 +346,70 @@ def test_multi_turn_conversations_carry_their_history_and_wait_for_answers(
     payload = json.loads(out.read_text())
     assert payload["config"]["multi_turn"] == 3
     assert payload["runs"][0]["metrics"]["prefix_hit_rate"] == 0.0  # this server caches nothing
+
+
+def test_warmup_plan_reaches_every_length_bucket_and_batch_size() -> None:
+    """Powers of two from 16 up to the longest prompt, then it, N each one at a time (one
+    token less each time); then N bursts of 2, 4, ... up to the cap at the median length."""
+    plan = warmup_plan(2, [40, 100, 20, 70], output_len=128, max_burst=4)
+    singles = [phase for phase in plan if len(phase) == 1]
+    assert [i for [(i, _)] in singles] == [16, 15, 32, 31, 64, 63, 100, 99]
+    assert [len(phase) for phase in plan if len(phase) > 1] == [2, 2, 4, 4]
+    assert {req for phase in plan if len(phase) > 1 for req in phase} == {(70, 8)}
+    assert all(o == 8 for phase in plan for _, o in phase)  # a few decode steps each
+    assert warmup_plan(0, [40], 8, 4) == []  # --num-warmups 0: none
+    assert warmup_plan(1, [8], 2, 1) == [[(8, 2)]]  # below the first bucket; no burst of 1
+    # multi-turn: each turn carries its history, so the longest prompt is the last turn's
+    assert prompt_lengths([(8, 2)] * 6, 3) == [8, 8, 18, 18, 28, 28]
+
+
+def test_every_server_is_warmed_before_it_is_measured(tmp_path: Path) -> None:
+    """The warm-up's requests reach the server (each phase done before the next) before
+    any measured one, and the JSON records them: their count, lengths, bursts, times."""
+    out = tmp_path / "warm.json"
+    with openai_server("ours", vocab=500) as (url, bodies):
+        rc = main(["bench", "serve", "--url", url, "--num-prompts", "4", "--input-len", "40",
+                   "--output-len", "3", "--max-concurrency", "4", "--num-warmups", "1",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    # buckets 16, 32, then 40 (the longest); bursts of 2 and 4; then the load's opening
+    # request and its 4 prompts
+    assert [len(b["prompt"]) for b in bodies[:3]] == [16, 32, 40]
+    assert [len(b["prompt"]) for b in bodies[3:9]] == [40] * 6
+    assert all(b["max_tokens"] == 3 for b in bodies[:9])
+    assert len(bodies) == 9 + 1 + 4
+    measured = {tuple(b["prompt"]) for b in bodies[10:]}
+    assert not measured & {tuple(b["prompt"]) for b in bodies[:9]}  # no prefix hits from it
+    payload = json.loads(out.read_text())
+    assert payload["config"]["num_warmups"] == 1
+    [run] = payload["runs"]
+    warm = run["warmup"]
+    assert (warm["num_requests"], warm["num_failed"], warm["bursts"]) == (9, 0, [1, 2, 4])
+    assert warm["prompt_lens"] == [16, 32, 40] and warm["duration_s"] > 0
+    assert [r["phase"] for r in warm["requests"]] == [0, 1, 2, 3, 3, 4, 4, 4, 4]
+    assert all(r["ok"] and r["e2e_ms"] > 0 and r["output_tokens"] == 3 for r in warm["requests"])
+    # measured requests started after the warm-up ended: none of its time is in the load
+    assert run["metrics"]["completed"] == 4
+
+
+def test_num_warmups_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-warmups", "-1"])
+    assert rc != 0
+    assert "--num-warmups must be 0 or more" in capsys.readouterr().err
+
+
+def test_a_multi_turn_warm_up_reaches_the_last_turns_length_in_bursts_of_the_users(
+    tmp_path: Path,
+) -> None:
+    """Conversations: the longest prompt is a last turn's (its history included), and no
+    more requests are in flight than there are users, so no burst is larger."""
+    out = tmp_path / "chat.json"
+    with openai_server("ours", vocab=500) as (url, bodies):
+        rc = main(["bench", "serve", "--url", url, "--num-prompts", "6", "--multi-turn", "3",
+                   "--input-len", "8", "--output-len", "2", "--num-warmups", "1",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    # buckets 16, then 28 (8 + 2 + 8 + 2 + 8); one burst of 2 (two users) at the median, 18
+    assert [len(b["prompt"]) for b in bodies[:4]] == [16, 28, 18, 18]
+    warm = json.loads(out.read_text())["runs"][0]["warmup"]
+    assert (warm["num_requests"], warm["bursts"]) == (4, [1, 2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.common.engine.block_pool import BlockPool, hash_blocks
@@ -265,6 +266,17 @@ def test_a_tier_too_small_for_one_block_is_refused(tiny: Path) -> None:
         engine(tiny, 1e-9)
     with pytest.raises(PdserveError, match="kv_host_cache_gb must be 0"):
         EngineConfig(kv_host_cache_gb=-1)
+    with pytest.raises(PdserveError, match="kv_host_tier_serve must be auto, device or host"):
+        EngineConfig(kv_host_tier_serve="dram")
+
+
+def test_decode_reads_tier_blocks_from_the_tier_on_cpu_and_from_the_device_on_cuda() -> None:
+    """kv_host_tier_serve auto: a CUDA prefill's tier blocks reach decode through its GPU
+    (brought up at PCIe speed for its own step; a VRAM READ), a CPU one's from the tier."""
+    assert EngineConfig().serves_host_tier
+    assert not EngineConfig(device="cuda").serves_host_tier
+    assert EngineConfig(device="cuda", kv_host_tier_serve="host").serves_host_tier
+    assert not EngineConfig(kv_host_tier_serve="device").serves_host_tier
 
 
 def test_the_tier_size_comes_from_toml_then_env_then_the_up_flag(
@@ -334,14 +346,20 @@ def test_a_tier_on_an_engine_of_several_ranks_is_refused_at_load() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+@pytest.mark.parametrize(
+    ("colocated", "serve"),
+    [(False, "auto"), (True, "auto"), (False, "device")],
+    ids=["disaggregated", "colocated", "disaggregated-from-device"],
+)
 def test_a_deployment_serves_second_turns_from_the_tier(
-    model_dir: Path, tmp_path: Path, colocated: bool
+    model_dir: Path, tmp_path: Path, colocated: bool, serve: str
 ) -> None:
     """Real processes: 4 users' first turns (3 blocks each) overflow pools of 8 blocks, so
     the second turns find their first prompts in the host tier of the engine that computes
     prompts: every full block of them counted in usage's cached_tokens, the hits in
-    /metrics."""
+    /metrics. Disaggregated, decode reads those blocks from the prefill's tier (auto on
+    CPU), or from its device cache, where the prefill brought them up (``device``: staged
+    through the producer's device, as auto does on CUDA; no tier READ)."""
     import json
     import re
     import urllib.request
@@ -350,10 +368,11 @@ def test_a_deployment_serves_second_turns_from_the_tier(
     from tests.e2e import deployment
 
     out = tmp_path / "chat.json"
-    engine = {"block_size": 16, "num_kv_blocks": 8, "kv_host_cache_gb": 0.01}
+    engine = {"block_size": 16, "num_kv_blocks": 8, "kv_host_cache_gb": 0.01,
+              "kv_host_tier_serve": serve}  # fmt: skip
     with deployment(tmp_path / "dep", model_dir, engine=engine, colocated=colocated) as dep:
         rc = main(["bench", "serve", "--url", dep.url, "--num-prompts", "8", "--multi-turn",
-                   "2", "--input-len", "48", "--output-len", "4", "--max-concurrency", "1",
+                   "2", "--input-len", "48", "--output-len", "4", "--max-concurrency", "1", "--num-warmups", "0",
                    "--json", str(out)])  # fmt: skip
         with urllib.request.urlopen(f"{dep.url}/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -365,10 +384,14 @@ def test_a_deployment_serves_second_turns_from_the_tier(
     pattern = rf'^pdserve:kv_host_cache_hits_total\{{[^}}]*service="{service}"[^}}]*\}} (\S+)'
     hits = re.findall(pattern, text, re.MULTILINE)
     assert hits and float(hits[0]) > 0
-    if not colocated:  # those blocks were published by tier slot: decode read host DRAM
-        pattern = r'^pdserve:kv_host_cache_served_total\{[^}]*service="prefill"[^}]*\} (\S+)'
-        served = re.findall(pattern, text, re.MULTILINE)
-        assert served and float(served[0]) > 0
+    pattern = r'^pdserve:kv_host_cache_served_total\{[^}]*service="prefill"[^}]*\} (\S+)'
+    served = [float(v) for v in re.findall(pattern, text, re.MULTILINE)]
+    pulled = run["metrics"]["tier_pull_bytes"]  # the tier READs' bytes (bench serve's)
+    if not colocated and serve == "auto":  # published by tier slot: decode read host DRAM
+        assert served and served[0] > 0
+        assert pulled and run["metrics"]["tier_pull_gbps"] > 0
+    elif not colocated:  # read from the prefill's device: no slot served, no tier READ
+        assert served == [0.0] and pulled is None
     assert re.search(r"^pdserve:kv_host_cache_offload_bytes_total\{", text, re.MULTILINE)
 
 
@@ -423,3 +446,35 @@ def test_prefill_killed_before_decode_reads_its_tier_blocks(
         with client(dep) as c:
             assert len(c.generate(prompt_token_ids=second, max_tokens=4).token_ids) == 4
         wait_until(lambda: pools_full(addresses(dep)), 15, "every pool back to full")
+
+
+def test_a_sequence_evicted_together_takes_adjacent_slots_in_its_order() -> None:
+    """A sequence is evicted tail first (the pool frees it in reverse), but goes down in
+    sequence order: its blocks take ascending adjacent slots, so decode reading them from
+    the tier against its own adjacent blocks needs one descriptor, not one per block."""
+    from pdserve.common.transfer.kv_descs import num_runs
+
+    pool, mover = cached_pool(num_blocks=4, num_slots=8)
+    tier = pool.tier
+    assert tier is not None
+    seq = hash_blocks(list(range(4 * B)), B)
+    blocks = fill(pool, seq)
+    pool.allocate(4)  # all four evicted in one allocation: tail first
+    slots = [tier.slot_of(h) for h in seq]
+    assert slots == [0, 1, 2, 3]
+    assert [c[1] for c in mover.copies] == blocks  # copied down head first
+    local = np.arange(10, 14)
+    assert num_runs(np.array(slots), local) == 1
+    # a second sequence through recycled slots keeps its order too
+    pool.free(list(range(4)))
+    other = hash_blocks(list(range(1000, 1000 + 4 * B)), B)
+    fill(pool, other)  # evicts nothing: blocks were free, unregistered
+    pool.allocate(4)
+    slots = [tier.slot_of(h) for h in other]
+    assert slots == [4, 5, 6, 7] and num_runs(np.array(slots), local) == 1
+    third = hash_blocks(list(range(2000, 2000 + 4 * B)), B)
+    pool.free(list(range(4)))
+    fill(pool, third)
+    pool.allocate(4)  # the tier is full: the least recent slots, seq's, recycled in order
+    slots = [tier.slot_of(h) for h in third]
+    assert slots == [0, 1, 2, 3] and num_runs(np.array(slots), local) == 1

@@ -150,3 +150,45 @@ def test_a_producer_without_a_tier_keeps_its_payload_and_refuses_tier_slots() ->
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize(
+    ("slots", "runs"),
+    [([0, 1, 2, 3], 1), ([2, 3, 0, 1], 2), ([3, 2, 1, 0], 4), ([1, 2, 0, 3], 3)],
+)
+def test_adjacent_tier_slots_are_read_as_one_descriptor(slots: list[int], runs: int) -> None:
+    """The tier pull into a block-order decode cache (as on a GPU at equal TP): slots
+    adjacent in the tier and blocks adjacent in the cache are one descriptor (NIXL's own
+    count), others apart; the bytes equal the slots', and the pull reports its tier part
+    (bytes, seconds: the tier pull's GB/s in bench serve)."""
+    pytest.importorskip("nixl")
+    from pdserve.common.transfer.nixl_backend import pull_stats
+
+    tag = uuid.uuid4().hex[:8]
+    block_order = msgspec.structs.replace(LAYOUT, order="block")
+    tier = seeded(HOST, 3)
+    producer = KVProducer(engine_id="prefill-0", epoch=1, agent_name=f"p-{tag}",
+                          kv_cache=seeded(block_order, 1), layout=block_order, compat={},
+                          host_cache=tier, host_layout=HOST)  # fmt: skip
+    consumer = KVConsumer(agent_name=f"d-{tag}", kv_cache=new_cache(block_order),
+                          layout=block_order, compat={}, capture_telemetry=True)  # fmt: skip
+    try:
+        consumer.connect(producer.handshake_reply)
+        h = msgspec.structs.replace(handle([-1] * 4, slots, producer.agent_name),
+                                    layout=block_order)  # fmt: skip
+        spec = PullSpec(0, h.block_ids, [4, 5, 6, 7], [(0, 0, 2)], h.host_slots)
+        pulls = start_pulls(consumer, "r", h, [spec])
+        deadline = time.monotonic() + WAIT_S
+        while producer.poll_releases() or not all(consumer.poll(pull) for pull in pulls):
+            assert time.monotonic() < deadline, "the pull did not finish in time"
+        [pull] = pulls
+        assert pull.from_host
+        assert (pull.num_descriptors, pull.nixl_descriptors) == (runs, runs)
+        got = consumer.kv_cache
+        for k, slot in enumerate(slots):
+            assert torch.equal(got[4 + k], tier[slot])
+        num_bytes, _, _, host_bytes, host_seconds = pull_stats(pulls)
+        assert num_bytes == host_bytes == 4 * block_order.block_bytes and host_seconds > 0
+    finally:
+        consumer.close()
+        producer.close()

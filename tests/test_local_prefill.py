@@ -52,7 +52,7 @@ def test_short_uncached_prompts_are_prefilled_on_decode(tmp_path: Path, model_di
         Client(dep.cfg.front_address) as client,
     ):
         decode = dep.cfg.decode_addresses[0].address
-        assert local_prefills(dep.url) == {"short": 0, "prefill_behind": 0}
+        assert local_prefills(dep.url) == {"short": 0, "prefill_behind": 0, "faster_here": 0}
         # 150 uncached tokens, an idle prefill instance: disaggregated, KV pulled
         first = client.generate(prompt_token_ids=long_prompt, max_tokens=8, temperature=0)
         assert first.token_ids == want[0]

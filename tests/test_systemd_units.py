@@ -89,12 +89,15 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     program.write_text("#!/bin/sh\nexit 0\n")
     program.chmod(0o755)
     for unit in UNITS.iterdir():
-        (tmp_path / unit.name).write_text(unit.read_text().replace(INSTALLED, str(program)))
+        text = unit.read_text().replace(INSTALLED, str(program))
+        text = text.replace("/usr/bin/nvidia-cuda-mps-control", str(program))  # no driver here
+        (tmp_path / unit.name).write_text(text)
     names = [
         "pdserve.target",
         "pdserve-router.service",
         "pdserve-prefill@0.service",
         "pdserve-decode@1.service",
+        "pdserve-mps.service",
     ]
     done = subprocess.run([analyze, "verify", "--man=no", *names], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, check=False)  # fmt: skip
@@ -117,3 +120,20 @@ def test_the_example_config_is_a_valid_two_machine_deployment(
     assert cfg.front_address == "tcp://10.0.0.1:5600"
     timeout_stop = min(seconds(parse(name)["Service"]["TimeoutStopSec"][0]) for name in SERVICES)
     assert cfg.drain_seconds + 15 <= timeout_stop
+
+
+def test_the_mps_daemon_unit_runs_before_the_engines_with_their_pipe_directory() -> None:
+    """deploy/systemd/pdserve-mps.service (docs/operations.md, "Both roles on one GPU"):
+    the daemon the prefill and decode units of a one-GPU machine share, started before
+    them, its pipe directory the one the docs tell the units to name."""
+    unit = parse("pdserve-mps.service")
+    service = unit["Service"]
+    assert service["Type"] == ["forking"] and service["User"] == ["pdserve"]
+    assert service["ExecStart"] == ["/usr/bin/nvidia-cuda-mps-control -d"]
+    assert "quit" in service["ExecStop"][0]
+    env = dict(item.split("=", 1) for item in service["Environment"][0].split())
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/" + service["RuntimeDirectory"][0]
+    for name in ("pdserve-prefill@.service", "pdserve-decode@.service"):
+        assert "pdserve-mps.service" in parse(name)["Unit"]["After"][0].split()
+    docs = (UNITS.parents[1] / "docs" / "operations.md").read_text()
+    assert f"CUDA_MPS_PIPE_DIRECTORY={env['CUDA_MPS_PIPE_DIRECTORY']}" in docs

@@ -109,16 +109,24 @@ class BlockPool:
         if num > self.num_free_blocks:
             raise NoFreeBlocks(f"need {num} blocks, {self.num_free_blocks} free")
         blocks = []
+        evicted: list[tuple[int, list[BlockHash]]] = []
         for _ in range(num):
             if self._free_plain:
                 block = heapq.heappop(self._free_plain)
             else:
                 block, _ = self._free_cached.popitem(last=False)
                 if self.tier is not None:
-                    self.tier.offload(block, self._hash_of[block])
+                    evicted.append((block, list(self._hash_of[block])))
                 self._forget(block)
             self._ref_counts[block] = 1
             blocks.append(block)
+        # Down into the tier in the reverse of eviction order: a sequence is evicted tail
+        # first (``free``), so its blocks take the tier's slots in sequence order, and a
+        # consumer reading them from the tier gets adjacent slots as one descriptor
+        # (common/transfer/kv_descs.py num_runs) instead of one per block.
+        if self.tier is not None:
+            for block, hashes in reversed(evicted):
+                self.tier.offload(block, hashes)
         return blocks
 
     def free(self, blocks: Sequence[int]) -> None:

@@ -30,6 +30,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # blocks the device pool evicts are kept there and copied back up on a prefix hit;
     # 0: no tier
     kv_host_cache_gb: float = 0.0
+    # A prefill's blocks its tier also holds, as decode reads them: "device" from the
+    # prefill's device cache (the prefill brought them up at PCIe speed for its own step:
+    # staged through its GPU, decode's READ a VRAM one; held for the lease), "host" from
+    # the tier's DRAM (KVHandle.host_slots: the device blocks free at once, the READ a DRAM
+    # one, slow into a GPU, issue #48), "auto": device on CUDA, host on CPU
+    kv_host_tier_serve: str = "auto"
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Storage order of the KV cache (common/engine/kv_layout.py): "head" suits readers of a head
     # slice (decode TP != prefill TP), "block" readers of every head; "auto" lets the
@@ -73,8 +79,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise PdserveError(
                 f"kv_host_cache_gb must be 0 (no host tier) or more, got {self.kv_host_cache_gb}"
             )
+        if self.kv_host_tier_serve not in ("auto", "device", "host"):
+            raise PdserveError(
+                f"kv_host_tier_serve must be auto, device or host, got {self.kv_host_tier_serve!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise PdserveError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @property
+    def serves_host_tier(self) -> bool:
+        """Whether a prefill hands decode its tier's slots (``kv_host_tier_serve``)."""
+        if self.kv_host_tier_serve == "auto":
+            return self.device == "cpu"
+        return self.kv_host_tier_serve == "host"
 
     @property
     def is_async_scheduling(self) -> bool:

@@ -320,6 +320,7 @@ class KVConsumer(_CacheAgent):
             num_descriptors=0,
             num_bytes=len(local_ids) * num_heads * self.layout.head_block_bytes,
             started_at=started,
+            from_host=from_host,
         )
         if not len(local_idx):  # NIXL refuses an empty request: done at once
             pull.posted_at = pull.done_at = time.perf_counter()

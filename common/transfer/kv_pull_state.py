@@ -28,6 +28,7 @@ class Pull:
     posted_at: float = 0.0
     done_at: float | None = None
     nixl_descriptors: int | None = None  # NIXL's own count (only with capture_telemetry)
+    from_host: bool = False  # a READ of the producer's host-tier slots (DRAM)
     error: str | None = None
     remote: Any = field(default=None, repr=False)  # the Remote read from
     xfer: Any = field(default=None, repr=False)

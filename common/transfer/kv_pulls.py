@@ -67,6 +67,10 @@ class PullResult:
     num_bytes: int = 0
     num_descriptors: int = 0
     seconds: float = 0.0
+    # of those, the READs of the producer's host-tier slots: their bytes and the longest
+    # one's seconds (the tier pull's GB/s; 0 where the puller does not split them, TP > 1)
+    host_bytes: int = 0
+    host_seconds: float = 0.0
 
 
 class Puller(Protocol):

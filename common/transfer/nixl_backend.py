@@ -102,13 +102,17 @@ def start_pulls(
     return pulls
 
 
-def pull_stats(pulls: list[Pull]) -> tuple[int, int, float]:
-    """(bytes, descriptors, seconds) of a request's finished pulls on one rank."""
+def pull_stats(pulls: list[Pull]) -> tuple[int, int, float, int, float]:
+    """(bytes, descriptors, seconds, host-tier bytes, host-tier seconds) of a request's
+    finished pulls on one rank: seconds the longest READ's, of all and of the tier's."""
     seconds = max((pull.transfer_seconds or 0.0 for pull in pulls), default=0.0)
+    host = [pull for pull in pulls if pull.from_host]
     return (
         sum(pull.num_bytes for pull in pulls),
         sum(pull.num_descriptors for pull in pulls),
         seconds,
+        sum(pull.num_bytes for pull in host),
+        max((pull.transfer_seconds or 0.0 for pull in host), default=0.0),
     )
 
 

@@ -205,6 +205,9 @@ class PendingPulls:
         self.metrics.inc("pdserve:kv_transfer_bytes", result.num_bytes)
         self.metrics.inc("pdserve:kv_transfer_descriptors", result.num_descriptors)
         self.metrics.observe("pdserve:kv_transfer_seconds", result.seconds)
+        if result.host_bytes:  # read from the producer's host tier: its GB/s, bench serve's
+            self.metrics.inc("pdserve:kv_host_tier_pull_bytes", result.host_bytes)
+            self.metrics.inc("pdserve:kv_host_tier_pull_seconds", result.host_seconds)
         self.release(pp.handle, rid, pp.msg.trace_id)
         log.debug(
             "kv_pulled",

@@ -99,8 +99,11 @@ class PrefillEngineThread(EngineThread):
                     host_layout=None if buffer is None else buffer.layout,
                 )
             )
-            # decode reads tier blocks from the tier: their device blocks free at publish
-            self.engine.scheduler.publish_host_tier = buffer is not None
+            # decode reads tier blocks from the tier (their device blocks free at publish), or
+            # from this device, where the step brought them up (kv_host_tier_serve)
+            self.engine.scheduler.publish_host_tier = (
+                buffer is not None and engine_cfg.serves_host_tier
+            )
             replies = [self.producer.handshake_reply]
         self.post(ctx.publish_handshakes, list(replies))
         self.replicas = [

@@ -18,9 +18,13 @@ from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.services.router.instances import Instances
 from pdserve.services.router.links import Link, decodes_reaching, pick
 from pdserve.services.router.local_prefill import (
+    LOCAL,
     REASONS,
+    REMOTE,
+    PathModels,
     PrefillBacklog,
     local_reason,
+    remote_work,
     uncached_tokens,
 )
 from pdserve.services.router.request_state import RequestState
@@ -34,6 +38,11 @@ class Placement(Instances):
     def __init__(self, cfg: DeploymentConfig) -> None:
         super().__init__(cfg)
         self.block_size = cfg.engine.block_size
+        # conditional disaggregation's measurements: each path's TTFT from the choice, and
+        # the choices whose first token has not come yet (request id -> path, work, when)
+        self.path_models = PathModels()
+        self._choices: dict[str, tuple[str, int, float]] = {}
+        self.clock = time.monotonic  # when a choice was made and answered (tests step it)
         if not cfg.colocated:
             for reason in REASONS:
                 self.metrics.declare("pdserve:local_prefills", reason=reason)
@@ -69,9 +78,14 @@ class Placement(Instances):
             for link in self.prefills if link.is_alive(now, self.peer_timeout)
         ]  # fmt: skip
         uncached = uncached_tokens(num, decode.cached_prefix(hashes), size)
-        reason = local_reason(threshold, uncached, decode.local_queued_tokens, backlogs)
+        queued = decode.local_queued_tokens
+        reason = local_reason(threshold, uncached, queued, backlogs, self.path_models)
         if reason is None:
+            work = remote_work(backlogs)
+            if work is not None:
+                self._choices[state.request_id] = (REMOTE, work, self.clock())
             return None
+        self._choices[state.request_id] = (LOCAL, queued + uncached, self.clock())
         self.metrics.inc("pdserve:local_prefills", reason=reason)
         log.debug("local_prefill", request_id=state.request_id, trace_id=state.trace_id,
                   at=decode.name, reason=reason, uncached_tokens=uncached)  # fmt: skip
@@ -79,9 +93,14 @@ class Placement(Instances):
         state.local_prefill = (decode, uncached)
         return decode
 
-    def _local_prefilled(self, state: RequestState) -> None:
-        """A local prefill's first token came (or the request ended): its tokens leave its
-        decode instance's local backlog."""
+    def _local_prefilled(self, state: RequestState, answered: bool = True) -> None:
+        """A request's first token came (``answered``; or it ended without one): its path's
+        TTFT is measured (``PathModels``), and a local prefill's tokens leave its decode
+        instance's local backlog."""
+        choice = self._choices.pop(state.request_id, None)
+        if choice is not None and answered:
+            path, work, chosen = choice
+            self.path_models.observe(path, work, self.clock() - chosen)
         if state.local_prefill is not None:
             link, num = state.local_prefill
             link.local_queued_tokens -= num

@@ -313,7 +313,7 @@ class Router(Placement):
                 yield event
                 return
         finally:
-            self._local_prefilled(state)
+            self._local_prefilled(state, answered=False)
             if not state.finished:  # the consumer left (client gone): counted as an abort
                 self.metrics.inc("pdserve:requests", finish_reason="abort")
             if not state.finished and state.link is not None:
