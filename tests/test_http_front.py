@@ -40,7 +40,10 @@ async def _serve(limits: ConnectionLimits, keepalive: float = 30.0) -> Server:
 
 
 def run(
-    limits: ConnectionLimits, body: Callable[[Server], Awaitable[None]], keepalive: float = 30.0
+    limits: ConnectionLimits,
+    body: Callable[[Server], Awaitable[None]],
+    keepalive: float = 30.0,
+    uvloop: bool = False,
 ) -> None:
     """``body(server)`` against a server of ``limits``, cleaned up after."""
 
@@ -51,7 +54,12 @@ def run(
         finally:
             await server.runner.cleanup()
 
-    asyncio.run(main())
+    if uvloop:  # the loop the router runs on (cli/serve.py)
+        import uvloop as uv
+
+        uv.run(main())
+    else:
+        asyncio.run(main())
 
 
 async def _open(port: int, source: str = "127.0.0.1",
@@ -78,7 +86,8 @@ async def _health(port: int, source: str = "127.0.0.1") -> int:
     return status
 
 
-def test_stalled_headers_get_408_and_are_closed_after_the_timeout() -> None:
+@pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_stalled_headers_get_408_and_are_closed_after_the_timeout(uvloop: bool) -> None:
     async def body(server: Server) -> None:
         start = time.monotonic()
         stalled = [await _open(server.port) for _ in range(3)]
@@ -98,7 +107,7 @@ def test_stalled_headers_get_408_and_are_closed_after_the_timeout() -> None:
         assert server.site.table.timed_out == 4
         assert server.site.table.total == 0
 
-    run(ConnectionLimits(header_timeout=0.5), body)
+    run(ConnectionLimits(header_timeout=0.5), body, uvloop=uvloop)
 
 
 def test_a_whole_request_is_untouched_by_the_header_timeout() -> None:
@@ -126,7 +135,8 @@ def test_keepalive_idle_connections_are_closed() -> None:
     run(ConnectionLimits(header_timeout=30), body, keepalive=0.5)
 
 
-def test_connections_past_the_per_address_cap_get_503() -> None:
+@pytest.mark.parametrize("uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_connections_past_the_per_address_cap_get_503(uvloop: bool) -> None:
     async def body(server: Server) -> None:
         held = [await _open(server.port) for _ in range(3)]
         reader, writer = await _open(server.port, data=b"")
@@ -142,7 +152,9 @@ def test_connections_past_the_per_address_cap_get_503() -> None:
             w.close()
 
     run(
-        ConnectionLimits(header_timeout=30, max_connections=100, max_connections_per_client=3), body
+        ConnectionLimits(header_timeout=30, max_connections=100, max_connections_per_client=3),
+        body,
+        uvloop=uvloop,
     )
 
 

@@ -27,7 +27,7 @@ import json
 import resource
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
@@ -124,7 +124,7 @@ class _Guard(asyncio.Protocol):
         self._tail = b""  # the last bytes seen while the headers are awaited
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio subclass
         self._transport = transport
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
