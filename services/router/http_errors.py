@@ -219,7 +219,8 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     path = too_deep(decoded)
     if path is not None:
-        raise ApiError(400, f"{path} is nested more than {MAX_JSON_DEPTH} lists and objects deep "
+        shown = path if len(path) <= 100 else f"{path[:60]}...{path[-30:]}"
+        raise ApiError(400, f"{shown} is nested more than {MAX_JSON_DEPTH} lists and objects deep "
                        "(the limit of this server, for every schema and free-form field); "
                        "flatten it", param=path.split(".")[0].split("[")[0],
                        code="nested_too_deeply")  # fmt: skip
