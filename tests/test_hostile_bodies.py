@@ -20,7 +20,7 @@ import pytest
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.services.router.chat_prompts import chat_prompt
 from pdserve.services.router.input_limits import MAX_JSON_DEPTH
-from pdserve.services.router.openai_schema import ChatCompletionRequest
+from pdserve.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
 from tests.http_fakes import MODEL, FakeCore, Server, error_of, request
 
 
@@ -205,3 +205,24 @@ def test_the_option_over_http(servers: tuple[int, int, FakeCore], tokenizer: Tok
         status, _, data = request(port, "POST", "/tokenize", {"messages": messages[:1]})
         answers[port] = json.loads(data)["tokens"]
     assert answers[default] == answers[plain]
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)],
+)
+def test_a_wrong_type_at_every_field_is_no_5xx(port: int, path: str, kind: type) -> None:
+    """Every field the body type declares, each given values of every JSON type (and a
+    deep one): a 4xx naming the problem or a 200, never a 5xx."""
+    base = chat() if kind is ChatCompletionRequest else {"model": MODEL, "prompt": "hi",
+                                                           "max_tokens": 2}  # fmt: skip
+    values: list[Any] = [None, True, -1, 2**70, 0.5, "x", [], {}, [None], {"a": [1]},
+                         _deep(random.Random(0))]  # fmt: skip
+    bad = []
+    for field in kind.__struct_fields__:
+        for value in values:
+            status, _, data = request(port, "POST", path, {**base, field: value})
+            if status >= 500:
+                bad.append((field, value if not isinstance(value, list | dict) else "...",
+                            status, data[:200]))  # fmt: skip
+    assert not bad, bad

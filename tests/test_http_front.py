@@ -202,3 +202,30 @@ def test_the_derived_cap_is_below_the_fd_limit() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert ConnectionLimits().total() < soft
     assert ConnectionLimits(max_connections=7).total() == 7
+
+
+def test_a_refused_client_reads_its_503_even_while_sending() -> None:
+    """A connection past a cap whose client is still sending (its request, a body) reads
+    the 503: closing with its bytes unread would reset the connection and could discard
+    the answer, so the server reads and drops them until the client has it."""
+
+    async def body(server: Server) -> None:
+        held = await _open(server.port)
+        statuses = []
+        for _ in range(5):
+            reader, writer = await _open(server.port, data=b"")
+            await asyncio.sleep(0.1)  # the 503 written (and, unless it lingers, closed)
+            writer.write(STALLED)  # a client that sends its request regardless
+            await asyncio.sleep(0.1)  # a closed server socket resets it by now
+            try:
+                statuses.append((await _answer(reader))[0])
+            except ConnectionResetError:
+                statuses.append("reset")
+            writer.close()
+        assert statuses == [503] * 5, statuses
+        assert server.site.table.refused == 5
+        held[1].close()
+
+    run(
+        ConnectionLimits(header_timeout=30, max_connections=100, max_connections_per_client=1), body
+    )

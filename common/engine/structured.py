@@ -29,6 +29,7 @@ MAX_SCHEMA_DEPTH (iteratively): a schema past either is refused naming the limit
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -49,6 +50,7 @@ MAX_SPEC_CHARS = 1 << 20
 MAX_SCHEMA_DEPTH = 128
 CACHE_SIZE = 256  # compiled grammars (and refusals) kept, least recently used dropped
 COMPILE_WORKERS = 2  # one runaway compile leaves the other worker to the next ones
+COMPILE_NICE = 10  # the workers' nice value (Linux): below the engine thread's share
 
 Key = tuple[str, str]
 
@@ -82,7 +84,8 @@ class GrammarTable:
         future = self._pending.get(key)
         if future is None:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(COMPILE_WORKERS, "grammar-compile")
+                self._executor = ThreadPoolExecutor(COMPILE_WORKERS, "grammar-compile",
+                                                    initializer=_lower_priority)  # fmt: skip
             future = self._executor.submit(self._compile_now, spec)
             self._pending[key] = future
         if future.done():
@@ -239,6 +242,15 @@ class GrammarTable:
     @property
     def num_matchers(self) -> int:
         return len(self._matchers)
+
+
+def _lower_priority() -> None:
+    """A compile worker yields the CPU to the engine thread (Linux: a thread's nice value
+    is its own): a long compile beside decoding takes what the steps leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
 
 
 def check_schema_depth(text: str, limit: int = MAX_SCHEMA_DEPTH) -> None:

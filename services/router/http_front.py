@@ -8,7 +8,8 @@ a ``_Guard`` in front of each connection's aiohttp handler:
 
 - a connection over ``max_connections_per_client`` from its address, or over
   ``max_connections`` in all, is answered ``503`` with ``Retry-After`` (a few bytes
-  written to the socket's buffer, no handler made) and closed at once;
+  written to the socket's buffer, no handler made) and closed once the client has read
+  it (what it sends meanwhile dropped, LINGER_SECONDS at most);
 - a request's headers not received whole within ``header_timeout`` of the connection's
   start are answered ``408`` and the connection closed. Past the first request, aiohttp's
   ``keepalive_timeout`` (set by the runner) closes a connection idle, or stalled in its
@@ -35,6 +36,8 @@ from aiohttp import web
 log = structlog.get_logger("pdserve.router.http")
 
 FD_RESERVE = 1024  # descriptors kept for what is not an HTTP connection
+LINGER_SECONDS = 1.0  # a refused connection read (and dropped) this long before closing
+MAX_LINGERING = 256  # refused connections lingering at once, within FD_RESERVE
 _END_OF_HEADERS = b"\r\n\r\n"
 
 
@@ -88,6 +91,7 @@ class ConnectionTable:
         self.by_address: Counter[str] = Counter()
         self.refused = 0  # connections answered 503 (a cap)
         self.timed_out = 0  # connections closed for their headers' deadline
+        self.lingering = 0  # refused connections answered and not yet closed
 
     def admit(self, address: str) -> str | None:
         """None: admitted (counted); else why not."""
@@ -122,6 +126,7 @@ class _Guard(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""  # the last bytes seen while the headers are awaited
+        self._lingering = False  # refused: answered, closing once the client has read it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio subclass
@@ -132,12 +137,27 @@ class _Guard(asyncio.Protocol):
         if why is not None:
             self._table.refused += 1
             transport.write(_refusal(503, "Service Unavailable", why, "too_many_connections", True))
-            transport.close()  # after the buffered answer
+            self._linger(transport)
             return
         self._address = address
         self._timer = self._loop.call_later(self._table.limits.header_timeout, self._too_slow)
         self._inner = self._server()
         self._inner.connection_made(transport)
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """Close after the answer, reading (and dropping) what the client still sends for
+        up to LINGER_SECONDS: a socket closed with unread data is reset, and a reset can
+        discard the answer before the client reads it. Past MAX_LINGERING such sockets
+        at once, closed at once (the answer may then be lost to a reset)."""
+        table = self._table
+        if table.lingering >= MAX_LINGERING:
+            transport.close()
+            return
+        table.lingering += 1
+        self._lingering = True
+        if transport.can_write_eof():
+            transport.write_eof()  # FIN after the answer: the client reads it, then EOF
+        self._loop.call_later(LINGER_SECONDS, transport.close)
 
     def _too_slow(self) -> None:
         self._timer = None
@@ -176,6 +196,9 @@ class _Guard(asyncio.Protocol):
             self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lingering:
+            self._lingering = False
+            self._table.lingering -= 1
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
