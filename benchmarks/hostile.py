@@ -4,11 +4,12 @@ embedded model unless --model): no request stalls the others.
 1. grammar: 4 users stream chat completions; the max gap between two of a stream's token
    events is measured in a window with the streams alone (the floor, same run, same
    machine load) and in a window where 14 hostile requests arrive beside them: tool
-   schemas nested 360 levels deep (~14 KB bodies, tool_choice required: the issue's
-   case, refused at the router), schemas at the router's depth limit (compiled off the
-   engine thread, then served) and SDK requests whose schema text is deeper than the
-   engines' limit (refused by the compile worker). Each hostile request's answer and
-   time is recorded.
+   schemas nested 360 levels deep (12 HTTP, ~14 KB bodies, tool_choice required: the
+   issue's case, refused at the router; 2 SDK requests whose schema text is as deep,
+   refused by the engines' compile worker); then, in a window of their own, 2 schemas
+   at the router's depth limit (compiled off the engine thread, then served). Windows of
+   the streams alone before, between and after are the floor. Each request's answer and
+   time is recorded; each gap over 0.5 s with its offset in its window.
 2. connections: --stalled connections (default 20,000) from 16 loopback addresses (each
    address's in one burst, past its cap of max_http_connections_per_client) send half a
    request's headers and stall; /health, a chat completion and an SDK request from
@@ -141,12 +142,14 @@ async def grammar_phase(dep: Any, window: float) -> dict[str, Any]:
         await timed("first structured request (xgrammar load)",
                     http_one("first structured request (xgrammar load)", 3))  # fmt: skip
         await timed("alone", asyncio.sleep(0))
-        hostile = [http_one("http tools 360 levels, required", 360) for _ in range(10)]
-        hostile += [http_one("http tools 29 levels (at the limit), compiled", 29, k)
-                    for k in range(1, 3)]  # fmt: skip
-        hostile += [asyncio.to_thread(sdk_one) for _ in range(2)]
-        await timed("beside 14 hostile requests", asyncio.gather(*hostile))
+        deep = [http_one("http tools 360 levels, required", 360) for _ in range(12)]
+        deep += [asyncio.to_thread(sdk_one) for _ in range(2)]
+        await timed("beside 14 deep-schema requests", asyncio.gather(*deep))
         await timed("alone again", asyncio.sleep(0))
+        compiled = [http_one("http tools 29 levels (at the limit), compiled", 29, k)
+                    for k in range(1, 3)]  # fmt: skip
+        await timed("beside 2 at-limit schemas compiled", asyncio.gather(*compiled))
+        await timed("alone, third", asyncio.sleep(0))
         stop.set()
         tokens = await asyncio.gather(*users)
     return {
@@ -158,6 +161,11 @@ async def grammar_phase(dep: Any, window: float) -> dict[str, Any]:
                 "seconds": end - start,
                 "max_gap_s": max_gap(gaps, start, end),
                 "gaps_over_1s": sum(1 for t, g in gaps if start <= t - g and t <= end and g > 1.0),
+                "gaps_over_half_s_at": [
+                    (round(t - g - start, 2), round(g, 3))
+                    for t, g in gaps
+                    if start <= t - g and t <= end and g > 0.5
+                ],  # fmt: skip
             }
             for name, (start, end) in windows.items()
         },  # fmt: skip
