@@ -84,8 +84,7 @@ class GrammarTable:
         future = self._pending.get(key)
         if future is None:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(COMPILE_WORKERS, "grammar-compile",
-                                                    initializer=_lower_priority)  # fmt: skip
+                self._executor = ThreadPoolExecutor(COMPILE_WORKERS, "grammar-compile")
             future = self._executor.submit(self._compile_now, spec)
             self._pending[key] = future
         if future.done():
@@ -170,7 +169,10 @@ class GrammarTable:
                                f"more than {MAX_SPEC_CHARS} (the server's limit)")  # fmt: skip
         if spec.kind == "json":
             check_schema_depth(spec.spec)
+        # xgrammar's first load runs at the thread's normal priority: its imports hold
+        # the GIL, which a deprioritised thread would keep the engine thread waiting for
         self._load()
+        _lower_priority()
         compiler = self._compiler
         try:
             if spec.kind == "json_object":
@@ -246,7 +248,7 @@ class GrammarTable:
 
 def _lower_priority() -> None:
     """A compile worker yields the CPU to the engine thread (Linux: a thread's nice value
-    is its own): a long compile beside decoding takes what the steps leave."""
+    is its own): a long compile (which releases the GIL) takes what the steps leave."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
