@@ -11,7 +11,8 @@ a ``_Guard`` in front of each connection's aiohttp handler:
   written to the socket's buffer, no handler made) and closed once the client has read
   it (what it sends meanwhile dropped, LINGER_SECONDS at most);
 - a request's headers not received whole within ``header_timeout`` of the connection's
-  start are answered ``408`` and the connection closed. Past the first request, aiohttp's
+  start are answered ``408`` and the connection closed. Until they are, the connection
+  has no aiohttp handler (nor its task): the bytes wait in the guard. Past the first request, aiohttp's
   ``keepalive_timeout`` (set by the runner) closes a connection idle, or stalled in its
   next request's headers, that long after its last answer; a stalled body is
   ``body_read_timeout_seconds``' (http_errors.read_body).
@@ -36,6 +37,7 @@ from aiohttp import web
 log = structlog.get_logger("pdserve.router.http")
 
 FD_RESERVE = 1024  # descriptors kept for what is not an HTTP connection
+MAX_HEAD_BYTES = 65536  # a request's headers buffered here at most (aiohttp's are 8 KB a line)
 LINGER_SECONDS = 1.0  # a refused connection read (and dropped) this long before closing
 MAX_LINGERING = 256  # refused connections lingering at once, within FD_RESERVE
 _END_OF_HEADERS = b"\r\n\r\n"
@@ -125,7 +127,7 @@ class _Guard(asyncio.Protocol):
         self._address: str | None = None
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._tail = b""  # the last bytes seen while the headers are awaited
+        self._head = bytearray()  # what came before the first request's headers ended
         self._lingering = False  # refused: answered, closing once the client has read it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -140,9 +142,9 @@ class _Guard(asyncio.Protocol):
             self._linger(transport)
             return
         self._address = address
+        # aiohttp's handler (a task of its own) is made once the headers are in: until
+        # then a connection costs this object and a timer
         self._timer = self._loop.call_later(self._table.limits.header_timeout, self._too_slow)
-        self._inner = self._server()
-        self._inner.connection_made(transport)
 
     def _linger(self, transport: asyncio.Transport) -> None:
         """Close after the answer, reading (and dropping) what the client still sends for
@@ -172,20 +174,24 @@ class _Guard(asyncio.Protocol):
         self._transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._inner is None:
+        if self._inner is not None:
+            self._inner.data_received(data)
             return
-        if self._timer is not None:
-            seen = self._tail + data
-            if _END_OF_HEADERS in seen:
-                self._timer.cancel()
-                self._timer = None
-                self._tail = b""
-            else:
-                self._tail = seen[-3:]
-        self._inner.data_received(data)
+        if self._timer is None or self._transport is None:  # refused, or timed out
+            return
+        start = max(0, len(self._head) - 3)
+        self._head += data
+        if _END_OF_HEADERS not in self._head[start:] and len(self._head) <= MAX_HEAD_BYTES:
+            return  # more to come (past MAX_HEAD_BYTES aiohttp refuses the lines as too long)
+        self._timer.cancel()
+        self._timer = None
+        head, self._head = bytes(self._head), bytearray()
+        self._inner = self._server()
+        self._inner.connection_made(self._transport)
+        self._inner.data_received(head)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
+        return self._inner.eof_received() if self._inner is not None else None  # None: close
 
     def pause_writing(self) -> None:
         if self._inner is not None:
