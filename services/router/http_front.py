@@ -18,7 +18,7 @@ a ``_Guard`` in front of each connection's aiohttp handler:
   ``body_read_timeout_seconds``' (http_errors.read_body).
 
 ``max_connections`` 0 derives the cap from the process's file-descriptor limit
-(RLIMIT_NOFILE), leaving ``FD_RESERVE`` descriptors to everything else (ZMQ, the
+(RLIMIT_NOFILE, its soft limit first raised to the hard one), leaving ``FD_RESERVE`` descriptors to everything else (ZMQ, the
 tokenizer process, files), so the cap is reached before the limit is.
 """
 
@@ -53,6 +53,20 @@ class ConnectionLimits:
         if self.max_connections:
             return self.max_connections
         return derived_max_connections()
+
+
+def raise_fd_limit() -> int:
+    """The soft RLIMIT_NOFILE raised to the hard one (a shell's 1024 would cap the HTTP
+    front door at 512 connections where the system allows far more); the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # not allowed here: keep the soft limit
+            pass
+    return soft
 
 
 def derived_max_connections() -> int:
@@ -222,10 +236,13 @@ class GuardedSite(web.TCPSite):
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int,
                  limits: ConnectionLimits, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(runner, host, port, **kwargs)
+        self.limits = limits
         self.table = ConnectionTable(limits)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
+        raise_fd_limit()
+        self.table = ConnectionTable(self.limits)  # the cap of the raised limit
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
