@@ -52,6 +52,14 @@ def _deployment_flags(p: argparse.ArgumentParser) -> None:
         "deepseek_v4, deepseek_v41 (vLLM's names), none (default auto: from the chat template)",
     )
     p.add_argument(
+        "--no-special-tokens-in-content",
+        dest="special_tokens_in_content",
+        action="store_false",
+        default=None,
+        help="tokenise a special token's text in chat message content as plain text, not as "
+        "the control token (default: parsed, as vLLM does; special_tokens_in_content)",
+    )
+    p.add_argument(
         "--allowed-origins",
         nargs="+",
         default=None,
@@ -159,6 +167,7 @@ def _start(args: argparse.Namespace) -> Any:
         allowed_origins=args.allowed_origins,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        special_tokens_in_content=args.special_tokens_in_content,
         model=args.model,
         device=args.device,
         prefill_instances=args.prefill_instances,

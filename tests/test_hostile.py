@@ -332,3 +332,77 @@ def test_a_phase_past_its_deadline_fails_with_the_phase_named(
         round(took, 2),
         FIRST_TOKEN_TIMEOUT + 5,
     )
+
+
+# -- issue 50: grammars off the engine thread, schemas past the limits ----------------------
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "boolean"}
+    for i in range(levels):
+        schema = {"type": "object", "properties": {f"p{i % 10}": schema}}
+    return schema
+
+
+def test_deep_schemas_are_refused_and_structured_requests_are_served(
+    hostile_report: FaultReport, dep: Deployment
+) -> None:
+    """Issue 50: a tool schema 360 levels deep froze every stream while it compiled on the
+    engine thread, and one 250 deep with tool_choice required was a 500. Through the real
+    router (its tokenizer process included) and engines: the deep ones are a 400 naming the
+    limit (the SDK's schema text at the engines' compile worker), a schema within the
+    limit is compiled off the engine thread and served, a stream beside them finishes."""
+    from pdserve.common.engine.sampling_params import StructuredOutput
+    from pdserve.services.router.client import GenerationFailed
+
+    def chat(levels: int, choice: Any, max_tokens: int = 8) -> tuple[int, dict[str, Any]]:
+        body = {"messages": [{"role": "user", "content": "call f"}], "max_tokens": max_tokens,
+                "tools": [{"type": "function",
+                           "function": {"name": "f", "parameters": _nested(levels)}}],
+                "tool_choice": choice}  # fmt: skip
+        req = urllib.request.Request(f"{dep.url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    # xgrammar's one-time load (each of prefill and decode, ~10 s on a busy 2-core
+    # machine) may outlast this deployment's 6 s first-token deadline: the router then
+    # aborts the request while decode still waits for its grammar (it drops it and
+    # releases its KV: still_serving below finds every pool full); the next one is served.
+    small = StructuredOutput(kind="json", spec=json.dumps(_nested(2)))
+    with client(dep) as c:
+        for attempt in range(6):
+            try:
+                c.generate(prompt_token_ids=PROMPT, max_tokens=16, structured=small)
+                break
+            except GenerationFailed as exc:
+                assert exc.reason == "timeout" and attempt < 5, exc
+    with client(dep) as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        stream = pool.submit(c.generate, prompt_token_ids=PROMPT, max_tokens=48, ignore_eos=True)
+        deep = [pool.submit(chat, levels, "required") for levels in (250, 360)]
+        for future in deep:
+            status, answer = future.result(timeout=120)
+            assert status == 400 and answer["error"]["code"] == "nested_too_deeply", answer
+            assert answer["error"]["param"] == "tools"
+        spec = StructuredOutput(kind="json", spec=json.dumps(_nested(360)))
+        with pytest.raises(GenerationFailed) as info:
+            c.generate(prompt_token_ids=PROMPT, max_tokens=4, structured=spec)
+        assert info.value.reason == "bad_request" and "nested more than 128" in info.value.message
+        status, answer = chat(20, {"type": "function", "function": {"name": "f"}}, 400)
+        assert status == 200, answer
+        arguments = answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        json.loads(arguments)  # held by the grammar compiled off the engine thread
+        assert len(stream.result(timeout=120).token_ids) == 48
+    still_serving(dep)
+    add_row(
+        hostile_report,
+        dep,
+        "tool schemas 250/360 levels deep (HTTP, required), schema text 360 deep (SDK)",
+        5,
+        5,
+        "400 nested_too_deeply / bad_request naming the limit; a 20-level schema served; "
+        "the stream beside them finished",
+    )

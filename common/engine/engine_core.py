@@ -147,7 +147,10 @@ class EngineCore(Generic[OutputT]):
         return HostTier(buffer.layout.num_blocks, buffer)
 
     def close(self) -> None:
-        """Give back what outlives the requests: the host tier's blocks and memory."""
+        """Give back what outlives the requests: the host tier's blocks and memory, the
+        grammar compile workers."""
+        if self.sampler.grammars is not None:
+            self.sampler.grammars.close()
         if self.pool.tier is not None:
             self.pool.tier.clear()
             self.pool.tier = None

@@ -108,6 +108,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s ids with every special token's text in it taken as plain text (as
+        any other characters), never as the control token; no BOS or EOS added."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        plain = HFTokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True  # special added tokens are not split out
+        return plain
+
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens (the added tokens marked special)."""
+        decoder = self._backend.get_added_tokens_decoder()
+        return tuple(sorted({t.content for t in decoder.values() if t.special and t.content}))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

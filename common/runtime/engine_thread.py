@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from pdserve.common.runtime.sd_notify import Watchdog
 
 if TYPE_CHECKING:
     from pdserve.common.engine.host_tier import HostTier
+    from pdserve.common.engine.sampling_params import SamplingParams
+    from pdserve.common.engine.structured import GrammarTable
     from pdserve.common.runtime.service_config import DeploymentConfig
 
 log = structlog.get_logger("pdserve.worker")  # the name operators' log queries know
@@ -112,6 +115,11 @@ class EngineThread(threading.Thread):
         self.handlers: dict[type[Command], Callable[[Any], None]] = {Barrier: self._on_barrier}
         # What the engine accepts, set by ``setup``: the service checks messages against it.
         self.limits: Limits | None = None
+        # Requests waiting for their grammar's compile (structured.py), out of the engine:
+        # request id -> (command, its sampling, deadline: None while xgrammar loads). Handled
+        # again once it is ready.
+        self._parked: dict[str, tuple[Command, SamplingParams, float | None]] = {}
+        self._resuming: Command | None = None
 
     def submit(self, command: Command) -> None:
         self.inbox.put(command)
@@ -147,6 +155,67 @@ class EngineThread(threading.Thread):
     def _on_barrier(self, cmd: Barrier) -> None:
         cmd.done.set()
 
+    # -- grammars compiled off this thread --------------------------------------------------
+
+    def grammar_table(self) -> GrammarTable | None:
+        """The engine's grammars (None: no engine yet, or no structured output)."""
+        engine = getattr(self, "engine", None)
+        sampler = getattr(engine, "sampler", None)
+        return getattr(sampler, "grammars", None)
+
+    def grammar_ready(self, command: Command, request_id: str, sampling: SamplingParams) -> bool:
+        """Whether ``command`` (a new request) may go to the engine now. A structured
+        request whose grammar is not compiled yet waits out of the engine (no batch slot,
+        no blocks) while a worker compiles it: False, and the command is handled again
+        once the grammar is ready, or once ``grammar_compile_timeout_seconds`` passed
+        (then the engine refuses it, naming that budget)."""
+        grammars = self.grammar_table()
+        if sampling.structured is None or grammars is None or command is self._resuming:
+            return True
+        if grammars.request(sampling.structured, self._wake):
+            return True
+        self._parked[request_id] = (command, sampling, self._grammar_deadline(grammars))
+        return False
+
+    def _grammar_deadline(self, grammars: GrammarTable) -> float | None:
+        """None while xgrammar is still being loaded (the first structured request's
+        import, ~10 s, is not its grammar's compile): the budget starts once it is."""
+        if not grammars.loaded:
+            return None
+        return time.monotonic() + self.ctx.cfg.grammar_compile_timeout_seconds
+
+    def unpark(self, request_id: str) -> Command | None:
+        """The command of a request still waiting for its grammar, forgotten (aborted)."""
+        entry = self._parked.pop(request_id, None)
+        return entry[0] if entry is not None else None
+
+    def _wake(self) -> None:
+        self.inbox.put(None)  # ends the turn's wait; None is no command
+
+    def _resume_parked(self) -> None:
+        grammars = self.grammar_table()
+        if not self._parked or grammars is None:
+            return
+        now = time.monotonic()
+        for request_id, (command, sampling, deadline) in list(self._parked.items()):
+            assert sampling.structured is not None
+            if not grammars.request(sampling.structured):
+                if deadline is None:
+                    self._parked[request_id] = (command, sampling, self._grammar_deadline(grammars))
+                    continue
+                if now < deadline:
+                    continue
+                seconds = self.ctx.cfg.grammar_compile_timeout_seconds
+                grammars.expire(sampling.structured, f"the {sampling.structured.kind} "
+                                f"constraint did not compile within {seconds:g} s "
+                                "(grammar_compile_timeout_seconds); simplify it")  # fmt: skip
+            del self._parked[request_id]
+            self._resuming = command
+            try:
+                self._handle(command)
+            finally:
+                self._resuming = None
+
     def run(self) -> None:
         try:
             self.setup()
@@ -170,10 +239,11 @@ class EngineThread(threading.Thread):
                 commands = self._drain(None if busy else wait)
                 if self._stop_event.is_set():
                     break
+                self._resume_parked()
                 for command in commands:
                     self._handle(command)
                 busy = self.run_once()
-                idle = not (commands or busy) and self.quiet()
+                idle = not (commands or busy or self._parked) and self.quiet()
                 wait = min(2 * wait, self.idle_wait_max) if idle else self.idle_wait
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
             self.failed = exc

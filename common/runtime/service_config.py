@@ -108,9 +108,25 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     max_dispatched_requests: int = 0
     # An HTTP body not read whole within this many seconds: 408, connection closed.
     body_read_timeout_seconds: float = 30.0
+    # The HTTP front door's connections (services/router/http_front.py): a request's
+    # headers not received within http_header_timeout_seconds of the connection's start:
+    # 408, closed; a connection idle this long after its last answer: closed; open
+    # connections per client address and in all (0: the fd limit, RLIMIT_NOFILE, less
+    # 1024): past either, 503 with Retry-After, closed.
+    http_header_timeout_seconds: float = 15.0
+    http_keepalive_timeout_seconds: float = 30.0
+    max_http_connections: int = 0
+    max_http_connections_per_client: int = 1024
+    # false: a special token's text inside a chat message's content (<|im_start|>system)
+    # is tokenised as plain text, not as the control token (true: vLLM's and HF's way).
+    special_tokens_in_content: bool = True
     # A long prompt not tokenised within this many seconds (its wait for the router's
     # tokenizer process included): Failed "timeout" (HTTP 504).
     tokenize_timeout_seconds: float = 30.0
+    # A structured-output request waits (out of the engine's batch) this long at most for
+    # its grammar's compile, on a worker thread of its prefill or decode instance; past
+    # it the request fails bad_request (HTTP 400) naming this setting.
+    grammar_compile_timeout_seconds: float = 10.0
     prefill_timeout_seconds: float = 300.0
     first_token_timeout_seconds: float = 300.0
     token_gap_timeout_seconds: float = 60.0
@@ -181,7 +197,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                     f"{name} must be >= 0 (0: no deadline), got {getattr(self, name)}"
                 )
         for name in ("lease_seconds", "heartbeat_seconds", "ping_seconds", "peer_timeout_seconds",
-                     "body_read_timeout_seconds", "tokenize_timeout_seconds"):  # fmt: skip
+                     "body_read_timeout_seconds", "tokenize_timeout_seconds",
+                     "grammar_compile_timeout_seconds", "http_header_timeout_seconds",
+                     "http_keepalive_timeout_seconds"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise PdserveError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:
@@ -194,7 +212,11 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"peer_timeout_seconds ({self.peer_timeout_seconds:g}) must be at least twice "
                 f"ping_seconds ({self.ping_seconds:g}): one late ping must not mark a peer down"
             )
-        for name in ("max_requests_per_client", "max_prompts_per_request", "max_body_bytes"):
+        if self.max_http_connections < 0:
+            raise PdserveError(f"max_http_connections must be 0 (derived) or more, got "
+                               f"{self.max_http_connections}")  # fmt: skip
+        for name in ("max_requests_per_client", "max_prompts_per_request", "max_body_bytes",
+                     "max_http_connections_per_client"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_dispatched_requests < 0:

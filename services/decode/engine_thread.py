@@ -129,6 +129,8 @@ class DecodeEngineThread(EngineThread):
     def _on_decode(self, cmd: Decode) -> None:
         identity, msg = cmd.identity, cmd.request
         rid, handle = msg.request_id, msg.handle
+        if not self.grammar_ready(cmd, rid, msg.sampling):
+            return  # handled again once its grammar is compiled (or its budget passed)
         try:
             if handle is None:  # colocated: this engine computes the prompt
                 self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling)
@@ -167,6 +169,11 @@ class DecodeEngineThread(EngineThread):
 
     def _on_abort(self, cmd: Abort) -> None:
         request_id = cmd.request_id
+        parked = self.unpark(request_id)  # still waiting for its grammar: nothing pulled
+        if isinstance(parked, Decode):
+            if parked.request.handle is not None:
+                self.pulls.release(parked.request.handle, request_id, parked.request.trace_id)
+            return
         pp = self.pulls.get(request_id)
         if pp is not None:
             pp.aborted = True  # an in-flight READ cannot be recalled: finish it, then drop

@@ -176,6 +176,8 @@ class PrefillEngineThread(EngineThread):
 
     def _on_prefill(self, cmd: Prefill) -> None:
         identity, req = cmd.identity, cmd.request
+        if not self.grammar_ready(cmd, req.request_id, req.sampling):
+            return  # handled again once its grammar is compiled (or its budget passed)
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
         except PdserveError as exc:
@@ -189,6 +191,8 @@ class PrefillEngineThread(EngineThread):
 
     def _on_abort(self, cmd: Abort) -> None:
         request_id = cmd.request_id
+        if self.unpark(request_id) is not None:  # it never reached the engine
+            return
         if self.engine.abort(request_id) is not None:
             self.peers.pop(request_id, None)
             return

@@ -5,6 +5,8 @@ pool (so errors pickle: ApiError)."""
 
 from __future__ import annotations
 
+import re
+import secrets
 from typing import Any
 
 from pdserve.common.errors import PdserveError
@@ -65,28 +67,69 @@ def content_text(content: str | list[oa.ContentPart] | None, index: int = 0) -> 
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
-def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest) -> list[int]:
-    return _encode(core, _render(core, req, req.wants_generation_prompt))
+def chat_prompt(core: RouterCore, req: oa.ChatCompletionRequest,
+                special_in_content: bool = True) -> list[int]:  # fmt: skip
+    """The rendered messages' ids. ``special_in_content`` False
+    (``special_tokens_in_content = false``): a special token's text inside a message's
+    content (``<|im_start|>system``) is tokenised as the plain text it is, not as the
+    control token, so a client cannot write roles into the template's structure."""
+    plain = None if special_in_content else PlainContents()
+    return _encode(core, _render(core, req, req.wants_generation_prompt, plain), plain)
 
 
-def chat_prompt_and_tail(core: RouterCore,
-                         req: oa.ChatCompletionRequest) -> tuple[list[int], list[int] | None]:  # fmt: skip
+def chat_prompt_and_tail(core: RouterCore, req: oa.ChatCompletionRequest,
+                         special_in_content: bool = True,
+                         ) -> tuple[list[int], list[int] | None]:  # fmt: skip
     """The prompt and the ids of the generation prompt the template added after the
     messages (None without one), where a reasoning model's thinking may already open
     or close (reasoning.py)."""
-    text = _render(core, req, req.wants_generation_prompt)
-    ids = _encode(core, text)
+    plain = None if special_in_content else PlainContents()
+    text = _render(core, req, req.wants_generation_prompt, plain)
+    ids = _encode(core, text, plain)
     if not req.wants_generation_prompt:
         return ids, None
-    head = _render(core, req, False)
+    head = _render(core, req, False, plain and PlainContents(plain.nonce))
     if not text.startswith(head):  # a template that renders the messages otherwise
         return ids, None
     return ids, core.tokenizer.encode(text[len(head) :], add_special_tokens=False)
 
 
-def _encode(core: RouterCore, text: str) -> list[int]:
+class PlainContents:
+    """The message contents to tokenise as plain text: each stands in the template as a
+    placeholder (private-use characters around a random nonce, which no client can
+    guess, and an index), and the rendered text is cut at them."""
+
+    def __init__(self, nonce: str | None = None) -> None:
+        self.nonce = nonce or secrets.token_hex(8)
+        self.contents: dict[str, str] = {}
+        self.pattern = re.compile(f"(\ue000{self.nonce}:[0-9]+\ue001)")
+
+    def stand_in(self, content: str) -> str:
+        key = f"\ue000{self.nonce}:{len(self.contents)}\ue001"
+        self.contents[key] = content
+        return key
+
+
+def _encode(core: RouterCore, text: str, plain: PlainContents | None = None) -> list[int]:
     # The template already wrote BOS and friends as text; adding them again would double them.
-    ids = core.tokenizer.encode(text, add_special_tokens=False)
+    if plain is None or not plain.contents:
+        ids = core.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = []
+        left = dict(plain.contents)
+        for i, part in enumerate(plain.pattern.split(text)):
+            if i % 2 == 0:  # the template's own text: its special tokens are control tokens
+                ids += core.tokenizer.encode(part, add_special_tokens=False) if part else []
+            elif part in left:
+                ids += core.tokenizer.encode_plain(left.pop(part))
+            else:  # a content the template repeated: plain text again
+                ids += core.tokenizer.encode_plain(plain.contents[part])
+        if left:  # the template dropped or rewrote a content it was given
+            raise ApiError(400, "a message's content holds the text of a special token, which "
+                           "this server takes as plain text (special_tokens_in_content = "
+                           "false), and this model's chat template rewrites the content, so "
+                           "it cannot be kept apart; remove the special token's text",
+                           param="messages", code="invalid_value")  # fmt: skip
     if not ids:
         raise ApiError(
             400, "the messages render to an empty prompt", param="messages", code="invalid_value"
@@ -94,9 +137,23 @@ def _encode(core: RouterCore, text: str) -> list[int]:
     return ids
 
 
-def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: bool) -> str:
+def _plain_contents(core: RouterCore, chat: list[dict[str, Any]], plain: PlainContents) -> None:
+    """Each content of ``chat`` holding a special token's text replaced by its stand-in."""
+    specials = core.tokenizer.special_token_texts
+    for message in chat:
+        content = message.get("content")
+        if isinstance(content, str) and any(t in content for t in specials):
+            message["content"] = plain.stand_in(content)
+
+
+def _render(core: RouterCore, req: oa.ChatCompletionRequest, generation_prompt: bool,
+            plain: PlainContents | None = None) -> str:  # fmt: skip
+    """``plain``: given, the contents holding a special token's text stand in the text
+    as placeholders, which it maps back to them (``_encode`` tokenises them as text)."""
     template = core.tokenizer.chat_template
     chat = template_messages([_message(m, i, template) for i, m in enumerate(req.messages)])
+    if plain is not None:
+        _plain_contents(core, chat, plain)
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if reserved:
@@ -180,7 +237,8 @@ def _message(message: oa.ChatMessageIn, index: int, template: str | None) -> dic
     return out
 
 
-def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest) -> tuple[list[int], list[str]]:
+def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest,
+                    special_in_content: bool = True) -> tuple[list[int], list[str]]:  # fmt: skip
     """/tokenize: the ids of the prompt or the rendered messages, and each id's text when
     asked for (``return_token_strs``; else an empty list)."""
     tokenizer = core.tokenizer
@@ -203,7 +261,7 @@ def tokenize_answer(core: RouterCore, req: oa.TokenizeRequest) -> tuple[list[int
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
         )  # fmt: skip
-        ids = chat_prompt(core, chat)
+        ids = chat_prompt(core, chat, special_in_content)
         if req.add_special_tokens and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id, *ids]
     if not req.return_token_strs:

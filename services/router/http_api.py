@@ -25,6 +25,7 @@ aborts the requests. A failed SSE write does the same.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -84,14 +85,18 @@ T = TypeVar("T")
 class OpenAIApi:
     def __init__(self, core: RouterCore, served_model_names: Sequence[str] = (),
                  tool_call_parser: str = "auto", pool: TokenizePool | None = None,
-                 max_prompts: int = 128, reasoning_parser: str = "auto") -> None:  # fmt: skip
+                 max_prompts: int = 128, reasoning_parser: str = "auto",
+                 special_tokens_in_content: bool = True) -> None:  # fmt: skip
         """``served_model_names``: the ids clients may name (the first is the one answers
         carry when a request names none); empty: the core's model name alone.
         ``tool_call_parser``: llama3_json, hermes, or auto (read off the chat template).
         ``pool``: where long texts are tokenised (else a thread); ``max_prompts``: per
         request. ``reasoning_parser``: how chat answers' thinking is split off
-        (reasoning.py: a name, auto or none); PdserveError when it cannot be."""
+        (reasoning.py: a name, auto or none); PdserveError when it cannot be.
+        ``special_tokens_in_content``: False, a special token's text in a message's
+        content is tokenised as plain text (chat_prompts.chat_prompt)."""
         self.core = core
+        self.special_tokens_in_content = special_tokens_in_content
         self.tool_call_parser = tool_call_parser
         self.reasoning = parser_of(reasoning_parser, core.tokenizer)
         log.info("reasoning_parser", requested=reasoning_parser,
@@ -135,7 +140,9 @@ class OpenAIApi:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt",
                            code="invalid_value")  # fmt: skip
-        ids, strs = await self._tokenize(request, tokenize_answer, req)
+        answer = functools.partial(tokenize_answer,
+                                   special_in_content=self.special_tokens_in_content)  # fmt: skip
+        ids, strs = await self._tokenize(request, answer, req)
         return json_response(oa.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len,
                                          tokens=ids, token_strs=strs if req.return_token_strs
                                          else None))  # fmt: skip
@@ -187,10 +194,13 @@ class OpenAIApi:
         model = self._check(req, req.unsupported())
         thinking: Callable[[], ThinkingSplit] | None = None
         gate: oa.Gate | None = None
+        special = self.special_tokens_in_content
         if self.reasoning is None:
-            prompt = await self._tokenize(request, chat_prompt, req)
+            render = functools.partial(chat_prompt, special_in_content=special)
+            prompt = await self._tokenize(request, render, req)
         else:
-            prompt, tail = await self._tokenize(request, chat_prompt_and_tail, req)
+            render_tail = functools.partial(chat_prompt_and_tail, special_in_content=special)
+            prompt, tail = await self._tokenize(request, render_tail, req)
             thinking, gate = self._thinking(self.reasoning, self.reasoning.start(prompt, tail))
         echoes = None
         if req.echo:  # vLLM's: a final assistant message is the start of the answer
@@ -271,13 +281,15 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
              reasoning_parser: str = "auto",
              pool: TokenizePool | None = None, max_prompts: int = 128,
              max_body_bytes: int = MAX_BODY_BYTES,
-             body_read_timeout: float = DEFAULT_BODY_TIMEOUT) -> web.Application:  # fmt: skip
+             body_read_timeout: float = DEFAULT_BODY_TIMEOUT,
+             special_tokens_in_content: bool = True) -> web.Application:  # fmt: skip
     """``served_model_names``: the model ids clients may use (empty: the core's);
     ``api_key``: when set (one key, or several), every route but OPEN_PATHS wants
     ``Authorization: Bearer`` with one of them;
     ``allowed_origins``: browser origins CORS lets in ("*": any; empty: CORS off);
     ``reasoning_parser``: how chat answers' thinking is split off (reasoning.py);
-    ``body_read_timeout``: seconds to receive a whole body (408 past it)."""
+    ``body_read_timeout``: seconds to receive a whole body (408 past it);
+    ``special_tokens_in_content``: False, special-token text in message content is text."""
     middlewares: list[Any] = [error_middleware]
     keys = [api_key] if isinstance(api_key, str) else list(api_key)
     if any(keys):
@@ -292,7 +304,7 @@ def make_app(core: RouterCore, *, served_model_names: Sequence[str] = (),
     app[MAX_BODY_KEY] = max_body_bytes
     app[BODY_TIMEOUT_KEY] = body_read_timeout
     api = OpenAIApi(core, served_model_names, tool_call_parser, pool, max_prompts,
-                    reasoning_parser)  # fmt: skip
+                    reasoning_parser, special_tokens_in_content)  # fmt: skip
     # The checked-in openapi.json is the generic document; this one names the model.
     document = openapi(api.model_names, core.max_model_len, core.tokenizer.vocab_size)
     document_body = msgspec.json.encode(document)

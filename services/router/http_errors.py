@@ -22,6 +22,7 @@ from aiohttp import web
 from pdserve.common.errors import RequestError
 from pdserve.common.runtime.protocol import Failed
 from pdserve.services.router import openai_schema as oa
+from pdserve.services.router.input_limits import MAX_JSON_DEPTH, too_deep
 
 log = structlog.get_logger("pdserve.router.http")
 
@@ -205,12 +206,22 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
+    """The body decoded strictly into ``kind``, and no deeper than MAX_JSON_DEPTH (checked
+    before anything recursive runs over it: JSON encoding, pickling, templates, grammars)."""
     body = await read_body(request)
     try:
-        return oa.decode_request(body, kind)
+        decoded = oa.decode_request(body, kind)
     except msgspec.ValidationError as exc:
         field = _FIELD.search(str(exc))
         raise ApiError(400, f"invalid request: {exc}", param=field and field.group(1),
                        code="invalid_value") from None  # fmt: skip
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    path = too_deep(decoded)
+    if path is not None:
+        shown = path if len(path) <= 100 else f"{path[:60]}...{path[-30:]}"
+        raise ApiError(400, f"{shown} is nested more than {MAX_JSON_DEPTH} lists and objects deep "
+                       "(the limit of this server, for every schema and free-form field); "
+                       "flatten it", param=path.split(".")[0].split("[")[0],
+                       code="nested_too_deeply")  # fmt: skip
+    return decoded

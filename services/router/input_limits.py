@@ -32,3 +32,36 @@ def num_prompts(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
         return len(prompt)
     return 1
+
+
+# How deep JSON may nest inside a request's free-form fields (tools, response_format,
+# guided_json, chat_template_kwargs, ...). Whatever walks such a value recursively (JSON
+# encoding, pickling to the tokenizer process, the chat template, xgrammar's compiler,
+# whose time grows steeply with a schema's depth) meets it bounded: a body nested deeper
+# is a 400 naming this limit before any of them runs. 64 levels hold a tool schema
+# ~30 properties deep (each property is two levels: "properties", then its name).
+MAX_JSON_DEPTH = 64
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """The path (``tools[0].function.parameters...``) of the first list or object of
+    ``value`` (a decoded request: Structs, lists, dicts) inside more than ``limit`` lists
+    and objects (itself counted; a typed Struct counts none); None when none is.
+    Iterative: no recursion for a hostile depth to exhaust."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, msgspec.Struct):
+            pairs: Any = ((name, getattr(item, name)) for name in item.__struct_fields__)
+            prefix = f"{path}." if path else ""
+        elif depth > limit:
+            return path
+        elif isinstance(item, dict):
+            pairs, prefix = item.items(), f"{path}."
+        else:
+            pairs, prefix = enumerate(item), path
+        for key, child in pairs:
+            if isinstance(child, list | dict | msgspec.Struct):
+                name = f"{prefix}{key}" if isinstance(key, str) else f"{path}[{key}]"
+                stack.append((child, depth + (not isinstance(child, msgspec.Struct)), name))
+    return None

@@ -31,6 +31,7 @@ async def serve(cfg: DeploymentConfig) -> None:
     from pdserve.common.model.tokenizer import Tokenizer
     from pdserve.services.router.front import FrontDoor
     from pdserve.services.router.http_api import make_app
+    from pdserve.services.router.http_front import ConnectionLimits, GuardedSite
     from pdserve.services.router.router import Router
     from pdserve.services.router.tokenize_pool import TokenizePool
 
@@ -55,10 +56,17 @@ async def serve(cfg: DeploymentConfig) -> None:
                    reasoning_parser=cfg.reasoning_parser, pool=pool,
                    max_prompts=cfg.max_prompts_per_request,
                    max_body_bytes=cfg.max_body_bytes,
-                   body_read_timeout=cfg.body_read_timeout_seconds)  # fmt: skip
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
+                   body_read_timeout=cfg.body_read_timeout_seconds,
+                   special_tokens_in_content=cfg.special_tokens_in_content)  # fmt: skip
+    # aiohttp closes a connection idle that long after its last answer (its default: an hour)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0,
+                           keepalive_timeout=cfg.http_keepalive_timeout_seconds)  # fmt: skip
     await runner.setup()
-    await web.TCPSite(runner, cfg.http_bind_host, cfg.http_port).start()
+    # Each connection's headers timed, connections capped per address and in all.
+    limits = ConnectionLimits(header_timeout=cfg.http_header_timeout_seconds,
+                              max_connections=cfg.max_http_connections,
+                              max_connections_per_client=cfg.max_http_connections_per_client)  # fmt: skip
+    await GuardedSite(runner, cfg.http_bind_host, cfg.http_port, limits, backlog=1024).start()
     http = f"http://{cfg.http_bind_host}:{cfg.http_port}"
     log.info("router_ready", http=http, zmq=cfg.front_address, api_keys=len(cfg.http_keys),
              served_model_names=cfg.served_model_names or [router.model_name])  # fmt: skip
