@@ -174,3 +174,80 @@ def test_indexer_triton_chunks_queries(device, gen, monkeypatch):
     whole = triton_indexer.indexer_topk(*case.args(), 8)
     monkeypatch.setattr(triton_indexer, "SCORE_BUDGET", 7 * 64)  # 7 queries a chunk
     assert torch.equal(triton_indexer.indexer_topk(*case.args(), 8), whole)
+
+
+MLA_HEADS = 4
+
+
+class SparseCase:
+    """V3.2 rows (auto or fp8) of sequences in a paged cache, absorbed queries at the ends
+    of the sequences, and a random selection of each query's visible rows (-1 padded)."""
+
+    def __init__(self, kind, ctx_lens, q_lens, topk, gen, device):
+        self.case = Case(kind, ctx_lens, q_lens, gen, device)
+        self.fp8 = self.case.cache.dtype == torch.uint8
+        num_q = len(self.case.query_seq)
+        self.q = torch.randn(num_q, MLA_HEADS, LATENT + ROPE, generator=gen)
+        picks = []
+        for n in self.case.num_visible.tolist():
+            chosen = torch.randperm(n, generator=gen)[:topk]
+            picks.append(torch.cat((chosen, torch.full((topk - chosen.numel(),), -1))))
+        self.indices = torch.stack(picks).int()
+
+    def args(self, device=None):
+        c = self.case
+        device = device or c.device
+        return (
+            self.q.to(device),
+            c.cache.to(device),
+            LATENT,
+            c.block_tables.to(device),
+            c.query_seq.to(device),
+            self.indices.to(device),
+            0.3,
+        )
+
+    def expected(self) -> torch.Tensor:  # [T, H, latent] float64, one query at a time
+        c = self.case
+        out = torch.zeros(len(c.query_seq), MLA_HEADS, LATENT, dtype=torch.float64)
+        size = c.cache.shape[1]
+        for t, s in enumerate(c.query_seq.tolist()):
+            pos = self.indices[t][self.indices[t] >= 0].long()
+            raw = c.cache[c.block_tables[s, pos // size].long(), pos % size]
+            if self.fp8:
+                raw = fp8_ds_mla.dequantize_rows(raw[:, : fp8_ds_mla.record_bytes(LATENT, ROPE)],
+                                                 LATENT)  # fmt: skip
+            rows = raw[:, : LATENT + ROPE].double()
+            if len(pos):
+                probs = torch.softmax(self.q[t].double() @ rows.t() * 0.3, dim=-1)
+                out[t] = probs @ rows[:, :LATENT]
+        return out
+
+
+SPARSE_KINDS = ["v32_fp32", "v32_bf16", "v32_fp8"]
+
+
+@pytest.mark.parametrize("kind", SPARSE_KINDS)
+def test_sparse_mla_reference(kind, gen):
+    from pdserve.kernels import sparse_mla_ref
+
+    sc = SparseCase(kind, [5, 37, 70], [5, 3, 1], 8, gen, "cpu")
+    out = sparse_mla_ref.sparse_mla_attention(*sc.args())
+    torch.testing.assert_close(out.double(), sc.expected(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", SPARSE_KINDS)
+def test_sparse_mla_triton(device, kind, gen):
+    """Top-k 24: more than one BLOCK_N of rows, -1 pads for the short sequence's queries
+    (its first query sees one row)."""
+    from pdserve.kernels import sparse_mla_ref, triton_sparse_mla
+
+    sc = SparseCase(kind, [5, 37, 70], [5, 3, 1], 24, gen, device)
+    out = triton_sparse_mla.sparse_mla_attention(*sc.args())
+    ref = sparse_mla_ref.sparse_mla_attention(*sc.args("cpu"))
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.cpu().double(), ref.double(), rtol=1e-4, atol=1e-4)
+    none = sc.indices.clone()
+    none[0] = -1  # a query with nothing selected: zeros
+    sc.indices = none
+    assert not triton_sparse_mla.sparse_mla_attention(*sc.args())[0].any()
