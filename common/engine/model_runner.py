@@ -151,6 +151,10 @@ class ModelRunner:
             or kernels.backend_name(self.device) != "triton"
         ):
             return
+        refused = getattr(self.model, "cuda_graphs_refused", None)
+        if refused:  # a model whose decode step no graph can capture yet says why
+            log.info("cuda graphs off", model=self.cfg.model_type, reason=refused)
+            return
         max_blocks = min(self.layout.num_blocks, -(-self._max_model_len // self.layout.block_size))
         self.graphs = DecodeGraphs(
             self.model,
