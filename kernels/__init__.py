@@ -76,6 +76,7 @@ __all__ = [
     "rotary",
     "silu_and_mul",
     "sparse_mla_attention",
+    "write_cache_rows",
     "write_kv",
     "write_latent",
 ]
@@ -372,6 +373,21 @@ def indexer_topk(
         q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk
     )
     return out
+
+
+def write_cache_rows(
+    cache: torch.Tensor,  # [N, B, row]: one layer's rows (any dtype; uint8: bytes)
+    rows: torch.Tensor,  # [T, row]: in the cache's dtype (fp8 rows: already quantized)
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: skipped
+) -> None:
+    """Each token's whole row into its slot (DeepSeek-V3.2's latent, rope and indexer key);
+    the Triton path reads no host value (CUDA graphs capture it)."""
+    if backend_name(cache.device) == "triton":
+        from pdserve.kernels import triton_sparse_mla
+
+        triton_sparse_mla.write_rows(cache, rows, slot_mapping)
+        return
+    sparse_mla_ref.write_rows(cache, rows, slot_mapping)
 
 
 def sparse_mla_attention(

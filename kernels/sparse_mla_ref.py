@@ -17,6 +17,18 @@ import torch
 from pdserve.kernels import fp8_ds_mla
 
 
+def write_rows(
+    cache: torch.Tensor,  # [N, B, row]
+    rows: torch.Tensor,  # [T, row]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: skipped
+) -> None:
+    """A row per token into its slot (fp8 caches: rows already their bytes)."""
+    size = cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    cache[slots // size, slots % size] = rows[keep].to(cache.dtype)
+
+
 def check_args(
     q: torch.Tensor,
     cache: torch.Tensor,

@@ -97,6 +97,52 @@ def _sparse_mla_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
+@triton.jit
+def _write_rows_kernel(
+    cache_ptr,  # [N, B, row]
+    rows_ptr,  # [T, row], the cache's dtype
+    slot_ptr,  # [T] int64; negative: padding, skipped
+    stride_cn,
+    stride_cb,
+    stride_rt,
+    width,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+        for d0 in range(0, width, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            tl.store(dst + d, tl.load(rows_ptr + t * stride_rt + d, mask=d < width), mask=d < width)
+
+
+def write_rows(
+    cache: torch.Tensor,  # [N, B, row]
+    rows: torch.Tensor,  # [T, row]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: skipped
+) -> None:
+    assert cache.stride(-1) == 1 and rows.shape[1] == cache.shape[2], (
+        f"rows {tuple(rows.shape)} for a cache of {tuple(cache.shape)}"
+    )
+    if rows.shape[0] == 0:
+        return
+    rows = rows.to(cache.dtype).contiguous()
+    with _device_guard(cache):
+        _write_rows_kernel[(rows.shape[0],)](
+            cache,
+            rows,
+            slot_mapping.contiguous(),
+            cache.stride(0),
+            cache.stride(1),
+            rows.stride(0),
+            rows.shape[1],
+            BLOCK_SIZE=cache.shape[1],
+            BLOCK_D=min(1024, triton.next_power_of_2(rows.shape[1])),
+        )
+
+
 def sparse_mla_attention(
     q: torch.Tensor,  # [T, H, latent + rope]
     cache: torch.Tensor,  # [N, B, row]

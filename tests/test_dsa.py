@@ -9,7 +9,9 @@ give other tokens: checked). 16 indexer heads: with few heads a key's score is o
 0 (every head's ReLU zero) and ties would decide the selection.
 
 Our engine caches one row per token and layer, latent ++ rope key ++ indexer key
-(common/engine/latent_format.py), and attends in torch (common/model/dsa.py). Greedy output
+(common/engine/latent_format.py), and attends through kernels.indexer_topk and
+kernels.sparse_mla_attention (common/model/dsa.py; their torch references on CPU;
+tests/test_dsv32_gpu.py runs the Triton kernels on CUDA). Greedy output
 must equal HF ``generate``'s monolithic, in chunks that straddle blocks, under preemption,
 from a prefix-cache hit, and (slow) disaggregated at TP 1 and with a PCP 2 prefill.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -117,8 +120,10 @@ def test_what_is_not_implemented_is_refused_by_name(v32_model: Path) -> None:
     from pdserve.common.engine.model_loader import check_device_supports
 
     cfg = ModelConfig.from_dir(v32_model)
-    with pytest.raises(ModelLoadError, match="indexer's top-k.*--device cpu"):
-        check_device_supports(cfg, torch.device("cuda"))
+    check_device_supports(cfg, torch.device("cuda"))  # the Triton kernels run it
+    odd = msgspec.structs.replace(cfg, index_head_dim=24)
+    with pytest.raises(ModelLoadError, match="index_head_dim to be a power of two.* 24"):
+        check_device_supports(odd, torch.device("cuda"))
     # fp8 (tests/test_fp8_dsa.py) tiles the latent and the key by 128; this model's are 32
     with pytest.raises(ValueError, match="index_head_dim to be a multiple of 128.* is 32"):
         cache_head(cfg, "bfloat16", "float8_e4m3fn")

@@ -251,3 +251,18 @@ def test_sparse_mla_triton(device, kind, gen):
     none[0] = -1  # a query with nothing selected: zeros
     sc.indices = none
     assert not triton_sparse_mla.sparse_mla_attention(*sc.args())[0].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8], ids=["fp32", "bytes"])
+def test_write_rows_triton(device, dtype, gen):
+    """Whole rows into their slots (a V3.2 fp8 row is its bytes), negative slots skipped."""
+    from pdserve.kernels import sparse_mla_ref, triton_sparse_mla
+
+    cache = torch.randint(0, 200, (6, BLOCK, 296), generator=gen).to(dtype)
+    rows = torch.randint(0, 200, (5, 296), generator=gen).to(dtype)
+    slots = torch.tensor([17, -1, 3, 95, -1])
+    want = cache.clone()
+    sparse_mla_ref.write_rows(want, rows, slots)
+    got = cache.clone().to(device)
+    triton_sparse_mla.write_rows(got, rows.to(device), slots.to(device))
+    assert torch.equal(got.cpu(), want) and not torch.equal(want, cache)

@@ -26,8 +26,8 @@ FLOAT32_KEYS = ("e_score_correction_bias",)
 def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
     """Refuse, before any weight is read, a model the device's kernels cannot run: on CUDA
     the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more;
-    DeepSeek-V3.2's sparse attention has no CUDA kernels (its torch reference loops over
-    sequences on the host, which CUDA graphs cannot capture)."""
+    DeepSeek-V3.2's kernels (kernels/triton_indexer.py, triton_sparse_mla.py) its indexer's
+    head too."""
     if device.type == "cuda" and cfg.v4 is not None:
         raise ModelLoadError(
             f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the "
@@ -37,11 +37,12 @@ def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
         )
     if device.type != "cuda" or not cfg.is_mla:
         return
-    if cfg.is_indexed:
+    dim = cfg.index_head_dim
+    if cfg.is_indexed and (dim < 16 or dim & (dim - 1)):
         raise ModelLoadError(
-            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the lightning "
-            "indexer's top-k and MLA attention over the selected tokens (common/model/dsa.py "
-            "is the CPU reference); run it with --device cpu"
+            "the CUDA lightning indexer kernel (kernels/triton_indexer.py) needs "
+            f"index_head_dim to be a power of two >= 16; this model has {dim} "
+            "(it runs with --device cpu)"
         )
     from pdserve.kernels.triton_mla import untileable_sizes  # CUDA machines have Triton
 
