@@ -13,15 +13,19 @@ highest scores, all of them while there are fewer. Its rope is the non-interleav
 the first ``qk_rope_head_dim`` values of each head (the MLA's is interleaved).
 
 The cache row of a token is the MLA latent, its rope key, then the indexer's key
-(common/engine/latent_format.py: ``index_dim``), written with every new token, gathered
-from every PCP rank first like the latent; with ``--kv-cache-dtype fp8`` that row is stored
-as its fp8_ds_mla record followed by the key's fp8 form (kernels/fp8_ds_mla.py
-``quantize_indexed``), quantized on write and dequantized as the rows are read.
-Attention runs here in torch, one sequence (or PCP piece) at a time: its context rows
-gathered, the indexer's selection made a mask, the latent expanded into per-head K/V by
-``kv_b_proj`` and SDPA under causal & selected, as transformers computes it. Decode takes the same path (a query of one token). It is the
-reference: no Triton kernel of the indexer or of sparse MLA exists yet, and CUDA refuses the
-model (common/engine/model_loader.py).
+(common/engine/latent_format.py: ``index_dim``), written with every new token
+(``kernels.write_cache_rows``), gathered from every PCP rank first like the latent; with
+``--kv-cache-dtype fp8`` that row is stored as its fp8_ds_mla record followed by the key's
+fp8 form (kernels/fp8_ds_mla.py ``quantize_indexed``), quantized (in torch) on write and
+dequantized by the kernels as they read it.
+
+Attention is two batched ops over the whole step, no loop over sequences and no host read
+(``StepQueries``: each query's sequence and visible positions from the metadata by tensor
+ops, so CUDA graphs capture a decode step): ``kernels.indexer_topk`` picks each query's
+``index_topk`` keys (kernels/indexer_ref.py on CPU, kernels/triton_indexer.py on CUDA), then
+``kernels.sparse_mla_attention`` attends them in the absorbed form of MLA decode (q_nope
+through ``W_UK`` into latent space with q_rope; the latent rows as values, out through
+``W_UV``), prefill and decode alike (kernels/sparse_mla_ref.py, triton_sparse_mla.py).
 
 Tensor parallel: the MLA heads split as in common/model/mla.py; the indexer is replicated,
 so every rank selects the same keys.
