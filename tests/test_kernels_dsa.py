@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from kernel_tools import device_fixture, gen_fixture  # noqa: F401
+from kernel_tools import INTERPRET, device_fixture, gen_fixture  # noqa: F401
 
 from pdserve.kernels import KeyFormat, fp8_ds_mla, fp8_ds_v4, indexer_ref
 
@@ -266,3 +266,30 @@ def test_write_rows_triton(device, dtype, gen):
     got = cache.clone().to(device)
     triton_sparse_mla.write_rows(got, rows.to(device), slots.to(device))
     assert torch.equal(got.cpu(), want) and not torch.equal(want, cache)
+
+
+@pytest.mark.interp
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to interpret on CPU")
+def test_v32_engine_through_the_triton_kernels_equals_transformers(
+    tmp_path, model_dir, monkeypatch
+):
+    """The whole model on the Triton path (PDSERVE_KERNELS=triton under the interpreter):
+    two prompts batched, 50-token chunks across 16-token blocks, decode steps: HF's tokens."""
+    pytest.importorskip("transformers")
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from tests.test_dsa import build_v32
+    from tests.test_families import hf_greedy, sentence_prompts
+
+    model = build_v32(tmp_path / "v32", tokenizer_from=model_dir)
+    prompts = sentence_prompts(model_dir, (40, 70), 20)
+    reference = hf_greedy(model, prompts, 4)
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model), kv_cache_memory_gb=0.05, block_size=16, max_num_batched_tokens=50
+        )
+    )
+    got = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in got] == reference
