@@ -25,16 +25,9 @@ FLOAT32_KEYS = ("e_score_correction_bias",)
 
 def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
     """Refuse, before any weight is read, a model the device's kernels cannot run: on CUDA
-    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more;
-    DeepSeek-V3.2's kernels (kernels/triton_indexer.py, triton_sparse_mla.py) its indexer's
-    head too."""
-    if device.type == "cuda" and cfg.v4 is not None:
-        raise ModelLoadError(
-            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the "
-            "compressors, the lightning indexer's top-k and attention over window + entries "
-            "with sinks (common/model/dsv4_attention.py is the CPU reference); run it with "
-            "--device cpu"
-        )
+    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more
+    (DeepSeek-V4 runs the Triton kernels of kernels/v4_ops.py; DeepSeek-V3.2 those of
+    kernels/triton_indexer.py and triton_sparse_mla.py, its indexer's head a power of two)."""
     if device.type != "cuda" or not cfg.is_mla:
         return
     dim = cfg.index_head_dim

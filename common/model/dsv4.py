@@ -225,11 +225,11 @@ class DeepseekV4Model(nn.Module):
         self.hidden_layers: tuple[int, ...] | None = None
         self.hidden: torch.Tensor | None = None  # [S, L * hidden]: the logits rows'
         self.hidden_rows: torch.Tensor | None = None  # [T, L * hidden]: every token's
-        # common/engine/model_runner.py captures no decode graph of a model that says why:
-        # a step's closing windows and the HCA entries' bound are read from the host's spans
-        # (common/model/dsv4_attention.py V4Step), which a replayed graph would not update
+        # common/engine/model_runner.py captures no decode graph of a model that says why.
+        # The attention's decode step is graph-safe (dsv4_attention.V4Step: device work of
+        # static shapes); the MoE's routing reads the chosen experts on the host (V4MoE)
         self.cuda_graphs_refused = (
-            "deepseek_v4's decode step reads the windows it closes from the host each step"
+            "deepseek_v4's MoE reads its chosen experts on the host (dsv4.py V4MoE.forward)"
         )
 
     def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:

@@ -76,9 +76,13 @@ class Rope:
     def __init__(self, rope_dim: int, theta: float, scaling: dict[str, object] | None) -> None:
         with torch.device("cpu"):
             self.inv_freq, _ = inv_frequencies(rope_dim, theta, scaling, 0)
+        self._on: dict[torch.device, torch.Tensor] = {}  # a copy a device: no copy a step
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
         return freqs.cos(), freqs.sin()  # [T, rope / 2]
 
     @staticmethod
@@ -114,8 +118,12 @@ def slots_of(
 class V4Step:
     """A step's index metadata, built once for every layer (common/model/dsv4.py): which
     sequence each query belongs to, its position, and, per KV cache group, its block table;
-    the windows each sequence closes (from the host's ``seq_spans``, no device read). The
-    derived slot lists are kept per (group, ...) so layers sharing a group share them."""
+    the windows the step closes. Kept per (group, ...) so layers sharing a group share them.
+
+    A step of decodes only (one token a sequence, a CUDA graph's kind) is all device work
+    of static shapes: its sequence ``i`` is query ``i``, a candidate window per sequence
+    (closing iff ``(p + 1) % m == 0``, else masked), entries bounded by the block tables'
+    width. Other steps read the windows they close from the host's ``seq_spans``."""
 
     def __init__(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:
         dev = positions.device
@@ -128,10 +136,9 @@ class V4Step:
             rows.append(nd + torch.searchsorted(cu[1:].contiguous(), at, right=True))
         self.query_row = torch.cat(rows)  # [T]: row of cat(decode, prefill) block tables
         self.nd = nd
+        self.decode_only = 0 < num == nd and meta.kv_gather is None
         self.spans = meta.seq_spans  # plan order, whole sequences (host)
-        self.max_ctx = max((end for _, end in self.spans), default=0)
         self._memo: dict[tuple[object, ...], torch.Tensor] = {}
-        self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _get(self, key: tuple[object, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if key not in self._memo:
@@ -150,6 +157,15 @@ class V4Step:
 
         return self._get(("tables", id(meta)), make)
 
+    def seq_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [S, max_blocks] int64
+        """This group's block table of each sequence in ``closing``'s order."""
+        if self.decode_only:
+            return self.query_tables(meta)
+        assert meta.seq_block_tables is not None
+        return self._get(
+            ("seq", id(meta)), lambda: meta.seq_block_tables.to(self.positions.device).long()
+        )
+
     def window_slots(self, meta: AttentionMetadata, size: int, window: int) -> torch.Tensor:
         """[T, W]: the slots of each query's window rows ``p - W < k <= p``."""
 
@@ -164,33 +180,51 @@ class V4Step:
     def closed(self, rate: int) -> torch.Tensor:  # [T] int64: entries each query may see
         return self._get(("closed", rate), lambda: (self.positions + 1) // rate)
 
-    def entry_slots(self, meta: AttentionMetadata, size: int, rate: int) -> torch.Tensor:
-        """[T, E]: the slots of every entry each query may see (HCA), E the step's most."""
+    def ranked(self, meta: AttentionMetadata, rate: int) -> torch.Tensor:  # [T] int64
+        """The entries each query's sequence has at the step's end: the width transformers
+        ranks its indexer scores over, whatever piece of the step (PCP) or batch holds it
+        (equal scores resolve by that width: kernels.indexer_topk ``row_keys``)."""
 
         def make() -> torch.Tensor:
-            bound = self.max_ctx // rate
+            return meta.seq_ends().to(self.positions.device)[self.query_row] // rate
+
+        return self._get(("ranked", rate), make)
+
+    def entry_slots(self, meta: AttentionMetadata, size: int, rate: int) -> torch.Tensor:
+        """[T, E]: the slots of every entry each query may see (HCA); E: the most the
+        step's tables hold, or (not decode-only) its longest sequence's."""
+
+        def make() -> torch.Tensor:
+            tables = self.query_tables(meta)
+            bound = tables.shape[1] * size
+            if not self.decode_only:
+                bound = min(bound, max((end for _, end in self.spans), default=0) // rate)
             idx = torch.arange(bound, device=self.positions.device)[None, :]
             idx = torch.where(idx < self.closed(rate)[:, None], idx, -1)
-            return slots_of(self.query_tables(meta)[self.query_row], idx, size)
+            return slots_of(tables[self.query_row], idx, size)
 
         return self._get(("entries", id(meta), size, rate), make)
 
-    def closing(self, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows the step closes, every sequence's (a PCP rank too): (sequence
-        index in plan order [P], window [P]). Window w closes at position ``w * m + m - 1``:
-        a step of positions s .. e - 1 closes ``s // m .. e // m - 1``."""
-        if rate not in self._pairs:
-            seqs, wins = [], []
-            for i, (start, end) in enumerate(self.spans):
-                for w in range(start // rate, end // rate):
-                    seqs.append(i)
-                    wins.append(w)
-            dev = self.positions.device
-            self._pairs[rate] = (
-                torch.tensor(seqs, dtype=torch.long).to(dev),
-                torch.tensor(wins, dtype=torch.long).to(dev),
-            )
-        return self._pairs[rate]
+    def closing(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The windows the step closes, every sequence's (a PCP rank too): (sequence [P]
+        (a row of ``seq_tables``), window [P], which of them close (None: all)). Window w
+        closes at position ``w * m + m - 1``: a step of positions s .. e - 1 closes
+        ``s // m .. e // m - 1``."""
+        key = ("closing", rate)
+        if self.decode_only:
+            seqs = self._get(key, lambda: torch.arange(self.nd, device=self.positions.device))
+            ends = self.positions + 1
+            return seqs, ends // rate - 1, ends % rate == 0
+        if key not in self._memo:
+            pairs = [
+                (i, w)
+                for i, (start, end) in enumerate(self.spans)
+                for w in range(start // rate, end // rate)
+            ]
+            both = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+            self._memo[key] = both.to(self.positions.device)
+        both = self._memo[key]
+        return both[:, 0], both[:, 1], None
 
 
 class Compressor(nn.Module):
@@ -259,6 +293,7 @@ class Indexer(nn.Module):
         tables: torch.Tensor,  # [R, max_blocks]: the entries' block tables
         query_row: torch.Tensor,  # [T]: each query's row of them
         closed: torch.Tensor,  # [T]: entries each query may see
+        ranked: torch.Tensor,  # [T]: entries its sequence has (V4Step.ranked)
     ) -> torch.Tensor:  # [T, index_topk] int32 entry indices, -1 pads
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
@@ -267,6 +302,7 @@ class Indexer(nn.Module):
         return kernels.indexer_topk(
             q, weights, entries_cache[:, 0, 0], key_format, tables.to(torch.int32),
             query_row.to(torch.int32), closed.to(torch.int32), self.topk,
+            ranked.to(torch.int32),
         )  # fmt: skip
 
 
@@ -380,7 +416,7 @@ class V4Attention(nn.Module):
         tables = step.query_tables(entries_meta)
         top = self.indexer.select(
             q_resid, x, cos_sin, entries_cache, key_format, tables, step.query_row,
-            step.closed(comp.rate),
+            step.closed(comp.rate), step.ranked(entries_meta, comp.rate),
         )  # fmt: skip
         return slots_of(tables[step.query_row], top.long(), size)
 
@@ -399,28 +435,30 @@ class V4Attention(nn.Module):
         tokens' rows are in the rows' window (its span covers 2m, common/model/
         dsv4_config.py ``cache_kinds``)."""
         comp = self.compressor
-        assert comp is not None and meta.seq_block_tables is not None
-        assert entries_meta.seq_block_tables is not None
-        seqs, wins = step.closing(comp.rate)
+        assert comp is not None
+        seqs, wins, ok = step.closing(comp.rate)
         if seqs.shape[0] == 0:
             return
         m, d = comp.rate, self.head_dim
         span = 2 * m if comp.overlap else m
         first = (wins - 1) * m if comp.overlap else wins * m
         pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
-        tables = meta.seq_block_tables.to(wins.device).long()[seqs]
-        slots = slots_of(tables, pos, rows_cache.shape[3])
+        at = wins[:, None]
+        if ok is not None:  # decodes: a candidate a sequence, those not closing masked
+            pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
+        slots = slots_of(step.seq_tables(meta)[seqs], pos, rows_cache.shape[3])
         parts = [comp.entries(rows_cache, slots, d, wins, rope, fp8)]
         if self.indexer is not None:
             index = self.indexer.compressor
             parts.append(index.entries(rows_cache, slots, d + comp.width, wins, rope, fp8))
         entry = torch.cat(parts, dim=-1)  # [P, D (+ index_head_dim)]
+        if ok is not None:
+            entry = torch.where(ok[:, None], entry, 0)  # a masked candidate's (never written)
         width = entries_cache.shape[-1]
         if fp8 is not None:
             entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
         entry = F.pad(entry, (0, width - entry.shape[-1])).to(entries_cache.dtype)
-        etables = entries_meta.seq_block_tables.to(wins.device).long()[seqs]
-        at = slots_of(etables, wins[:, None], entries_cache.shape[3])[:, 0]
+        at = slots_of(step.seq_tables(entries_meta)[seqs], at, entries_cache.shape[3])[:, 0]
         v4_ops.write_rows(entries_cache, entry, at)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
