@@ -161,10 +161,9 @@ class V4Step:
         """This group's block table of each sequence in ``closing``'s order."""
         if self.decode_only:
             return self.query_tables(meta)
-        assert meta.seq_block_tables is not None
-        return self._get(
-            ("seq", id(meta)), lambda: meta.seq_block_tables.to(self.positions.device).long()
-        )
+        tables = meta.seq_block_tables
+        assert tables is not None
+        return self._get(("seq", id(meta)), lambda: tables.to(self.positions.device).long())
 
     def window_slots(self, meta: AttentionMetadata, size: int, window: int) -> torch.Tensor:
         """[T, W]: the slots of each query's window rows ``p - W < k <= p``."""
