@@ -5,8 +5,11 @@ Two passes: a Triton kernel scores every key of the query's sequence, one progra
 (query, tile of ``BLOCK_K`` keys), reading the keys straight from the paged cache through
 the block table (fp8 keys dequantized in the kernel: fp8 values times their tile's float32
 scale) into a float32 ``[T, L]`` buffer, ``-inf`` past the query's visible keys; then
-``torch.topk`` picks each row's best. ``L`` is the block tables' reach (``max_blocks * B``),
-known on the host: nothing is read back from the GPU, so a CUDA graph can capture it.
+``top_lowest_ties`` picks each row's best, equal scores by lower index, so the choice does
+not depend on the row's width (``row_keys``, which the reference needs to resolve ties as
+transformers' CPU torch.topk does, is not used: no GPU order matches that one anyway).
+``L`` is the block tables' reach (``max_blocks * B``), known on the host: nothing is read
+back from the GPU, so a CUDA graph can capture it.
 Queries run in chunks that keep the buffer under ``SCORE_BUDGET`` floats (long prefills at
 100k+ keys).
 
@@ -162,6 +165,7 @@ def indexer_topk(
     query_seq: torch.Tensor,
     num_visible: torch.Tensor,
     topk: int,
+    row_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, topk] int32
     check_args(q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk)
     num_tokens = q.shape[0]
@@ -182,6 +186,37 @@ def indexer_topk(
             query_seq[lo:hi],
             num_visible[lo:hi],
         )
-        top = scores.topk(kk, dim=-1)
-        out[lo:hi, :kk] = top.indices.to(torch.int32).masked_fill(top.values == float("-inf"), -1)
+        # row_keys is not needed here: ties resolve by index, at any row width
+        out[lo:hi] = top_lowest_ties(scores, topk)
+    return out
+
+
+def top_lowest_ties(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[n, L] float32 scores (-inf: not visible) -> [n, topk] int32: each row's ``topk``
+    best in descending score, equal scores by lower index first, -1 past the visible ones.
+
+    Unlike a plain torch.topk (whose choice among equal scores depends on the row's width),
+    the answer does not depend on how far the row is padded with -inf: a PCP piece, a
+    monolithic prefill and a decode step ranked over a CUDA graph's wider tables all keep the
+    same keys. Fixed shapes and no host read (CUDA graphs capture it): the k-th best value
+    from torch.topk, every key above it, then the lowest-indexed keys equal to it."""
+    num_rows, width = scores.shape
+    kk = min(topk, width)
+    out = torch.full((num_rows, topk), -1, dtype=torch.int32, device=scores.device)
+    if num_rows == 0 or kk == 0:
+        return out
+    kth = scores.topk(kk, dim=-1).values[:, -1:]  # [n, 1]
+    above = scores > kth
+    tied = scores == kth
+    room = kk - above.sum(-1, keepdim=True)  # tied keys that fit
+    chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
+    index = torch.arange(width, device=scores.device)
+    # chosen keys first, lowest index first; then order them by score (stable: ties by index)
+    pick = torch.where(chosen, width - index, 0).topk(kk, dim=-1)
+    ids = pick.indices
+    picked = torch.where(pick.values > 0, scores.gather(1, ids), float("-inf"))
+    order = picked.sort(dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
+    ok = picked.gather(1, order) > float("-inf")
+    out[:, :kk] = torch.where(ok, ids, -1).to(torch.int32)
     return out

@@ -293,3 +293,25 @@ def test_v32_engine_through_the_triton_kernels_equals_transformers(
     )
     got = engine.generate(prompts, SamplingParams(max_tokens=4))
     assert [o.token_ids for o in got] == reference
+
+
+def test_top_lowest_ties_keeps_the_same_keys_at_any_width(gen):
+    """The Triton path's selection over its score rows: the k best in descending score,
+    equal scores by lower index, whatever -inf padding follows (a CUDA graph's wider tables,
+    a PCP piece): the first k of a full (score descending, index ascending) sort."""
+    pytest.importorskip("triton")
+    from pdserve.kernels.triton_indexer import top_lowest_ties
+
+    for _ in range(50):
+        width = int(torch.randint(1, 60, (1,), generator=gen))
+        k = int(torch.randint(1, 20, (1,), generator=gen))
+        scores = torch.randint(-2, 4, (5, width), generator=gen).float()  # many ties
+        visible = torch.randint(0, width + 1, (5,), generator=gen)
+        scores[torch.arange(width)[None] >= visible[:, None]] = float("-inf")
+        got = top_lowest_ties(scores, k)
+        padded = torch.cat((scores, torch.full((5, 17), float("-inf"))), dim=1)
+        assert torch.equal(top_lowest_ties(padded, k)[:, : min(k, width)], got[:, : min(k, width)])
+        for r in range(5):
+            keys = sorted((-scores[r, i].item(), i) for i in range(int(visible[r])))
+            want = [i for _, i in keys[:k]]
+            assert got[r].tolist() == want + [-1] * (k - len(want))
