@@ -359,19 +359,27 @@ def indexer_topk(
     query_seq: torch.Tensor,  # [T] int32: each query's row of block_tables
     num_visible: torch.Tensor,  # [T] int32: the query sees keys 0 .. n - 1
     topk: int,
+    row_keys: torch.Tensor | None = None,  # [T] int32: each query's ranked width (below)
 ) -> torch.Tensor:  # [T, topk] int32 key indices, descending score, -1 pads at the end
     """The lightning indexer's selection (DeepSeek-V3.2, V4's CSA): per query the ``topk``
     visible keys of the highest ``sum_h weights[t, h] * relu(q[t, h] . key) * D**-0.5``
-    (float32). kernels/indexer_ref.py is the reference; Triton: kernels/triton_indexer.py."""
+    (float32). ``row_keys``: the width of the row each query is ranked over, its
+    sequence's keys at the step's end, as transformers ranks it (equal scores resolve by
+    it: kernels/indexer_ref.py ``rank_rows``); None: the step's widest. The Triton path
+    resolves ties its own way, the same at any width (kernels/triton_indexer.py), and
+    takes no ``row_keys``. kernels/indexer_ref.py is the reference."""
+    out: torch.Tensor
     if backend_name(q.device) == "triton":
         from pdserve.kernels import triton_indexer
 
-        impl: ModuleType = triton_indexer
+        out = triton_indexer.indexer_topk(
+            q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk
+        )
     else:
-        impl = indexer_ref
-    out: torch.Tensor = impl.indexer_topk(
-        q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk
-    )
+        out = indexer_ref.indexer_topk(
+            q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk,
+            row_keys,
+        )  # fmt: skip
     return out
 
 

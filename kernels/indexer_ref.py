@@ -14,6 +14,14 @@ The score of key k for query t, in float32:
 indices of the ``topk`` highest-scoring visible keys of each query, ``[T, topk]`` int32,
 in descending score order (equal scores: torch.topk's order), ``-1`` in the columns past
 the number of visible keys.
+
+Equal scores are common (a key every head scores below zero scores exactly 0), and which
+of them torch.topk keeps depends on the width of the row it ranks, the masked keys past
+the visible ones included. ``row_keys[t]`` is that width: transformers ranks each query
+over every key its sequence has at the end of the step (``min(index_topk, keys)`` of them),
+whatever part of the step holds the query, so a PCP piece, a short sequence batched with a
+long one and the whole prompt alike must rank over the same ``row_keys`` (``rank_rows``).
+None: one width for all, the keys the step's queries see at most.
 """
 
 from __future__ import annotations
@@ -122,6 +130,7 @@ def indexer_topk(
     query_seq: torch.Tensor,  # [T] int32: each query's row of block_tables
     num_visible: torch.Tensor,  # [T] int32: the keys 0 .. n - 1 it may see
     topk: int,
+    row_keys: torch.Tensor | None = None,  # [T] int32: the width each query is ranked over
 ) -> torch.Tensor:  # [T, topk] int32, descending score, -1 past the visible keys
     check_args(q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk)
     num_tokens, num_heads, dim = q.shape
@@ -131,6 +140,8 @@ def indexer_topk(
     num_keys = int(num_visible.max())
     if num_keys <= 0:
         return out
+    if row_keys is not None:  # the keys past the visible ones are ranked (at -inf) too
+        num_keys = max(num_keys, int(row_keys.max()))
     keys = gather_keys(key_cache, key_format, block_tables, num_keys)  # [S, L, D]
     one_seq = keys.shape[0] == 1
     chunk = max(1, _SCORE_BUDGET // (num_heads * num_keys))
@@ -149,7 +160,31 @@ def indexer_topk(
         index = torch.matmul(weights[lo:hi, None, :].float(), F.relu(scores))[:, 0]  # [n, L]
         visible = pos[None, :] < num_visible[lo:hi, None]
         index = index.masked_fill(~visible, float("-inf"))
-        top = index.topk(kk, dim=-1)
+        if row_keys is None:
+            top = index.topk(kk, dim=-1)
+            ids = top.indices.to(torch.int32).masked_fill(top.values == float("-inf"), -1)
+            out[lo:hi, :kk] = ids
+        else:
+            out[lo:hi] = rank_rows(index, row_keys[lo:hi], topk)
+    return out
+
+
+def rank_rows(
+    index: torch.Tensor,  # [n, L] float32: scores, -inf past each row's visible keys
+    row_keys: torch.Tensor,  # [n]: the width each row is ranked over (<= L)
+    topk: int,
+) -> torch.Tensor:  # [n, topk] int32: as transformers' topk(min(topk, width)) of each row
+    """Each row's ``min(topk, width)`` best of its first ``row_keys`` columns, one
+    torch.topk per distinct width (a host read: the widths of the step's sequences), so
+    equal scores resolve as they do over that width alone (see the module's docstring)."""
+    out = torch.full((index.shape[0], topk), -1, dtype=torch.int32, device=index.device)
+    widths = row_keys.long().clamp(max=index.shape[1])
+    for width in widths.unique().tolist():
+        kk = min(topk, width)
+        if kk <= 0:
+            continue
+        rows = (widths == width).nonzero().squeeze(1)
+        top = index[rows, :width].topk(kk, dim=-1)
         ids = top.indices.to(torch.int32).masked_fill(top.values == float("-inf"), -1)
-        out[lo:hi, :kk] = ids
+        out[rows, :kk] = ids
     return out

@@ -33,6 +33,7 @@ so every rank selects the same keys.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,7 @@ class IndexedMLAAttention(MLAAttention):
         kernels.write_cache_rows(cache, row, meta.slot_mapping)
         if num_tokens == 0:  # a PCP rank with no piece of this step still joined the gather
             return self._project_out(x.new_zeros((0, self.num_heads * self.v_dim)))
-        step = StepQueries.of(meta, num_tokens)
+        step = StepQueries.once_a_step(meta, rope[0], num_tokens)
         fmt = KeyFormat.v32(
             self.latent,
             self.rope,
@@ -128,6 +129,7 @@ class IndexedMLAAttention(MLAAttention):
             step.query_seq,
             step.num_visible,
             self.indexer.topk,
+            step.row_keys,
         )  # [T, topk]
         w_uk, w_uv = self._absorbed()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, latent]
@@ -144,6 +146,10 @@ class IndexedMLAAttention(MLAAttention):
         return self._project_out(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
 
+# the last StepQueries built on each thread (PCP ranks may be threads of one process)
+_LAST = threading.local()
+
+
 @dataclass(frozen=True)
 class StepQueries:
     """Each query token of a step: its sequence's row of ``block_tables`` (the decode
@@ -154,6 +160,21 @@ class StepQueries:
     block_tables: torch.Tensor  # [S_d + S_p, max_blocks] int32
     query_seq: torch.Tensor  # [T] int32
     num_visible: torch.Tensor  # [T] int32
+    # [T] int32: the keys its sequence has at the step's end, the width transformers ranks
+    # the query's scores over (a PCP piece's query too: kernels.indexer_topk row_keys)
+    row_keys: torch.Tensor
+
+    @staticmethod
+    def once_a_step(meta: AttentionMetadata, step_token: object, num_tokens: int) -> StepQueries:
+        """``of`` once a step, for every layer: the last one built (on this thread) again
+        while ``meta`` and ``step_token`` (the step's rope tensor, made anew by each
+        forward, a CUDA graph's capture included) are the same objects."""
+        last = getattr(_LAST, "entry", None)
+        if last is not None and last[0] is meta and last[1] is step_token and last[2] == num_tokens:
+            return last[3]
+        step = StepQueries.of(meta, num_tokens)
+        _LAST.entry = (meta, step_token, num_tokens, step)
+        return step
 
     @staticmethod
     def of(meta: AttentionMetadata, num_tokens: int) -> StepQueries:
@@ -175,4 +196,6 @@ class StepQueries:
             tables.append(meta.prefill_block_tables)
         width = max(t.shape[1] for t in tables)
         table = torch.cat([F.pad(t.to(device).int(), (0, width - t.shape[1])) for t in tables])
-        return StepQueries(table, torch.cat(seqs).int(), torch.cat(visible).int())
+        query_seq = torch.cat(seqs)
+        row_keys = meta.seq_ends().to(device)[query_seq]
+        return StepQueries(table, query_seq.int(), torch.cat(visible).int(), row_keys.int())
