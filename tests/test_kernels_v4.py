@@ -294,3 +294,38 @@ def test_v4_engine_through_the_triton_kernels_equals_transformers(tmp_path, mode
     )
     got = engine.generate(prompts, SamplingParams(max_tokens=4))
     assert [o.token_ids for o in got] == reference
+
+
+def test_v4_decode_steps_need_no_host_spans(tmp_path, model_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """A decode-only step is what a CUDA graph replays, whose metadata has no
+    ``seq_spans`` / ``seq_block_tables`` (common/engine/cuda_graphs.py): with both dropped
+    from every decode-only step, the closing windows come from the device alone
+    (dsv4_attention.V4Step) and the tokens are still HF's (CPU, the torch reference)."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from pdserve.common.engine import group_meta
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.model.random import save_random_v4
+    from tests.test_families import hf_greedy, sentence_prompts
+
+    with_seqs = group_meta._with_seqs
+    stripped = []
+
+    def without_spans(metas, plan, rates):  # type: ignore[no-untyped-def]
+        out = with_seqs(metas, plan, rates)
+        if plan.seqs and all(len(s.token_ids) == 1 for s in plan.seqs):
+            stripped.append(len(plan.seqs))
+            return [dataclasses.replace(m, seq_spans=(), seq_block_tables=None) for m in out]
+        return out
+
+    monkeypatch.setattr(group_meta, "_with_seqs", without_spans)
+    model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir)
+    prompts = sentence_prompts(model_dir, (40, 70), 20)
+    reference = hf_greedy(model, prompts, 12)  # decodes across CSA (4) and HCA (16) closes
+    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_memory_gb=0.05, block_size=16))
+    got = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in got] == reference
+    assert stripped and max(stripped) == 2  # both sequences decoded in stripped steps
