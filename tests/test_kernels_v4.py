@@ -168,14 +168,19 @@ def test_write_rows_matches_reference(ops, device: str, gen: torch.Generator) ->
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("size", ["small", "flash"])
 def test_compress_matches_reference(  # type: ignore[no-untyped-def]
-    ops, device: str, gen: torch.Generator, overlap: bool, dtype: torch.dtype
+    ops, device: str, gen: torch.Generator, overlap: bool, dtype: torch.dtype, size: str
 ) -> None:
     d, m, block = 24, 4, 8  # a dim that is not a power of two: the kernel masks it
+    if size == "flash":  # V4-Flash: head_dim 512, CSA windows of 4, HCA of 128 (GPU only)
+        if device == "cpu":
+            pytest.skip("too big for Triton's interpreter")
+        d, m, block = 512, 4 if overlap else 128, 64
     width = 2 * d if overlap else d
     offset = 32
-    rows, rslots, _ = _filled(gen, 60, block, offset + 2 * width, dtype)
     span = 2 * m if overlap else m
+    rows, rslots, _ = _filled(gen, max(60, 5 * span), block, offset + 2 * width, dtype)
     slots = rslots[: 5 * span].reshape(5, span).clone()
     slots[0, : m if overlap else 1] = -1
     ape = torch.randn(m, width, generator=gen).to(dtype)
@@ -211,7 +216,9 @@ CASES = {  # (queries, heads, head_dim, window, entries)
     "sliding": (5, 4, 32, 9, 0),
     "entries": (4, 4, 32, 8, 21),
     "heads20": (3, 20, 16, 5, 7),  # heads over two programs, masked
+    "flash": (6, 64, 512, 128, 512),  # V4-Flash's heads (a TP 1 rank), window and top-k: GPU
 }
+GPU_ONLY = {"flash"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -219,13 +226,16 @@ CASES = {  # (queries, heads, head_dim, window, entries)
 def test_sink_attention_matches_reference(  # type: ignore[no-untyped-def]
     ops, device: str, gen: torch.Generator, case: str, dtype: torch.dtype
 ) -> None:
+    if case in GPU_ONLY and device == "cpu":
+        pytest.skip("too big for Triton's interpreter")
     t, heads, d, w, e = CASES[case]
-    rows, rslots, _ = _filled(gen, 50, 8, d + 8, dtype)
-    win = _masked(rslots[torch.randint(0, 50, (t, w), generator=gen)], gen)
+    n = max(50, w + 10)
+    rows, rslots, _ = _filled(gen, n, 8, d + 8, dtype)
+    win = _masked(rslots[torch.randint(0, n, (t, w), generator=gen)], gen)
     entries, ent = None, None
     if e:
-        entries, eslots, _ = _filled(gen, 40, 4, d, dtype)
-        ent = _masked(eslots[torch.randint(0, 40, (t, e), generator=gen)], gen, 0.4)
+        entries, eslots, _ = _filled(gen, 40 + e, 4, d, dtype)
+        ent = _masked(eslots[torch.randint(0, 40 + e, (t, e), generator=gen)], gen, 0.4)
         ent[0] = -1  # a query that sees no entry
     win[-1] = -1  # and one that sees only its sink: output 0
     q = torch.randn(t, heads, d, generator=gen).to(dtype)
