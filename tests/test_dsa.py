@@ -230,3 +230,29 @@ def test_pcp4_prefill_to_decode_tp_1_and_2(
     from tests.pd_families import pcp4_to_decode_tp_1_and_2
 
     pcp4_to_decode_tp_1_and_2(tmp_path, v32_model, prompts[:2], reference[:2])
+
+
+def test_step_queries_once_a_step() -> None:
+    """Each query's sequence and visible keys (a decode, then a prefill run of 3 tokens at
+    positions 5..7): built once a step for every layer, anew for the next step's (or a
+    CUDA graph capture's) rope tensor."""
+    from pdserve.common.model.attention import AttentionMetadata
+    from pdserve.common.model.dsa import StepQueries
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(4),
+        num_decode_tokens=1,
+        decode_context_lens=torch.tensor([9], dtype=torch.int32),
+        decode_block_tables=torch.tensor([[3]], dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([8], dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
+    )
+    step = StepQueries.of(meta, 4)
+    assert step.query_seq.tolist() == [0, 1, 1, 1]
+    assert step.num_visible.tolist() == [9, 6, 7, 8]
+    assert step.block_tables.tolist() == [[3, 0], [1, 2]]
+    token = torch.zeros(1)
+    first = StepQueries.once_a_step(meta, token, 4)
+    assert StepQueries.once_a_step(meta, token, 4) is first  # the step's next layer
+    assert StepQueries.once_a_step(meta, torch.zeros(1), 4) is not first  # the next step
