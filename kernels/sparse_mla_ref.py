@@ -84,6 +84,7 @@ def sparse_mla_attention(
     if q.shape[0] == 0:
         return q.new_empty((0, q.shape[1], latent_dim))
     rows = gather_selected(cache, latent_dim, rope, block_tables, query_seq, indices, q.dtype)
+    rows = rows.masked_fill((indices < 0)[..., None], 0.0)  # a -1's stand-in row may be NaN
     logits = torch.einsum("thd,tkd->thk", q.float(), rows.float()) * scale  # [T, H, K]
     chosen = (indices >= 0)[:, None, :]
     logits = logits.masked_fill(~chosen, float("-inf"))
