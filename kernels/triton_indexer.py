@@ -83,28 +83,32 @@ def _index_scores_kernel(
     p = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # key positions
     in_row = p < num_keys
     ok = p < nvis
-    h = tl.arange(0, H_PAD)
-    d = tl.arange(0, D)
-    h_ok = h < num_heads
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=h_ok[:, None],
-        other=0.0,
-    ).to(tl.float32)  # [H_PAD, D]
-    w = tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
-    blk = tl.load(tables_ptr + seq * stride_ts + p // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    rows = cache_ptr + blk * stride_cn + (p % BLOCK_SIZE).to(tl.int64) * stride_cb + OFFSET
-    if FP8:
-        raw = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0)  # uint8
-        k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _tile_scales(rows + D, d, ok,
-                                                                              KEY_TILE)  # fmt: skip
+    if kb * BLOCK_K < nvis:  # tiles past the visible keys (a graph's wide tables) skip the dot
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, D)
+        h_ok = h < num_heads
+        q = tl.load(
+            q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=h_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)  # [H_PAD, D]
+        w = tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
+        blk = tl.load(tables_ptr + seq * stride_ts + p // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        rows = cache_ptr + blk * stride_cn + (p % BLOCK_SIZE).to(tl.int64) * stride_cb + OFFSET
+        if FP8:
+            raw = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0)  # uint8
+            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _tile_scales(rows + D, d, ok,
+                                                                                  KEY_TILE)  # fmt: skip
+        else:
+            k = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [H_PAD, BLOCK_K]
+        s = tl.maximum(s, 0.0)
+        index = tl.sum(s * w[:, None], 0)  # [BLOCK_K]
+        index = tl.where(ok, index, float("-inf"))
+        tl.store(out_ptr + t * stride_ot + p, index, mask=in_row)
     else:
-        k = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [H_PAD, BLOCK_K]
-    s = tl.maximum(s, 0.0)
-    index = tl.sum(s * w[:, None], 0)  # [BLOCK_K]
-    index = tl.where(ok, index, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + p, index, mask=in_row)
+        tl.store(out_ptr + t * stride_ot + p, tl.full((BLOCK_K,), float("-inf"), tl.float32),
+                 mask=in_row)  # fmt: skip
 
 
 def index_scores(
