@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from kernel_tools import INTERPRET, device_fixture, gen_fixture  # noqa: F401
 
 from pdserve.kernels import KeyFormat, fp8_ds_mla, fp8_ds_v4, indexer_ref
+from tests.kernel_tools import INTERPRET, device_fixture, gen_fixture  # noqa: F401
 
 BLOCK = 16
 HEADS, DIM = 4, 128
