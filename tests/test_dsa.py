@@ -105,8 +105,7 @@ def test_config_reads_the_indexer_as_transformers_does(v32_model: Path) -> None:
     attn = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
     assert cfg.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
     # one cache row: latent, rope key, indexer key
-    assert cfg.kv_cache_head_dim == 32 + 16 + 32
-    assert cache_head(cfg, "float32") == (80, 1, "float32")
+    assert cache_head(cfg, "float32") == (32 + 16 + 32, 1, "float32")
     fmt = LatentFormat(kv_lora_rank=512, rope_dim=64, dtype="bfloat16", index_dim=128)
     assert [(s.name, s.offset) for s in fmt.sections] == [
         ("latent", 0),
