@@ -214,7 +214,7 @@ def test_disaggregated_through_the_openai_api(
             assert answer["choices"][0]["text"] == expected
         assert_pools_full(dep.url)
         cfg, block = ModelConfig.from_dir(v32_model), dep.cfg.engine.block_size
-        block_bytes = cfg.num_hidden_layers * block * cfg.kv_cache_head_dim * 4
+        block_bytes = cfg.num_hidden_layers * block * cache_head(cfg, "float32")[0] * 4
         blocks = sum(-(-len(i) // block) for i in ids)
         pulled = total(metrics(dep.url), "pdserve:kv_transfer_bytes_total", "decode")
         assert pulled == blocks * block_bytes
