@@ -142,3 +142,33 @@ def test_v32_pcp_prefill_then_decode_equals_transformers(
 
     model = build_v32(tmp_path / "v32", tokenizer_from=model_dir, **case["model"])
     check_pcp_equals_transformers(model, model_dir, case)
+
+
+@pytest.mark.slow
+def test_v4_deployment_pcp2_to_decode_equals_transformers(tmp_path: Path, model_dir: Path) -> None:
+    """The issue's deployment: prefill PCP 2 -> decode over the transfer backend, every
+    prompt through prefill, a V4 of one index head (many equal scores) and a small window,
+    prompts of several hundred tokens: HF's tokens (before the fix: not the 419-token one)."""
+    import asyncio
+
+    from pdserve.common.model.random import save_random_v4
+    from pdserve.services.router.client import AsyncClient
+    from tests.e2e import deployment
+
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir, sliding_window=16,
+                           compress_rates=rates, index_topk=2, index_n_heads=1)  # fmt: skip
+    prompts = sentence_prompts(model_dir, (419, 85), 200)
+    want = hf_greedy(model, prompts, NUM_TOKENS)
+
+    async def serve(front: str) -> list[list[int]]:
+        async with AsyncClient(front, timeout=600) as client:
+            return [
+                (
+                    await client.generate(prompt_token_ids=p, max_tokens=NUM_TOKENS, temperature=0)
+                ).token_ids
+                for p in prompts
+            ]
+
+    with deployment(tmp_path, model, engine={"kv_cache_memory_gb": 0.05}, pcp=2) as dep:
+        assert asyncio.run(serve(dep.cfg.front_address)) == want
