@@ -9,6 +9,7 @@ family of ``cfg.architecture`` (``family_for``) for
   each (common/engine/kv_groups.py cuts them into pages);
 - ``row_kind``: what a cache slot holds, one of ``ROW_KINDS`` (common/engine/
   latent_format.py ``cache_head`` sizes it: the one definition of a row);
+- ``attention_dims``: the q/k and v head widths attention runs at (benchmark floors);
 - ``unsupported_ops``: the ops its kernels lack on a device, by name, with why (the
   loader refuses the model naming them; a family lists none once its kernels run there);
 - ``shard_state``: a TP rank's cut of the checkpoint's tensors;
@@ -75,6 +76,8 @@ class ModelFamily(Protocol):
 
     def row_kind(self, cfg: ModelConfig) -> str: ...
 
+    def attention_dims(self, cfg: ModelConfig) -> tuple[int, int]: ...
+
     def unsupported_ops(self, cfg: ModelConfig, device_type: str) -> dict[str, str]: ...
 
     def shard_state(
@@ -99,6 +102,13 @@ def cache_kinds(cfg: ModelConfig) -> list[CacheKind]:
 
 def row_kind(cfg: ModelConfig) -> str:
     return "latent" if cfg.kv_lora_rank > 0 else "kv"
+
+
+def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(q/k head, v head) of QK^T and PV (MLA prefill expands the latent to these)."""
+    if cfg.kv_lora_rank > 0:
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.head_dim, cfg.head_dim
 
 
 def unsupported_ops(cfg: ModelConfig, device_type: str) -> dict[str, str]:
@@ -133,6 +143,7 @@ def mla_unsupported(cfg: ModelConfig, device_type: str) -> dict[str, str]:
 _DEFAULTS = {
     "cache_kinds": cache_kinds,
     "row_kind": row_kind,
+    "attention_dims": attention_dims,
     "unsupported_ops": unsupported_ops,
     "shard_state": shard_state,
 }
