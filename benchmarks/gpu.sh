@@ -86,7 +86,8 @@ ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype
 
 suite_tests() {
     timeout 450 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_pointwise.py \
-        tests/test_kernels_fp8.py \
+        tests/test_kernels_fp8.py tests/test_kernels_v4.py tests/test_dsv4_gpu.py \
+        tests/test_kernels_dsa.py tests/test_dsv32_gpu.py \
         tests/test_fp8_kv.py tests/test_gpu_serving.py \
         -p no:cacheprovider --durations=10 > "$OUT/gpu_tests.txt" 2>&1
     local rc=$?; tail -12 "$OUT/gpu_tests.txt"; return $rc

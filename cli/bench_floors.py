@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.common.model.family_api import family_for
+
 if TYPE_CHECKING:
     import torch
 
@@ -94,11 +96,8 @@ def measure(engine: LLMEngine) -> Ceilings:
     embed = cfg.vocab_size * cfg.hidden_size
     matrices = sum(p.numel() for p in params if p.dim() == 2)
     linear = matrices - embed * (1 if cfg.tie_word_embeddings else 2)  # less lookup and LM head
-    # QK^T over the q/k head, PV over the v head (MLA prefill expands the latent to these)
-    if cfg.is_mla:
-        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    else:
-        qk_dim = v_dim = cfg.head_dim
+    # QK^T over the q/k head, PV over the v head (the family's: MLA expands its latent)
+    qk_dim, v_dim = family_for(cfg).attention_dims(cfg)
     experts = [
         (t.numel() * t.element_size(), t.shape[0])
         for name, t in runner.model.named_parameters()

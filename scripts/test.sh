@@ -3,9 +3,10 @@
 # arguments go to both pytest runs.
 #
 #   gates: ruff check, ruff format --check (the repo), mypy (common/ and services/)
-#   lanes: the fast lane (not gpu, not slow) first, then the slow one (processes, the
-#          real model), each on pytest-xdist workers; GPU tests run on a CUDA machine
-#          (benchmarks/gpu.sh tests).
+#   lanes: the fast lane (not gpu, not slow) first, then the interp lane (every Triton
+#          kernel test, marked interp, on CPU through Triton's interpreter:
+#          TRITON_INTERPRET=1), then the slow one (processes, the real model), each on
+#          pytest-xdist workers; GPU tests run on a CUDA machine (benchmarks/gpu.sh tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -27,4 +28,7 @@ lane() {  # exit code 5: the lane selected no tests (e.g. a -k that matches only
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 }
 echo "== fast lane" && lane "not gpu and not slow" "$fast_workers" "$@"
+# TRITON_INTERPRET must be set before triton is imported: the lane is a process of its own.
+# Its tests skip without triton (importorskip), so its absence fails here instead.
+echo "== interp lane" && "$python" -c "import triton" && TRITON_INTERPRET=1 lane "interp" "$fast_workers" "$@"
 echo "== slow lane" && lane "slow and not gpu" "$slow_workers" "$@"

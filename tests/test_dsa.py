@@ -9,7 +9,9 @@ give other tokens: checked). 16 indexer heads: with few heads a key's score is o
 0 (every head's ReLU zero) and ties would decide the selection.
 
 Our engine caches one row per token and layer, latent ++ rope key ++ indexer key
-(common/engine/latent_format.py), and attends in torch (common/model/dsa.py). Greedy output
+(common/engine/latent_format.py), and attends through kernels.indexer_topk and
+kernels.sparse_mla_attention (common/model/dsa.py; their torch references on CPU;
+tests/test_dsv32_gpu.py runs the Triton kernels on CUDA). Greedy output
 must equal HF ``generate``'s monolithic, in chunks that straddle blocks, under preemption,
 from a prefix-cache hit, and (slow) disaggregated at TP 1 and with a PCP 2 prefill.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -102,8 +105,7 @@ def test_config_reads_the_indexer_as_transformers_does(v32_model: Path) -> None:
     attn = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
     assert cfg.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
     # one cache row: latent, rope key, indexer key
-    assert cfg.kv_cache_head_dim == 32 + 16 + 32
-    assert cache_head(cfg, "float32") == (80, 1, "float32")
+    assert cache_head(cfg, "float32") == (32 + 16 + 32, 1, "float32")
     fmt = LatentFormat(kv_lora_rank=512, rope_dim=64, dtype="bfloat16", index_dim=128)
     assert [(s.name, s.offset) for s in fmt.sections] == [
         ("latent", 0),
@@ -117,8 +119,10 @@ def test_what_is_not_implemented_is_refused_by_name(v32_model: Path) -> None:
     from pdserve.common.engine.model_loader import check_device_supports
 
     cfg = ModelConfig.from_dir(v32_model)
-    with pytest.raises(ModelLoadError, match="indexer's top-k.*--device cpu"):
-        check_device_supports(cfg, torch.device("cuda"))
+    check_device_supports(cfg, torch.device("cuda"))  # the Triton kernels run it
+    odd = msgspec.structs.replace(cfg, index_head_dim=24)
+    with pytest.raises(ModelLoadError, match="index_head_dim to be a power of two.* 24"):
+        check_device_supports(odd, torch.device("cuda"))
     # fp8 (tests/test_fp8_dsa.py) tiles the latent and the key by 128; this model's are 32
     with pytest.raises(ValueError, match="index_head_dim to be a multiple of 128.* is 32"):
         cache_head(cfg, "bfloat16", "float8_e4m3fn")
@@ -210,7 +214,7 @@ def test_disaggregated_through_the_openai_api(
             assert answer["choices"][0]["text"] == expected
         assert_pools_full(dep.url)
         cfg, block = ModelConfig.from_dir(v32_model), dep.cfg.engine.block_size
-        block_bytes = cfg.num_hidden_layers * block * cfg.kv_cache_head_dim * 4
+        block_bytes = cfg.num_hidden_layers * block * cache_head(cfg, "float32")[0] * 4
         blocks = sum(-(-len(i) // block) for i in ids)
         pulled = total(metrics(dep.url), "pdserve:kv_transfer_bytes_total", "decode")
         assert pulled == blocks * block_bytes
@@ -225,3 +229,29 @@ def test_pcp4_prefill_to_decode_tp_1_and_2(
     from tests.pd_families import pcp4_to_decode_tp_1_and_2
 
     pcp4_to_decode_tp_1_and_2(tmp_path, v32_model, prompts[:2], reference[:2])
+
+
+def test_step_queries_once_a_step() -> None:
+    """Each query's sequence and visible keys (a decode, then a prefill run of 3 tokens at
+    positions 5..7): built once a step for every layer, anew for the next step's (or a
+    CUDA graph capture's) rope tensor."""
+    from pdserve.common.model.attention import AttentionMetadata
+    from pdserve.common.model.dsa import StepQueries
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(4),
+        num_decode_tokens=1,
+        decode_context_lens=torch.tensor([9], dtype=torch.int32),
+        decode_block_tables=torch.tensor([[3]], dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([8], dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
+    )
+    step = StepQueries.of(meta, 4)
+    assert step.query_seq.tolist() == [0, 1, 1, 1]
+    assert step.num_visible.tolist() == [9, 6, 7, 8]
+    assert step.block_tables.tolist() == [[3, 0], [1, 2]]
+    token = torch.zeros(1)
+    first = StepQueries.once_a_step(meta, token, 4)
+    assert StepQueries.once_a_step(meta, token, 4) is first  # the step's next layer
+    assert StepQueries.once_a_step(meta, torch.zeros(1), 4) is not first  # the next step

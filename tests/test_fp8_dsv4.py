@@ -118,11 +118,13 @@ def test_rows_and_entries_pack_and_unpack() -> None:
         fp8_ds_v4.pack_entries(entries, 128, 64, width=300)
 
 
-def _runner(path: Path, kv_cache_dtype: str | None, dtype: str = "float32") -> ModelRunner:
+def _runner(
+    path: Path, kv_cache_dtype: str | None, dtype: str = "float32", device: str = "cpu"
+) -> ModelRunner:
     return ModelRunner(
         ModelConfig.from_dir(path),
         path,
-        device="cpu",
+        device=device,
         dtype=dtype,
         block_size=BLOCK,
         num_blocks=240,

@@ -124,10 +124,10 @@ def test_config_reads_mla_as_transformers_does(mla_checkpoints: dict[str, Path])
         hf = transformers.AutoConfig.from_pretrained(path)
         assert cfg.is_mla and cfg.num_key_value_heads == 1, name
         assert cfg.head_dim == hf.qk_rope_head_dim == cfg.qk_rope_head_dim
-        assert cfg.kv_cache_head_dim == hf.kv_lora_rank + hf.qk_rope_head_dim
+        # one cache row a token: the latent and its rope part, K and V at once
+        assert cache_head(cfg, "float32") == (hf.kv_lora_rank + hf.qk_rope_head_dim, 1, "float32")
         assert cfg.q_lora_rank == hf.q_lora_rank
         assert cfg.rope_interleave == (name != "v3-no-q-lora")
-        assert cfg.num_kv_parts == 1
         attn = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
         assert cfg.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
     yarn = ModelConfig.from_dir(mla_checkpoints["v3-yarn"])

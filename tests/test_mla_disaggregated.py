@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.model.config import ModelConfig
 from pdserve.services.router.client import Result
 from tests.test_families import hf_greedy
@@ -137,7 +138,7 @@ def test_tp1_prefill_to_decode_tp2_reads_the_whole_latent_per_rank(
         assert snap["pdserve:kv_replica_releases_total{service=prefill,instance=0,rank=0}"] == 2
         # each of the 2 decode ranks reads every block's latent rows (fp32, all layers)
         cfg, block = ModelConfig.from_dir(mla_model), dep.cfg.engine.block_size
-        block_bytes = cfg.num_hidden_layers * block * cfg.kv_cache_head_dim * 4
+        block_bytes = cfg.num_hidden_layers * block * cache_head(cfg, "float32")[0] * 4
         blocks = sum(-(-r.usage.prompt_tokens // block) for r in results)
         assert total(snap, "pdserve:kv_transfer_bytes_total", "decode") == 2 * blocks * block_bytes
         assert_pools_full(dep.url)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.family_api import family_for
 
 # A table entry whose block left the sliding window and went back to the pool.
 NULL_BLOCK = -1
@@ -88,16 +89,16 @@ def page_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
 
 
 def cache_groups(cfg: ModelConfig) -> list[KVCacheGroup]:
-    """The KV cache groups of a model: by window (``page_groups``), or DeepSeek-V4's window
-    of every layer plus its compressed entries (common/model/dsv4_config.py)."""
-    if cfg.v4 is not None:
-        return pages_of(
-            [
-                KVCacheGroup(layers=layers, sliding_window=window, rate=rate)
-                for layers, window, rate in cfg.v4.cache_kinds(cfg.sliding_window or 128)
-            ]
-        )
-    return page_groups(cfg.layer_windows)
+    """The KV cache groups of a model: the kinds its family names (common/model/
+    family_api.py ``cache_kinds``: by window, or DeepSeek-V4's window of every layer plus
+    its compressed entries), cut into pages."""
+    kinds = family_for(cfg).cache_kinds(cfg)
+    return pages_of(
+        [
+            KVCacheGroup(layers=layers, sliding_window=window, rate=rate)
+            for layers, window, rate in kinds
+        ]
+    )
 
 
 def pages_of(kinds: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:

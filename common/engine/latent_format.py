@@ -31,6 +31,7 @@ import msgspec
 from pdserve.common.engine.kv_layout import DTYPE_SIZES
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsv4_config import CSA
+from pdserve.common.model.family_api import family_for
 
 KINDS = ("auto", "fp8_ds_mla")
 FP8_DTYPE = "float8_e4m3fn"  # EngineConfig's name for --kv-cache-dtype fp8
@@ -145,14 +146,18 @@ def cache_head(
 ) -> tuple[int, int, str]:
     """(head_dim, num_kv_parts, dtype) of ``KVLayout`` for a model whose KV cache stores
     ``kv_cache_dtype`` (None: the model's ``dtype``): its K/V heads, or for MLA one latent
-    row per token in ``LatentFormat`` (V3.2: with the indexer's key)."""
-    if cfg.v4 is not None:  # one row per token and layer (common/model/dsv4_config.py)
+    row per token in ``LatentFormat`` (V3.2: with the indexer's key), or DeepSeek-V4's row;
+    which of them the family says (common/model/family_api.py ``row_kind``). The one
+    definition of a cache slot's width."""
+    kind = family_for(cfg).row_kind(cfg)
+    if kind == "v4":  # one row per token and layer (common/model/dsv4_config.py)
+        assert cfg.v4 is not None
         if kv_cache_dtype in (None, dtype):
             return cfg.v4.row_width(cfg.head_dim), 1, dtype
         if kv_cache_dtype != FP8_DTYPE:
             raise ValueError(f"a DeepSeek-V4 cache stores {dtype} or fp8, not {kv_cache_dtype}")
         return v4_fp8_row_bytes(cfg, dtype), 1, "uint8"
-    if not cfg.is_mla:
+    if kind == "kv":
         return cfg.head_dim, 2, kv_cache_dtype or dtype
     fmt = latent_format(cfg, dtype, kv_cache_dtype)
     return fmt.elements, 1, fmt.storage_dtype

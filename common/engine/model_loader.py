@@ -11,8 +11,8 @@ import torch
 from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.decoder import CausalLM, shard_state_dict
-from pdserve.common.model.dsv4_tp import shard_v4_state
+from pdserve.common.model.decoder import CausalLM
+from pdserve.common.model.family_api import family_for
 from pdserve.common.model.meta import meta_modules
 from pdserve.common.model.moe import fuse_expert_weights
 from pdserve.common.model.mtp import read_weights
@@ -24,32 +24,13 @@ FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
 def check_device_supports(cfg: ModelConfig, device: torch.device) -> None:
-    """Refuse, before any weight is read, a model the device's kernels cannot run: on CUDA
-    the Triton MLA decode tiles the latent and its rope part in powers of two of 16 or more;
-    DeepSeek-V3.2's sparse attention has no CUDA kernels (its torch reference loops over
-    sequences on the host, which CUDA graphs cannot capture)."""
-    if device.type == "cuda" and cfg.v4 is not None:
+    """Refuse, before any weight is read, a model whose family names ops its kernels lack
+    on the device (common/model/family_api.py ``unsupported_ops``), each by name and why."""
+    missing = family_for(cfg).unsupported_ops(cfg, device.type)
+    if missing:
+        ops = "; ".join(f"{op}: {why}" for op, why in missing.items())
         raise ModelLoadError(
-            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the "
-            "compressors, the lightning indexer's top-k and attention over window + entries "
-            "with sinks (common/model/dsv4_attention.py is the CPU reference); run it with "
-            "--device cpu"
-        )
-    if device.type != "cuda" or not cfg.is_mla:
-        return
-    if cfg.is_indexed:
-        raise ModelLoadError(
-            f"{cfg.model_type} on CUDA needs kernels pdserve does not have yet: the lightning "
-            "indexer's top-k and MLA attention over the selected tokens (common/model/dsa.py "
-            "is the CPU reference); run it with --device cpu"
-        )
-    from pdserve.kernels.triton_mla import untileable_sizes  # CUDA machines have Triton
-
-    bad = untileable_sizes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    if bad:
-        raise ModelLoadError(
-            "the CUDA MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
-            f">= 16; this model has {', '.join(f'{k} {v}' for k, v in bad.items())} "
+            f"{cfg.model_type} on {device.type} needs ops pdserve lacks there: {ops} "
             "(it runs with --device cpu)"
         )
 
@@ -79,8 +60,8 @@ def load_model(
         state.pop("lm_head.weight", None)
     if cfg.moe is not None:  # per-expert tensors -> this rank's experts, stacked
         state = fuse_expert_weights(state, cfg.moe, par.tp_size, par.tp_rank)
-    if cfg.v4 is not None:  # its own TP cut, this rank's experts only (before the key check)
-        state = shard_v4_state(state, cfg, par.tp_size, par.tp_rank)
+    # this rank's TP cut, the family's (DeepSeek-V4: its own, this rank's experts only)
+    state = family_for(cfg).shard_state(state, cfg, par.tp_size, par.tp_rank)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -90,8 +71,6 @@ def load_model(
             f"weights in {model_dir} do not match the config: missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}"
         )
-    if cfg.v4 is None:
-        state = shard_state_dict(state, cfg, par.tp_size, par.tp_rank)
     model.load_state_dict(
         {
             # integer tables (DeepSeek-V4's tid2eid) keep their dtype

@@ -151,6 +151,10 @@ class ModelRunner:
             or kernels.backend_name(self.device) != "triton"
         ):
             return
+        refused = getattr(self.model, "cuda_graphs_refused", None)
+        if refused:  # a model whose decode step no graph can capture yet says why
+            log.info("cuda graphs off", model=self.cfg.model_type, reason=refused)
+            return
         max_blocks = min(self.layout.num_blocks, -(-self._max_model_len // self.layout.block_size))
         self.graphs = DecodeGraphs(
             self.model,
@@ -312,6 +316,7 @@ class ModelRunner:
         positions: list[int] = []
         logits_indices: list[int] = []
         pieces: list[tuple[int, int, list[int]]] = []  # (num queries, context len, blocks)
+        seq_ends: list[int] = []  # each piece's sequence's context end
         slots_of_rank: list[list[int]] = [[] for _ in range(par.pcp_size)]
         for seq in plan.seqs:
             n = len(seq.token_ids)
@@ -330,6 +335,7 @@ class ModelRunner:
                     tokens += seq.token_ids[a:b]
                     positions += span
                     pieces.append((b - a, seq.start_position + b, seq.block_ids))
+                    seq_ends.append(seq.context_len)
                     if seq.sample and b == n:
                         logits_indices.append(len(tokens) - 1)
         pad_to = max(len(s) for s in slots_of_rank)
@@ -354,6 +360,7 @@ class ModelRunner:
             ).reshape(len(pieces), width),
             prefill_max_q_len=max((num for num, _, _ in pieces), default=0),
             kv_gather=lambda kv: par.gather_padded(kv, num_own, pad_to),
+            prefill_seq_ends=torch.tensor(seq_ends, dtype=torch.int32, device=dev),
             k_scale=self.layout.k_scale,
             v_scale=self.layout.v_scale,
         )

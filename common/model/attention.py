@@ -43,6 +43,17 @@ class AttentionMetadata:
     # per-sequence state beyond a window is updated from them on every rank).
     seq_spans: tuple[tuple[int, int], ...] = ()
     seq_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
+    # PCP: the context end of the sequence each prefill run is a piece of (its context
+    # length stops at the piece's end); what a query's lightning indexer ranks over
+    # (kernels.indexer_topk row_keys). None: prefill_context_lens (a run is a sequence).
+    prefill_seq_ends: torch.Tensor | None = None  # [S_p] int32
+
+    def seq_ends(self) -> torch.Tensor:
+        """[S_d + S_p]: the context end, at this step's end, of the sequence each decode
+        row and prefill run belongs to (rows of cat(decode, prefill) block tables)."""
+        pre = self.prefill_context_lens if self.prefill_seq_ends is None else self.prefill_seq_ends
+        dec = self.decode_context_lens[: self.num_decode_tokens]
+        return torch.cat((dec.to(pre.device).long(), pre.long()))
 
     def of_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.groups[group - 1]

@@ -91,20 +91,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.index_topk > 0
 
     @property
-    def kv_cache_head_dim(self) -> int:
-        """Elements of one KV head of one token in the cache: head_dim, or for MLA the
-        latent plus its rope part (kv_lora_rank + qk_rope_head_dim) plus, V3.2, the
-        indexer's key (index_head_dim)."""
-        if not self.is_mla:
-            return self.head_dim
-        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
-
-    @property
-    def num_kv_parts(self) -> int:
-        """2 (K and V) per KV head per token, 1 for MLA (the latent serves as both)."""
-        return 1 if self.is_mla else 2
-
-    @property
     def softmax_scale(self) -> float:
         """Attention's softmax scale; for MLA over the q/k head (nope + rope), times
         yarn's mscale(factor, mscale_all_dim) squared as transformers' DeepSeek applies it."""

@@ -13,21 +13,28 @@ highest scores, all of them while there are fewer. Its rope is the non-interleav
 the first ``qk_rope_head_dim`` values of each head (the MLA's is interleaved).
 
 The cache row of a token is the MLA latent, its rope key, then the indexer's key
-(common/engine/latent_format.py: ``index_dim``), written with every new token, gathered
-from every PCP rank first like the latent; with ``--kv-cache-dtype fp8`` that row is stored
-as its fp8_ds_mla record followed by the key's fp8 form (kernels/fp8_ds_mla.py
-``quantize_indexed``), quantized on write and dequantized as the rows are read.
-Attention runs here in torch, one sequence (or PCP piece) at a time: its context rows
-gathered, the indexer's selection made a mask, the latent expanded into per-head K/V by
-``kv_b_proj`` and SDPA under causal & selected, as transformers computes it. Decode takes the same path (a query of one token). It is the
-reference: no Triton kernel of the indexer or of sparse MLA exists yet, and CUDA refuses the
-model (common/engine/model_loader.py).
+(common/engine/latent_format.py: ``index_dim``), written with every new token
+(``kernels.write_cache_rows``), gathered from every PCP rank first like the latent; with
+``--kv-cache-dtype fp8`` that row is stored as its fp8_ds_mla record followed by the key's
+fp8 form (kernels/fp8_ds_mla.py ``quantize_indexed``), quantized (in torch) on write and
+dequantized by the kernels as they read it.
+
+Attention is two batched ops over the whole step, no loop over sequences and no host read
+(``StepQueries``: each query's sequence and visible positions from the metadata by tensor
+ops, so CUDA graphs capture a decode step): ``kernels.indexer_topk`` picks each query's
+``index_topk`` keys (kernels/indexer_ref.py on CPU, kernels/triton_indexer.py on CUDA), then
+``kernels.sparse_mla_attention`` attends them in the absorbed form of MLA decode (q_nope
+through ``W_UK`` into latent space with q_rope; the latent rows as values, out through
+``W_UV``), prefill and decode alike (kernels/sparse_mla_ref.py, triton_sparse_mla.py).
 
 Tensor parallel: the MLA heads split as in common/model/mla.py; the indexer is replicated,
 so every rank selects the same keys.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,9 +44,8 @@ from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.mla import MLAAttention
-from pdserve.common.model.mla_prefill import gather_rows
 from pdserve.common.parallel.context import ParallelContext
-from pdserve.kernels import fp8_ds_mla
+from pdserve.kernels import KeyFormat, fp8_ds_mla
 
 INDEX_NORM_EPS = 1e-6  # transformers' k_norm: LayerNorm(index_head_dim, eps=1e-6)
 
@@ -73,22 +79,6 @@ class Indexer(nn.Module):
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
         return q, k, weights
 
-    def select(
-        self,
-        q: torch.Tensor,  # [n, H_i, D_i]: the queries of one sequence, positions ctx - n ..
-        weights: torch.Tensor,  # [n, H_i] float32
-        keys: torch.Tensor,  # [ctx, D_i]: every cached key of the sequence
-        visible: torch.Tensor,  # [n, ctx] bool: causal
-    ) -> torch.Tensor:  # [n, ctx] bool: the keys each query attends
-        # op for op transformers' (fp32 matmuls of [n, H, D] x [D, ctx], then the weighted
-        # sum over heads as [n, 1, H] x [n, H, ctx]): near-equal scores order the same
-        scores = torch.matmul(q.float(), keys.float().t()) * self.head_dim**-0.5  # [n, H, ctx]
-        index = torch.matmul(weights[:, None, :], F.relu(scores))[:, 0]  # [n, ctx]
-        index = index.masked_fill(~visible, float("-inf"))
-        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
-        return chosen & visible
-
 
 class IndexedMLAAttention(MLAAttention):
     """MLA (its projections and TP split) with a lightning indexer choosing the keys."""
@@ -119,70 +109,93 @@ class IndexedMLAAttention(MLAAttention):
         if fp8_ds_mla.is_ds_mla(layer_cache.dtype):  # each rank quantizes the same rows
             cuts = [self.latent, self.rope, self.indexer.head_dim]
             row = fp8_ds_mla.quantize_indexed(*row.split(cuts, dim=-1))
-        write_rows(layer_cache, row, meta.slot_mapping)
-        q = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + rope]
-        out = torch.empty((num_tokens, self.num_heads, self.v_dim), dtype=x.dtype, device=x.device)
-        for lo, hi, ctx, table in sequences(meta):
-            rows = self._context_rows(layer_cache, table, ctx, q.dtype)
-            positions = torch.arange(ctx - (hi - lo), ctx, device=x.device)
-            visible = torch.arange(ctx, device=x.device)[None, :] <= positions[:, None]
-            chosen = self.indexer.select(
-                index_q[lo:hi], weights[lo:hi], rows[:, self.latent + self.rope :], visible
-            )
-            out[lo:hi] = self._attend(q[lo:hi], rows[:, : self.latent + self.rope], chosen)
+        cache = layer_cache[:, 0, 0]  # [N, B, row]
+        kernels.write_cache_rows(cache, row, meta.slot_mapping)
+        if num_tokens == 0:  # a PCP rank with no piece of this step still joined the gather
+            return self._project_out(x.new_zeros((0, self.num_heads * self.v_dim)))
+        step = StepQueries.once_a_step(meta, rope[0], num_tokens)
+        fmt = KeyFormat.v32(
+            self.latent,
+            self.rope,
+            self.indexer.head_dim,
+            fp8=fp8_ds_mla.is_ds_mla(layer_cache.dtype),
+        )
+        chosen = kernels.indexer_topk(
+            index_q,
+            weights,
+            cache,
+            fmt,
+            step.block_tables,
+            step.query_seq,
+            step.num_visible,
+            self.indexer.topk,
+            step.row_keys,
+        )  # [T, topk]
+        w_uk, w_uv = self._absorbed()
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, latent]
+        out = kernels.sparse_mla_attention(
+            torch.cat((q_latent, q_rope), dim=-1),
+            cache,
+            self.latent,
+            step.block_tables,
+            step.query_seq,
+            chosen,
+            self.scale,
+        )  # [T, H, latent]
+        out = torch.einsum("thl,hvl->thv", out, w_uv)
         return self._project_out(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _context_rows(
-        self, layer_cache: torch.Tensor, table: torch.Tensor, ctx: int, dtype: torch.dtype
-    ) -> torch.Tensor:  # [ctx, latent + rope + index] in dtype
-        """The cached rows of positions 0 .. ctx - 1; fp8 ones dequantized."""
-        if not fp8_ds_mla.is_ds_mla(layer_cache.dtype):
-            return gather_rows(layer_cache, table[None], [ctx], self.latent, dtype)
-        size = layer_cache.shape[3]
-        pos = torch.arange(ctx, device=layer_cache.device)
-        raw = layer_cache[table.to(pos.device)[pos // size].long(), 0, 0, pos % size]
-        return fp8_ds_mla.dequantize_indexed(raw, self.latent, self.indexer.head_dim, dtype)
 
-    def _attend(
-        self,
-        q: torch.Tensor,  # [n, H, nope + rope]
-        rows: torch.Tensor,  # [ctx, latent + rope]
-        chosen: torch.Tensor,  # [n, ctx] bool
-    ) -> torch.Tensor:  # [n, H, v]
-        kv = self.kv_b_proj(rows[:, : self.latent]).view(-1, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rope = rows[:, None, self.latent :].expand(-1, self.num_heads, -1)
-        k = torch.cat((k_nope, k_rope), dim=-1)  # [ctx, H, nope + rope]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=chosen[None, None],
-            scale=self.scale,
-        )  # [1, H, n, v]
-        return o[0].transpose(0, 1)
+# the last StepQueries built on each thread (PCP ranks may be threads of one process)
+_LAST = threading.local()
 
 
-def write_rows(
-    layer_cache: torch.Tensor,  # [N, 1, 1, B, D]
-    rows: torch.Tensor,  # [T, D]
-    slot_mapping: torch.Tensor,  # [T] int64, block_id * B + offset; negative: padding
-) -> None:
-    block_size = layer_cache.shape[3]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    layer_cache[slots // block_size, 0, 0, slots % block_size] = rows[keep].to(layer_cache.dtype)
+@dataclass(frozen=True)
+class StepQueries:
+    """Each query token of a step: its sequence's row of ``block_tables`` (the decode
+    sequences', then the prefill sequences' or PCP pieces') and how many positions it sees
+    (its own, plus one). Built from the metadata by tensor ops alone: no host read, no loop
+    over sequences (a CUDA graph captures it)."""
 
+    block_tables: torch.Tensor  # [S_d + S_p, max_blocks] int32
+    query_seq: torch.Tensor  # [T] int32
+    num_visible: torch.Tensor  # [T] int32
+    # [T] int32: the keys its sequence has at the step's end, the width transformers ranks
+    # the query's scores over (a PCP piece's query too: kernels.indexer_topk row_keys)
+    row_keys: torch.Tensor
 
-def sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
-    """(first row, end row, context length, block table) of each sequence (or PCP piece) of
-    the step: its queries are rows lo .. hi - 1 of the batch, the last of its ctx positions."""
-    out = []
-    nd = meta.num_decode_tokens
-    for s, ctx in enumerate(meta.decode_context_lens[:nd].tolist()):
-        out.append((s, s + 1, ctx, meta.decode_block_tables[s]))
-    starts = meta.prefill_cu_seqlens_q.tolist()
-    for s, ctx in enumerate(meta.prefill_context_lens.tolist()):
-        if starts[s + 1] > starts[s]:
-            out.append((nd + starts[s], nd + starts[s + 1], ctx, meta.prefill_block_tables[s]))
-    return out
+    @staticmethod
+    def once_a_step(meta: AttentionMetadata, step_token: object, num_tokens: int) -> StepQueries:
+        """``of`` once a step, for every layer: the last one built (on this thread) again
+        while ``meta`` and ``step_token`` (the step's rope tensor, made anew by each
+        forward, a CUDA graph's capture included) are the same objects."""
+        last = getattr(_LAST, "entry", None)
+        if last is not None and last[0] is meta and last[1] is step_token and last[2] == num_tokens:
+            return last[3]
+        step = StepQueries.of(meta, num_tokens)
+        _LAST.entry = (meta, step_token, num_tokens, step)
+        return step
+
+    @staticmethod
+    def of(meta: AttentionMetadata, num_tokens: int) -> StepQueries:
+        nd = meta.num_decode_tokens
+        device = meta.slot_mapping.device
+        seqs, visible, tables = [], [], []
+        if nd:
+            seqs.append(torch.arange(nd, device=device))
+            visible.append(meta.decode_context_lens[:nd].long())
+            tables.append(meta.decode_block_tables[:nd])
+        if num_tokens > nd:
+            cu = meta.prefill_cu_seqlens_q.to(device).long()  # [S_p + 1]
+            j = torch.arange(num_tokens - nd, device=device)
+            seq = torch.searchsorted(cu[1:], j, right=True)  # the run holding token j
+            q_len = cu[seq + 1] - cu[seq]
+            ctx = meta.prefill_context_lens.to(device).long()[seq]
+            seqs.append(seq + nd)
+            visible.append(ctx - q_len + (j - cu[seq]) + 1)
+            tables.append(meta.prefill_block_tables)
+        width = max(t.shape[1] for t in tables)
+        table = torch.cat([F.pad(t.to(device).int(), (0, width - t.shape[1])) for t in tables])
+        query_seq = torch.cat(seqs)
+        row_keys = meta.seq_ends().to(device)[query_seq]
+        return StepQueries(table, query_seq.int(), torch.cat(visible).int(), row_keys.int())

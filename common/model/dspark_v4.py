@@ -45,6 +45,7 @@ from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.dsv4 import Expert, Gate, hyper_weights
 from pdserve.common.model.dsv4_attention import RMSNorm, Rope, rms
 from pdserve.common.model.dsv4_config import V4Config
+from pdserve.kernels import v4_ops
 
 KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids")
 _STAGE = re.compile(r"^mtp\.(\d+)\.")
@@ -96,16 +97,21 @@ class DraftAttention(nn.Module):
         q = rms(self.wq_b(self.q_norm(self.wq_a(x))).view(rows, self.num_heads, d), self.eps)
         q = Rope.apply(q, *cos_sin)
         kv = self.rows(x, cos_sin)  # [S * B, D]
+        # every row sees its sequence's context rows and its whole block: one call of V4's
+        # attention op over the rows laid out as a cache of one-row blocks
         size = rows // len(context)
-        out = torch.empty_like(q)
-        for i, ctx in enumerate(context):  # contexts differ in length: one sequence a call
-            blk = slice(i * size, (i + 1) * size)
-            keys = torch.cat([ctx.to(kv.dtype), kv[blk]])  # [n + B, D]: every row sees all
-            logits = torch.matmul(q[blk].transpose(0, 1), keys.t()) * d**-0.5  # [H, B, n + B]
-            sinks = self.attn_sink.reshape(-1, 1, 1).expand(-1, size, 1).to(logits.dtype)
-            logits = torch.cat((logits, sinks), dim=-1)
-            probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)
-            out[blk] = torch.matmul(probs[..., :-1].to(kv.dtype), keys).transpose(0, 1)
+        lens = [c.shape[0] for c in context]  # host: the tensors' shapes
+        keys = torch.cat([c.to(kv.dtype) for c in context] + [kv])  # [sum n + S * B, D]
+        longest = max(lens, default=0)
+        starts = torch.tensor([0, *lens]).cumsum(0)
+        slots = torch.arange(longest)[None, :] + starts[:-1, None]  # [S, longest]
+        slots = torch.where(torch.arange(longest)[None, :] < torch.tensor(lens)[:, None], slots, -1)
+        own = starts[-1] + torch.arange(rows).view(len(context), size)  # [S, B]
+        slots = torch.cat((slots, own), dim=1).repeat_interleave(size, dim=0)  # [S * B, K]
+        out = v4_ops.sink_attention(
+            q, keys[:, None, None, None, :], slots.to(q.device), None, None, self.attn_sink,
+            d**-0.5,
+        )  # fmt: skip
         out = Rope.apply(out, cos_sin[0], -cos_sin[1])  # the values' rotation undone
         grouped = out.reshape(rows, self.groups, -1).transpose(0, 1)  # [g, S * B, in]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, rms
+from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step, rms
 from pdserve.common.model.dsv4_config import HASH_MOE, SLIDING, V4Config
 from pdserve.common.model.moe_config import local_experts
 from pdserve.common.parallel.context import ParallelContext
@@ -172,10 +172,11 @@ class V4Layer(nn.Module):
         caches: tuple[
             torch.Tensor, AttentionMetadata, torch.Tensor | None, AttentionMetadata | None
         ],
+        step: V4Step,
     ) -> torch.Tensor:  # [T, n, hidden]
         dtype = streams.dtype
         post, comb, collapsed = self._mix("attn", streams)
-        out = self.attn(self.attn_norm(collapsed), rope, cos_sin, *caches)
+        out = self.attn(self.attn_norm(collapsed), rope, cos_sin, *caches, step=step)
         streams = post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
             comb.to(dtype).transpose(-1, -2), streams
         )
@@ -224,6 +225,12 @@ class DeepseekV4Model(nn.Module):
         self.hidden_layers: tuple[int, ...] | None = None
         self.hidden: torch.Tensor | None = None  # [S, L * hidden]: the logits rows'
         self.hidden_rows: torch.Tensor | None = None  # [T, L * hidden]: every token's
+        # common/engine/model_runner.py captures no decode graph of a model that says why.
+        # The attention's decode step is graph-safe (dsv4_attention.V4Step: device work of
+        # static shapes); the MoE's routing reads the chosen experts on the host (V4MoE)
+        self.cuda_graphs_refused = (
+            "deepseek_v4's MoE reads its chosen experts on the host (dsv4.py V4MoE.forward)"
+        )
 
     def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:
         """Each layer's slot of its per-token rows (groups of 1 token a slot) and of its
@@ -252,6 +259,7 @@ class DeepseekV4Model(nn.Module):
         cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
         taps = self.hidden_layers if self.keep_hidden else None
         kept: list[torch.Tensor] = []
+        step = V4Step(meta, positions)  # every layer's index metadata, built once
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
             name = "main" if layer.attn.kind == SLIDING else "compress"
@@ -269,6 +277,7 @@ class DeepseekV4Model(nn.Module):
                 self.ropes[name],
                 (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
                 caches,
+                step,
             )
             if taps and i in taps:  # a layer's output, not its input (V4-Flash's DSpark)
                 kept.append(streams.mean(dim=1))

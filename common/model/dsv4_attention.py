@@ -32,28 +32,21 @@ row, the compressors and the indexer are replicated: every rank writes the same 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pdserve import kernels
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsa import sequences, write_rows
 from pdserve.common.model.dsv4_config import CSA, SLIDING
 from pdserve.common.model.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
-from pdserve.kernels import fp8_ds_v4
-
-
-def rows_at(
-    cache: torch.Tensor,  # [N, 1, 1, B, row]
-    table: torch.Tensor,  # [max_blocks] int: one sequence's block table of the cache's group
-    start: int,
-    end: int,
-) -> torch.Tensor:  # [end - start, row]: the slots start .. end - 1 of the sequence
-    size = cache.shape[3]
-    pos = torch.arange(start, end, device=cache.device)
-    return cache[table.to(cache.device)[pos // size].long(), 0, 0, pos % size]
+from pdserve.kernels import fp8_ds_v4, v4_ops
+from pdserve.kernels.indexer_ref import KeyFormat
+from pdserve.kernels.v4_reference import Fp8Rows
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,9 +76,13 @@ class Rope:
     def __init__(self, rope_dim: int, theta: float, scaling: dict[str, object] | None) -> None:
         with torch.device("cpu"):
             self.inv_freq, _ = inv_frequencies(rope_dim, theta, scaling, 0)
+        self._on: dict[torch.device, torch.Tensor] = {}  # a copy a device: no copy a step
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
         return freqs.cos(), freqs.sin()  # [T, rope / 2]
 
     @staticmethod
@@ -101,6 +98,132 @@ class Rope:
         pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
         rotated = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
         return torch.cat((nope, rotated), dim=-1)
+
+
+def slots_of(
+    tables: torch.Tensor,  # [T, max_blocks] int64: each row's block table
+    pos: torch.Tensor,  # [T, K] int64 positions; negative: none
+    size: int,  # block size
+) -> torch.Tensor:  # [T, K] int64 slots, -1 where there is none
+    """Slots of positions through per-row block tables (no host sync)."""
+    width = tables.shape[1]
+    if width == 0:
+        return torch.full_like(pos, -1)
+    p = pos.clamp_min(0)
+    blocks = tables.gather(1, (p // size).clamp_max(width - 1))
+    ok = (pos >= 0) & (pos // size < width) & (blocks >= 0)
+    return torch.where(ok, blocks * size + p % size, -1)
+
+
+class V4Step:
+    """A step's index metadata, built once for every layer (common/model/dsv4.py): which
+    sequence each query belongs to, its position, and, per KV cache group, its block table;
+    the windows the step closes. Kept per (group, ...) so layers sharing a group share them.
+
+    A step of decodes only (one token a sequence, a CUDA graph's kind) is all device work
+    of static shapes: its sequence ``i`` is query ``i``, a candidate window per sequence
+    (closing iff ``(p + 1) % m == 0``, else masked), entries bounded by the block tables'
+    width. Other steps read the windows they close from the host's ``seq_spans``."""
+
+    def __init__(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:
+        dev = positions.device
+        num, nd = positions.shape[0], meta.num_decode_tokens
+        self.positions = positions.long()
+        rows = [torch.arange(nd, device=dev)]
+        if num > nd:
+            cu = meta.prefill_cu_seqlens_q.to(dev).long()
+            at = torch.arange(num - nd, device=dev)
+            rows.append(nd + torch.searchsorted(cu[1:].contiguous(), at, right=True))
+        self.query_row = torch.cat(rows)  # [T]: row of cat(decode, prefill) block tables
+        self.nd = nd
+        self.decode_only = 0 < num == nd and meta.kv_gather is None
+        self.spans = meta.seq_spans  # plan order, whole sequences (host)
+        self._memo: dict[tuple[object, ...], torch.Tensor] = {}
+
+    def _get(self, key: tuple[object, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def query_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [R, max_blocks] int64
+        """This group's block tables of the step's decode sequences then prefill pieces
+        (``query_row`` indexes them)."""
+
+        def make() -> torch.Tensor:
+            dec, pre = meta.decode_block_tables[: self.nd], meta.prefill_block_tables
+            width = max(dec.shape[1], pre.shape[1])
+            dev = self.positions.device
+            return torch.cat([F.pad(t.to(dev).long(), (0, width - t.shape[1])) for t in (dec, pre)])
+
+        return self._get(("tables", id(meta)), make)
+
+    def seq_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [S, max_blocks] int64
+        """This group's block table of each sequence in ``closing``'s order."""
+        if self.decode_only:
+            return self.query_tables(meta)
+        tables = meta.seq_block_tables
+        assert tables is not None
+        return self._get(("seq", id(meta)), lambda: tables.to(self.positions.device).long())
+
+    def window_slots(self, meta: AttentionMetadata, size: int, window: int) -> torch.Tensor:
+        """[T, W]: the slots of each query's window rows ``p - W < k <= p``."""
+
+        def make() -> torch.Tensor:
+            offs = torch.arange(window - 1, -1, -1, device=self.positions.device)
+            pos = self.positions[:, None] - offs[None, :]
+            tables = self.query_tables(meta)[self.query_row]
+            return slots_of(tables, pos, size)
+
+        return self._get(("window", id(meta), size, window), make)
+
+    def closed(self, rate: int) -> torch.Tensor:  # [T] int64: entries each query may see
+        return self._get(("closed", rate), lambda: (self.positions + 1) // rate)
+
+    def ranked(self, meta: AttentionMetadata, rate: int) -> torch.Tensor:  # [T] int64
+        """The entries each query's sequence has at the step's end: the width transformers
+        ranks its indexer scores over, whatever piece of the step (PCP) or batch holds it
+        (equal scores resolve by that width: kernels.indexer_topk ``row_keys``)."""
+
+        def make() -> torch.Tensor:
+            return meta.seq_ends().to(self.positions.device)[self.query_row] // rate
+
+        return self._get(("ranked", rate), make)
+
+    def entry_slots(self, meta: AttentionMetadata, size: int, rate: int) -> torch.Tensor:
+        """[T, E]: the slots of every entry each query may see (HCA); E: the most the
+        step's tables hold, or (not decode-only) its longest sequence's."""
+
+        def make() -> torch.Tensor:
+            tables = self.query_tables(meta)
+            bound = tables.shape[1] * size
+            if not self.decode_only:
+                bound = min(bound, max((end for _, end in self.spans), default=0) // rate)
+            idx = torch.arange(bound, device=self.positions.device)[None, :]
+            idx = torch.where(idx < self.closed(rate)[:, None], idx, -1)
+            return slots_of(tables[self.query_row], idx, size)
+
+        return self._get(("entries", id(meta), size, rate), make)
+
+    def closing(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The windows the step closes, every sequence's (a PCP rank too): (sequence [P]
+        (a row of ``seq_tables``), window [P], which of them close (None: all)). Window w
+        closes at position ``w * m + m - 1``: a step of positions s .. e - 1 closes
+        ``s // m .. e // m - 1``."""
+        key = ("closing", rate)
+        if self.decode_only:
+            seqs = self._get(key, lambda: torch.arange(self.nd, device=self.positions.device))
+            ends = self.positions + 1
+            return seqs, ends // rate - 1, ends % rate == 0
+        if key not in self._memo:
+            pairs = [
+                (i, w)
+                for i, (start, end) in enumerate(self.spans)
+                for w in range(start // rate, end // rate)
+            ]
+            both = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+            self._memo[key] = both.to(self.positions.device)
+        both = self._memo[key]
+        return both[:, 0], both[:, 1], None
 
 
 class Compressor(nn.Module):
@@ -125,29 +248,22 @@ class Compressor(nn.Module):
         return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
 
     def entries(
-        self, rows: torch.Tensor, first: int, rope: Rope
-    ) -> torch.Tensor:  # rows [k * rate, width] -> [n, dim]
-        """The entries of windows ``first ..`` from the rows of their tokens (with
-        ``overlap`` and ``first`` > 0, the rows start a window earlier: CSA's first series)."""
-        m, d = self.rate, self.dim
-        prev = 1 if self.overlap and first > 0 else 0
-        total = rows.shape[0] // m
-        n = total - prev
-        kv, gate = rows[: total * m].view(total, m, rows.shape[-1]).chunk(2, dim=-1)
-        gate = gate + self.ape
-        if self.overlap:  # entry w: window w - 1's first series, then window w's second
-            pooled_kv = kv.new_zeros((n, 2 * m, d))
-            pooled_gate = gate.new_full((n, 2 * m, d), float("-inf"))
-            pooled_kv[:, m:], pooled_gate[:, m:] = kv[prev:, :, d:], gate[prev:, :, d:]
-            skip = 1 - prev  # window 0 has no window before it
-            pooled_kv[skip:, :m], pooled_gate[skip:, :m] = (
-                kv[: total - 1, :, :d],
-                gate[: total - 1, :, :d],
-            )
-            kv, gate = pooled_kv, pooled_gate
-        out = self.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
-        positions = (torch.arange(n, device=rows.device) + first) * m
-        return Rope.apply(out, *rope.cos_sin(positions))
+        self,
+        rows_cache: torch.Tensor,  # [N, 1, 1, B, row]
+        slots: torch.Tensor,  # [P, 2m or m]: the closing windows' rows (previous window's too)
+        offset: int,  # this compressor's kv and gate in a row
+        wins: torch.Tensor,  # [P]: the windows
+        rope: Rope,
+        fp8: Fp8Rows | None,
+    ) -> torch.Tensor:  # [P, dim]
+        """The entries of the closing windows (kernels: v4_ops.compress), rotated at the
+        first position of each window."""
+        dtype = self.wkv.weight.dtype
+        out = v4_ops.compress(
+            rows_cache, slots, offset, self.ape, self.norm.weight, self.norm.eps,
+            self.overlap, dtype, fp8,
+        )  # fmt: skip
+        return Rope.apply(out, *rope.cos_sin(wins * self.rate))
 
 
 class Indexer(nn.Module):
@@ -168,21 +284,25 @@ class Indexer(nn.Module):
 
     def select(
         self,
-        q_resid: torch.Tensor,  # [n, q_lora_rank]: the sequence's queries
-        x: torch.Tensor,  # [n, hidden]
+        q_resid: torch.Tensor,  # [T, q_lora_rank]
+        x: torch.Tensor,  # [T, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # of the queries' positions
-        keys: torch.Tensor,  # [E, index_head_dim]: the closed entries
-        closed: torch.Tensor,  # [n, E] bool: entries each query may see
-    ) -> torch.Tensor:  # [n, E] bool: the entries each query attends
+        entries_cache: torch.Tensor,  # [N, 1, 1, B, row]
+        key_format: KeyFormat,
+        tables: torch.Tensor,  # [R, max_blocks]: the entries' block tables
+        query_row: torch.Tensor,  # [T]: each query's row of them
+        closed: torch.Tensor,  # [T]: entries each query may see
+        ranked: torch.Tensor,  # [T]: entries its sequence has (V4Step.ranked)
+    ) -> torch.Tensor:  # [T, index_topk] int32 entry indices, -1 pads
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
-        # op for op transformers' DeepseekV4IndexerScorer
-        scores = torch.matmul(q.float(), keys.float().t()[None])  # [n, H, E]
-        scores = F.relu(scores) * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [n, H]
-        index = (scores * weights[..., None]).sum(dim=1).masked_fill(~closed, float("-inf"))
-        top = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.zeros_like(closed).scatter_(-1, top, True) & closed
+        # transformers' DeepseekV4IndexerScorer: its H**-0.5 folded into the weights
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        return kernels.indexer_topk(
+            q, weights, entries_cache[:, 0, 0], key_format, tables.to(torch.int32),
+            query_row.to(torch.int32), closed.to(torch.int32), self.topk,
+            ranked.to(torch.int32),
+        )  # fmt: skip
 
 
 class V4Attention(nn.Module):
@@ -216,6 +336,12 @@ class V4Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(cfg, v4.rate(layer))
 
+    def _fp8(self, cache: torch.Tensor) -> Fp8Rows | None:
+        if not fp8_ds_v4.is_fp8(cache.dtype):
+            return None
+        index_dim = self.indexer.head_dim if self.indexer is not None else 0
+        return Fp8Rows(self.head_dim, self.rope_dim, index_dim)
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
@@ -225,7 +351,12 @@ class V4Attention(nn.Module):
         meta: AttentionMetadata,  # of the rows' group
         entries_cache: torch.Tensor | None,  # [N, 1, 1, B, row]: compressed entries
         entries_meta: AttentionMetadata | None,  # of the entries' group
+        step: V4Step | None = None,  # the step's index metadata (built here if None)
+        positions: torch.Tensor | None = None,  # [T]: needed when step is None
     ) -> torch.Tensor:  # [T, hidden]
+        if step is None:
+            assert positions is not None
+            step = V4Step(meta, positions)
         num_tokens = x.shape[0]
         q_resid = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim), self.eps)
@@ -239,30 +370,54 @@ class V4Attention(nn.Module):
         row = torch.cat(parts, dim=-1)
         if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
             row = meta.kv_gather(row[None])[0]
-        if fp8_ds_v4.is_fp8(rows_cache.dtype):  # each rank quantizes the same rows
+        fp8 = self._fp8(rows_cache)
+        if fp8 is not None:  # each rank quantizes the same rows
             row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
-        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1]))
-        write_rows(rows_cache, row, meta.slot_mapping)
-        seqs = sequences(meta)
-        entry_tables: list[torch.Tensor | None] = [None] * len(seqs)
+        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1])).to(rows_cache.dtype)
+        v4_ops.write_rows(rows_cache, row, meta.slot_mapping)
+        entry_slots = None
         if self.compressor is not None:
             assert entries_cache is not None and entries_meta is not None
-            self._close_windows(rows_cache, meta, entries_cache, entries_meta, rope)
-            entry_tables = [table for *_, table in sequences(entries_meta)]
-        out = torch.empty_like(q)  # [T, H, D]
-        for (lo, hi, ctx, table), entry_table in zip(seqs, entry_tables, strict=True):
-            first = max(0, ctx - (hi - lo) - self.window + 1)
-            rows = self._rows(rows_at(rows_cache, table, first, ctx))  # [ctx - first, row]
-            entries = None
-            if entry_table is not None and entries_cache is not None and self.compressor:
-                num = ctx // self.compressor.rate  # every closed entry of the sequence
-                entries = self._entries(rows_at(entries_cache, entry_table, 0, num))
-            cs = (cos_sin[0][lo:hi], cos_sin[1][lo:hi])
-            out[lo:hi] = self._attend(
-                q[lo:hi], q_resid[lo:hi], x[lo:hi], cs, rows, first, ctx, entries
-            )
+            self._close_windows(rows_cache, meta, entries_cache, entries_meta, rope, step, fp8)
+            if num_tokens:
+                entry_slots = self._entry_slots(
+                    q_resid, x, cos_sin, entries_cache, entries_meta, step, fp8
+                )
+        if num_tokens == 0:  # a PCP rank with no piece of this step still wrote and pooled
+            return self._project_out(torch.empty_like(q))
+        size = rows_cache.shape[3]
+        window_slots = step.window_slots(meta, size, self.window)
+        out = v4_ops.sink_attention(
+            q, rows_cache, window_slots, entries_cache, entry_slots, self.attn_sink,
+            self.head_dim**-0.5, fp8,
+        )  # fmt: skip
         out = Rope.apply(out, cos_sin[0], -cos_sin[1])  # the values' rotation undone
         return self._project_out(out)
+
+    def _entry_slots(
+        self,
+        q_resid: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        entries_cache: torch.Tensor,
+        entries_meta: AttentionMetadata,
+        step: V4Step,
+        fp8: Fp8Rows | None,
+    ) -> torch.Tensor:  # [T, E] slots of the entries each query attends, -1 none
+        comp = self.compressor
+        assert comp is not None
+        size = entries_cache.shape[3]
+        if self.indexer is None:  # HCA: every closed entry
+            return step.entry_slots(entries_meta, size, comp.rate)
+        key_format = KeyFormat.v4_entry(
+            self.head_dim, self.rope_dim, self.indexer.head_dim, fp8 is not None
+        )
+        tables = step.query_tables(entries_meta)
+        top = self.indexer.select(
+            q_resid, x, cos_sin, entries_cache, key_format, tables, step.query_row,
+            step.closed(comp.rate), step.ranked(entries_meta, comp.rate),
+        )  # fmt: skip
+        return slots_of(tables[step.query_row], top.long(), size)
 
     def _close_windows(
         self,
@@ -271,85 +426,39 @@ class V4Attention(nn.Module):
         entries_cache: torch.Tensor,
         entries_meta: AttentionMetadata,
         rope: Rope,
+        step: V4Step,
+        fp8: Fp8Rows | None,
     ) -> None:
-        """Pool the windows each sequence's step closed into entries (every rank, every
-        sequence: the state must be whole on each PCP rank). A window w closes at position
-        ``w * m + m - 1``: a step of positions s .. e - 1 closes ``s // m .. e // m - 1``;
-        their tokens' rows are in the rows' window (its span covers 2m, common/model/
+        """Pool every window the step closed, of every sequence (every rank: the state
+        must be whole on each PCP rank), into entries, in one call a compressor; their
+        tokens' rows are in the rows' window (its span covers 2m, common/model/
         dsv4_config.py ``cache_kinds``)."""
         comp = self.compressor
-        assert comp is not None and meta.seq_block_tables is not None
-        assert entries_meta.seq_block_tables is not None
+        assert comp is not None
+        seqs, wins, ok = step.closing(comp.rate)
+        if seqs.shape[0] == 0:
+            return
         m, d = comp.rate, self.head_dim
-        for i, (start, end) in enumerate(meta.seq_spans):
-            first, stop = start // m, end // m
-            if first == stop:
-                continue
-            lo = (first - 1) * m if comp.overlap and first > 0 else first * m
-            rows = self._rows(rows_at(rows_cache, meta.seq_block_tables[i], lo, stop * m))
-            parts = [comp.entries(rows[:, d : d + comp.width], first, rope)]
-            if self.indexer is not None:
-                at = d + comp.width
-                index = self.indexer.compressor
-                parts.append(index.entries(rows[:, at : at + index.width], first, rope))
-            entry = torch.cat(parts, dim=-1)  # [stop - first, D (+ index_head_dim)]
-            if fp8_ds_v4.is_fp8(entries_cache.dtype):
-                width = entries_cache.shape[-1]
-                entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
-            entry = F.pad(entry, (0, entries_cache.shape[-1] - entry.shape[-1]))
-            w = torch.arange(first, stop, device=entry.device)
-            size = entries_cache.shape[3]
-            table = entries_meta.seq_block_tables[i].to(w.device).long()
-            entries_cache[table[w // size], 0, 0, w % size] = entry.to(entries_cache.dtype)
-
-    def _rows(self, raw: torch.Tensor) -> torch.Tensor:  # [n, row] -> model dtype
-        """Per-token rows as the auto cache holds them; fp8 ones dequantized."""
-        dtype = self.wkv.weight.dtype
-        if not fp8_ds_v4.is_fp8(raw.dtype):
-            return raw.to(dtype)
-        return fp8_ds_v4.unpack_rows(raw, self.head_dim, self.rope_dim, dtype)
-
-    def _entries(self, raw: torch.Tensor) -> torch.Tensor:  # [E, row] -> model dtype
-        dtype = self.wkv.weight.dtype
-        if not fp8_ds_v4.is_fp8(raw.dtype):
-            return raw.to(dtype)
-        index_dim = self.indexer.head_dim if self.indexer is not None else 0
-        return fp8_ds_v4.unpack_entries(raw, self.head_dim, self.rope_dim, index_dim, dtype)
-
-    def _attend(
-        self,
-        q: torch.Tensor,  # [n, H, D]: one sequence's queries, positions ctx - n .. ctx - 1
-        q_resid: torch.Tensor,  # [n, q_lora_rank]
-        x: torch.Tensor,  # [n, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor,  # [ctx - first, row]: the rows of positions first .. ctx - 1
-        first: int,
-        ctx: int,
-        entries: torch.Tensor | None,  # [E, row]: the closed entries (D, indexer key)
-    ) -> torch.Tensor:  # [n, H, D]
-        n, d = q.shape[0], self.head_dim
-        device = q.device
-        pos = torch.arange(ctx - n, ctx, device=device)[:, None]  # [n, 1]
-        keys = torch.arange(first, ctx, device=device)[None, :]
-        visible = (keys <= pos) & (keys > pos - self.window)  # [n, ctx - first]
-        kv = rows[:, :d]
-        if entries is not None:
-            assert self.compressor is not None
-            num = entries.shape[0]
-            closed = torch.arange(num, device=device)[None, :] < (pos + 1) // self.compressor.rate
-            if self.indexer is not None:
-                index_keys = entries[:, d : d + self.indexer.head_dim]
-                closed = self.indexer.select(q_resid, x, cos_sin, index_keys, closed)
-            kv = torch.cat((kv, entries[:, :d]), dim=0)
-            visible = torch.cat((visible, closed), dim=-1)
-        # transformers' eager attention with sinks, op for op
-        logits = torch.matmul(q.transpose(0, 1), kv.t()) * d**-0.5  # [H, n, K]
-        logits = logits.masked_fill(~visible[None], float("-inf"))
-        sinks = self.attn_sink.reshape(-1, 1, 1).expand(-1, n, 1).to(logits.dtype)
-        logits = torch.cat((logits, sinks), dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1)[..., :-1]
-        return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)  # [n, H, D]
+        span = 2 * m if comp.overlap else m
+        first = (wins - 1) * m if comp.overlap else wins * m
+        pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
+        at = wins[:, None]
+        if ok is not None:  # decodes: a candidate a sequence, those not closing masked
+            pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
+        slots = slots_of(step.seq_tables(meta)[seqs], pos, rows_cache.shape[3])
+        parts = [comp.entries(rows_cache, slots, d, wins, rope, fp8)]
+        if self.indexer is not None:
+            index = self.indexer.compressor
+            parts.append(index.entries(rows_cache, slots, d + comp.width, wins, rope, fp8))
+        entry = torch.cat(parts, dim=-1)  # [P, D (+ index_head_dim)]
+        if ok is not None:
+            entry = torch.where(ok[:, None], entry, 0)  # a masked candidate's (never written)
+        width = entries_cache.shape[-1]
+        if fp8 is not None:
+            entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
+        entry = F.pad(entry, (0, width - entry.shape[-1])).to(entries_cache.dtype)
+        at = slots_of(step.seq_tables(entries_meta)[seqs], at, entries_cache.shape[3])[:, 0]
+        v4_ops.write_rows(entries_cache, entry, at)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
         """The grouped low-rank output: each group of heads through its block of wo_a;

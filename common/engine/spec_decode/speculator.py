@@ -36,6 +36,7 @@ from pdserve.common.engine.spec_decode.rejection import rejection_sample
 from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.family_api import family_for
 from pdserve.common.model.tokenizer import Tokenizer
 
 # (request, tokens to append: accepted drafts + one, their logprobs or None, drafts rejected)
@@ -64,7 +65,7 @@ class Speculator:
         self.mtp: MTPProposer | DSparkProposer | DSparkV4Proposer | None = None
         if spec.method == "mtp":
             self.mtp = MTPProposer(config, target, runner)
-        elif spec.method == "dspark" and target.v4 is not None:  # the checkpoint's own
+        elif spec.method == "dspark" and family_for(target).own_dspark:  # the checkpoint's
             self.mtp = DSparkV4Proposer(spec, config, target, runner, self.stats)
         elif spec.method == "dspark":
             self.mtp = DSparkProposer(spec, config, target, runner, self.stats)

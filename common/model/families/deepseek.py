@@ -6,7 +6,7 @@ sigmoid routing and shared experts, common/model/moe.py).
 As transformers' ``DeepseekV2Config``/``DeepseekV3Config`` read config.json: the KV cache is
 one latent per token, so ``num_key_value_heads`` is 1 (every query head attends the one
 latent, replicated on every TP rank) and ``head_dim`` is the rope part ``qk_rope_head_dim``
-(as transformers sets it); ``ModelConfig.kv_cache_head_dim`` is the latent's width. Rope
+(as transformers sets it); a cache slot is the latent (``row_kind``). Rope
 rotates interleaved pairs (V2 always, V3 with ``rope_interleave``). V2's experts are not
 routed: a V2 config with a sparse layer is refused. The checkpoint's multi-token-prediction
 layers (``num_nextn_predict_layers``) are not part of the model (common/model/mtp.py).
@@ -23,6 +23,7 @@ from pdserve.common.model.config import (
     eos_token_ids,
     rope_parameters,
 )
+from pdserve.common.model.family_api import mla_unsupported
 from pdserve.common.model.moe_config import deepseek_v3_experts
 
 if TYPE_CHECKING:
@@ -87,3 +88,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     from pdserve.common.model.mlp import sparse_or_dense_mlp
 
     return CausalLM(cfg, parallel, MLAAttention, sparse_or_dense_mlp)
+
+
+def unsupported_ops(cfg: ModelConfig, device_type: str) -> dict[str, str]:
+    return mla_unsupported(cfg, device_type)

@@ -20,6 +20,7 @@ import msgspec
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model.config import ModelConfig
 from pdserve.common.model.families import deepseek
+from pdserve.common.model.family_api import mla_unsupported
 
 if TYPE_CHECKING:
     from pdserve.common.model.decoder import CausalLM
@@ -67,3 +68,16 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     from pdserve.common.model.mlp import sparse_or_dense_mlp
 
     return CausalLM(cfg, parallel, IndexedMLAAttention, sparse_or_dense_mlp)
+
+
+def unsupported_ops(cfg: ModelConfig, device_type: str) -> dict[str, str]:
+    """MLA's, and on CUDA the lightning indexer kernel's (kernels/triton_indexer.py): its
+    head a power of two >= 16."""
+    out = mla_unsupported(cfg, device_type)
+    dim = cfg.index_head_dim
+    if device_type == "cuda" and (dim < 16 or dim & (dim - 1)):
+        out["indexer_topk"] = (
+            "the CUDA lightning indexer kernel (kernels/triton_indexer.py) needs "
+            f"index_head_dim to be a power of two >= 16; this model has {dim}"
+        )
+    return out

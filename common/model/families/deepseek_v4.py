@@ -28,10 +28,15 @@ from pdserve.common.model.config import SLIDING_ATTENTION, ModelConfig, eos_toke
 from pdserve.common.model.dsv4_config import CSA, HASH_MOE, HCA, LAYER_KINDS, MOE, V4Config
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.common.model.decoder import CausalLM
+    from pdserve.common.model.family_api import CacheKind
     from pdserve.common.parallel.context import ParallelContext
 
 RATE_KINDS = {0: SLIDING_ATTENTION, 4: CSA, 128: HCA}
+# --speculative-config dspark reads the checkpoint's own DSpark module (mtp.*)
+OWN_DSPARK = True
 
 
 def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[str, ...]:
@@ -135,3 +140,24 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     if reason:
         raise ModelLoadError(f"deepseek_v4: {reason}")
     return DeepseekV4Model(cfg, cfg.sliding_window or 128, par)  # type: ignore[return-value]
+
+
+def cache_kinds(cfg: ModelConfig) -> list[CacheKind]:
+    """Every layer's per-token rows over a window, then the compressed entries of the CSA
+    and HCA layers (common/model/dsv4_config.py ``cache_kinds``)."""
+    assert cfg.v4 is not None
+    return cfg.v4.cache_kinds(cfg.sliding_window or 128)
+
+
+def row_kind(cfg: ModelConfig) -> str:
+    return "v4"  # one row a token and layer (common/model/dsv4_config.py row_width)
+
+
+def shard_state(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """Its own TP cut: a rank's heads, sinks, output groups, experts, shared-expert slice
+    (common/model/dsv4_tp.py)."""
+    from pdserve.common.model.dsv4_tp import shard_v4_state
+
+    return shard_v4_state(state, cfg, tp_size, tp_rank)
