@@ -25,6 +25,7 @@
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
 #   async         bench engine at the 1B and 8B shapes, asynchronous scheduling off then on
 #   gpu-tests     every gpu-marked test of tests/ in one pytest run
+#   pick          the gpu-marked tests of the files named in GPU_TEST_FILES (GPU_TEST_TIMEOUT, s)
 #   spec          speculative decoding: its GPU test, then decode tok/s with and without it
 #                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
 #   pd-one-gpu    issue #48, ~9 min: bench serve --compare at the 8B shape, lognormal 1,024 / 128
@@ -78,7 +79,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
-[ "$*" = gpu-tests ] && needs_1b=0
+case "$*" in gpu-tests|pick|"gpu-tests pick"|"pick gpu-tests") needs_1b=0 ;; esac
 [ "$*" = pd-one-gpu ] && needs_1b=0
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
@@ -240,6 +241,11 @@ suite_gpu-tests() {  # every gpu-marked test of the tree in one pytest run (kern
     echo "GPU tests: $passed passed, $failed failed on $card at ${PDSERVE_GIT_COMMIT:-unknown}" | tee -a "$log"
     return $rc
 }
+suite_pick() {  # the gpu-marked tests of the files in $GPU_TEST_FILES (a first look at new kernels)
+    timeout "${GPU_TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider \
+        --durations=15 -rfEs > "$OUT/gpu_pick.txt" 2>&1
+    local rc=$?; tail -60 "$OUT/gpu_pick.txt"; return $rc
+}
 suite_moe() {
     timeout 300 python3 -m pytest -q -m gpu tests/test_moe_kernels.py -p no:cacheprovider \
         > "$OUT/moe_gpu_tests.txt" 2>&1
@@ -308,7 +314,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, pd-one-gpu, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }
