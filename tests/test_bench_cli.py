@@ -113,7 +113,7 @@ def test_bench_engine_without_hf(
 def test_the_table_says_where_hf_was_skipped() -> None:
     """A batch size HF could not run (out of device memory) reads "skipped" in HF's
     columns, not "-" as if nobody had tried."""
-    from pdserve.cli.bench_rows import Row, format_table
+    from pdserve.cli.bench.bench_rows import Row, format_table
 
     ran = Row(1, 10.0, 5.0, 0.1, 0.2, 1, hf_prefill_tok_s=5.0, prefill_ratio=2.0)
     skipped = Row(64, 10.0, 5.0, 0.1, 0.2, 1, hf_skipped="out of device memory")

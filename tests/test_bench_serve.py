@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pdserve.cli.bench_serve import format_table
+from pdserve.cli.bench.bench_serve import format_table
 from pdserve.cli.main import main
-from pdserve.cli.serve_load import (
+from pdserve.cli.bench.serve_load import (
     Load,
     RequestRecord,
     Workload,

@@ -36,8 +36,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli.arg_types import gen_len_arg, positive_int, positive_ints
-from pdserve.cli.bench_rows import (
+from pdserve.cli.bench.arg_types import gen_len_arg, positive_int, positive_ints
+from pdserve.cli.bench.bench_rows import (
     FLOOR_COLUMNS,
     add_floors,
     bench_config,
@@ -46,7 +46,7 @@ from pdserve.cli.bench_rows import (
     median_timing,
     write_json,
 )
-from pdserve.cli.bench_runners import (
+from pdserve.cli.bench.bench_runners import (
     EngineBench,
     HFBench,
     Timing,
@@ -129,7 +129,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="JSON",
         help="decode tok/s with and without speculative decoding in the same run "
-        '(cli/bench_spec.py); \'"model": "self"\' drafts with the target itself',
+        '(cli/bench/bench_spec.py); \'"model": "self"\' drafts with the target itself',
     )
     p.add_argument(
         "--workload",
@@ -156,7 +156,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     spec = None
     extra = 0
     if args.speculative_config is not None:
-        from pdserve.cli.bench_spec import spec_config_of
+        from pdserve.cli.bench.bench_spec import spec_config_of
 
         spec = spec_config_of(args)
         # the drafts' slots, and the repeat workload's prompts run a little past prompt_len
@@ -247,12 +247,12 @@ def run(args: argparse.Namespace) -> int:
     load_at_start = os.getloadavg()[0]
     engine = build_engine(args)
     if args.speculative_config is not None:
-        from pdserve.cli.bench_spec import run_spec
+        from pdserve.cli.bench.bench_spec import run_spec
 
         bench = EngineBench(engine, make_sync(args.device))
         return run_spec(args, engine, bench, random_prompts, format_table)
     engine_bench = EngineBench(engine, make_sync(args.device))
-    from pdserve.cli import bench_floors
+    from pdserve.cli.bench import bench_floors
 
     ceilings = bench_floors.measure(engine)
     vocab = engine.model_config.vocab_size
