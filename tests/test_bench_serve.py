@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 
 from pdserve.cli.bench.bench_serve import format_table
-from pdserve.cli.main import main
 from pdserve.cli.bench.serve_load import (
     Load,
     RequestRecord,
@@ -30,6 +29,7 @@ from pdserve.cli.bench.serve_load import (
     percentile,
     prompts_of_lengths,
 )
+from pdserve.cli.main import main
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
 from tests.test_bench_peer import openai_server

@@ -62,10 +62,10 @@ from typing import Any
 
 from pdserve.cli.bench import bench_peer, goodput, ttft_parts
 from pdserve.cli.bench.arg_types import positive_int, positive_ints  # stdlib-only at import time
-from pdserve.cli.engine_flags import add_kv_cache_dtype
-from pdserve.cli.provenance import provenance
 from pdserve.cli.bench.serve_http import progress, run_loads
 from pdserve.cli.bench.serve_load import STATS, Load, Workload
+from pdserve.cli.engine_flags import add_kv_cache_dtype
+from pdserve.cli.provenance import provenance
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 

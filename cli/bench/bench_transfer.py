@@ -59,7 +59,7 @@ from pdserve.cli.bench.arg_types import positive_int, positive_ints
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 
-DTYPE = "bfloat16"  # the stored dtype of --kv-cache-dtype auto (cli/bench/transfer_cache.py's DTYPE)
+DTYPE = "bfloat16"  # --kv-cache-dtype auto's stored dtype (cli/bench/transfer_cache.py's)
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
     ("cpu", "8b"): [1024, 4096, 8192],
