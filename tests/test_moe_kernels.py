@@ -183,3 +183,130 @@ def test_qwen3_moe_on_cuda_graphs_eager_and_torch_give_hf_tokens(
         del engine
         torch.cuda.empty_cache()
     assert tokens["graphs"] == tokens["eager"] == tokens["torch"] == want
+
+
+# -- DeepSeek-V4's experts: the clamped SwiGLU ------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_clamped_grouped_path_equals_the_expert_loop_on_cpu(tokens: int) -> None:
+    """DeepSeek-V4's swiglu_limit (gate clamped above, up on both sides) through the grouped
+    path and the loop; weights large enough that the clamp bites."""
+    gate_up, down = weights(16, 32, 24, torch.float32, "cpu")
+    gate_up = gate_up * 60  # gate/up values well past the limit of 1
+    ids, w = routing(tokens, 3, 16, "cpu")
+    x = torch.randn(tokens, 32)
+    clamped = moe_ref.moe_experts(x, ids, w, gate_up, down, 0, 1.0)
+    assert not torch.allclose(clamped, moe_ref.moe_experts(x, ids, w, gate_up, down))
+    got = moe_grouped.moe_experts(x, ids, w, gate_up, down, 0, 1.0)
+    torch.testing.assert_close(got, clamped, rtol=1e-5, atol=1e-6)
+
+
+def _v4_moe(hash_layer: bool, tp_size: int = 1, tp_rank: int = 0):  # noqa: ANN202
+    """A small V4MoE (16 experts of 24, 3 a token, hidden 32, swiglu_limit 1) with random
+    weights, and its experts as the per-expert modules they are loaded as."""
+    from types import SimpleNamespace
+
+    from pdserve.common.model.dsv4 import V4MoE
+
+    v4 = SimpleNamespace(
+        num_experts=16, top_k=3, routed_scaling_factor=1.5, moe_intermediate_size=24,
+        swiglu_limit=1.0, mlp_kinds=("hash_moe" if hash_layer else "moe",),
+    )  # fmt: skip
+    cfg = SimpleNamespace(hidden_size=32, vocab_size=50)
+    par = SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank, all_reduce_tp=lambda t: t)
+    torch.manual_seed(3)
+    moe = V4MoE(cfg, v4, 0, par)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+        if hash_layer:
+            moe.gate.tid2eid.copy_(torch.randint(0, 16, moe.gate.tid2eid.shape))
+        else:
+            moe.gate.bias.copy_(torch.randn(16))
+    return moe
+
+
+def _v4_moe_loop(moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """V4MoE's forward as it was: a loop over the chosen experts' modules (with .tolist())."""
+    weights, ids = moe.gate(x, input_ids)
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        if str(e) not in moe.experts:
+            continue
+        token, slot = torch.where(ids == e)
+        y = moe.experts[str(e)](x[token]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+@pytest.mark.parametrize(("tp_size", "tp_rank"), [(1, 0), (4, 2)])
+def test_v4_moe_one_op_over_stacked_experts_equals_its_expert_loop(
+    hash_layer: bool, tp_size: int, tp_rank: int
+) -> None:
+    """V4MoE's routed experts as one op over this rank's experts stacked: the result of the
+    loop over its per-expert modules; after the stacking the modules' weights are views
+    into the stacks (held once), and a replaced weight (a load) is stacked again."""
+    moe = _v4_moe(hash_layer, tp_size, tp_rank)
+    x = torch.randn(9, 32)
+    input_ids = torch.randint(0, 50, (9,))
+    want = _v4_moe_loop(moe, x, input_ids)
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-6)
+    gate_up, down = moe.stacked_experts()
+    first = moe.experts[str(moe.first)]
+    assert gate_up.shape == (16 // tp_size, 48, 32) and down.shape == (16 // tp_size, 32, 24)
+    assert first.w1.weight.data_ptr() == gate_up.data_ptr()
+    assert first.w2.weight.data_ptr() == down.data_ptr()
+    with torch.no_grad():  # a new weight, as a load assigns it: stacked again
+        first.w3.weight = torch.nn.Parameter(torch.randn(24, 32))
+        first.w1.weight = torch.nn.Parameter(torch.randn(24, 32))
+    want = _v4_moe_loop(moe, x, input_ids)
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-6)
+
+
+def test_v4_moe_marks_the_experts_it_reads() -> None:
+    """record_expert_usage finds V4MoE blocks (benchmarks' experts-read column)."""
+    from torch import nn
+
+    from pdserve.common.model.moe import record_expert_usage
+
+    moe = _v4_moe(hash_layer=True)
+    blocks = record_expert_usage(nn.Sequential(moe))
+    assert blocks == [moe]
+    input_ids = torch.tensor([3, 7])
+    moe(torch.randn(2, 32), input_ids)
+    want = set(moe.gate.tid2eid[input_ids].flatten().tolist())
+    assert set(torch.nonzero(moe.touched).flatten().tolist()) == want
+
+
+# Flash's expert layer: 256 experts of 2048, 6 a token, hidden 4096 (a quarter of them here)
+V4_SHAPE = {"num_experts": 64, "hidden": 4096, "inter": 2048, "top_k": 6}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_clamped_grouped_kernel_on_cuda_eager_graph_and_reference(tokens: int) -> None:
+    """bfloat16 with V4's swiglu_limit (10) on CUDA: the dispatch's grouped path, eager and
+    replayed in a CUDA graph, against the float32 loop reference."""
+    e, h, i, k = (V4_SHAPE[n] for n in ("num_experts", "hidden", "inter", "top_k"))
+    gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
+    gate_up = gate_up * 8  # some gate/up values past 10
+    ids, w = routing(tokens, k, e, "cuda")
+    x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    assert moe_grouped.available(x, gate_up)
+    eager = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), 0, 10.0)
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)

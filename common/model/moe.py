@@ -142,12 +142,25 @@ class SparseMoeBlock(nn.Module):
         """Nothing to pack: the experts are already one tensor per projection."""
 
 
-def record_expert_usage(model: nn.Module) -> list[SparseMoeBlock]:
+def sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block of ``model`` that routes tokens to experts: a module with a router
+    (``gate.weight`` [E, hidden]) and a ``touched`` slot (``SparseMoeBlock``, DeepSeek-V4's
+    ``V4MoE``)."""
+    found = []
+    for m in model.modules():
+        gate = getattr(m, "gate", None)
+        if hasattr(m, "touched") and isinstance(getattr(gate, "weight", None), torch.Tensor):
+            found.append(m)
+    return found
+
+
+def record_expert_usage(model: nn.Module) -> list[nn.Module]:
     """Make every sparse block of ``model`` mark the experts it routes to in its
     ``touched`` tensor (benchmarks: the bytes of the experts a decode step reads)."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = sparse_blocks(model)
     for block in blocks:
         weight = block.gate.weight
+        assert isinstance(weight, torch.Tensor)
         block.touched = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     return blocks
 
