@@ -71,11 +71,25 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=("1b", "8b", "dsv3", "dsv3-mini", "30b-a3b"),
+        choices=(
+            "1b",
+            "8b",
+            "dsv3",
+            "dsv3-mini",
+            "30b-a3b",
+            "30b-a3b-full",
+            "v2-lite",
+            "dsv32",
+            "dsv4-flash",
+        ),  # fmt: skip
         help="a random bf16 model of this shape (1B: Llama 3.2's, 8B: Llama 3.1's, dsv3: "
         "DeepSeek-V3's MLA attention on 4 dense layers, dsv3-mini: its per-head sizes at 16 heads, "
         "hidden 1024, 2 layers (CPU profiling), 30b-a3b: Qwen3-30B-A3B's MoE layer, "
-        "4 layers), written once into the model cache, instead of --model",
+        "4 layers; 30b-a3b-full: all its 48 layers, v2-lite: DeepSeek-V2-Lite's 27 layers, "
+        "dsv32: DeepSeek-V3.2's layers (1 dense, 3 MoE), dsv4-flash: DeepSeek-V4-Flash's "
+        "first 4 layers (window, window, CSA, HCA; 3 hash-routed), these four with their "
+        "routed experts zeros (common/model/random_shapes.py)), written once into the model "
+        "cache, instead of --model",
     )
     p.add_argument(
         "--layers",
@@ -220,6 +234,23 @@ def hf_timings(
     return timings, skipped
 
 
+def refuse_unsupported_shape(args: argparse.Namespace) -> None:
+    """A ModelLoadError (``pdserve: error: ...``, exit 2) when the device cannot run the
+    shape's model (DeepSeek-V3.2 and V4 on CUDA need kernels), before its checkpoint is
+    written."""
+    from pdserve.common.model.random_shapes import CONFIG_SHAPES, shape_config
+
+    if args.shape not in CONFIG_SHAPES:
+        return
+    import torch
+
+    from pdserve.common.engine.model_loader import check_device_supports
+    from pdserve.common.model.config import ModelConfig
+
+    raw = {**shape_config(args.shape, args.layers), "vocab_size": 1}
+    check_device_supports(ModelConfig.from_dict(raw), torch.device(args.device))
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
@@ -229,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
         from pdserve.common.model.random_shapes import random_shape_model
 
+        refuse_unsupported_shape(args)  # before writing tens of GB
         progress(f"random {args.shape} checkpoint")
         args.model = str(
             random_shape_model(

@@ -159,7 +159,7 @@ def record_expert_usage(model: nn.Module) -> list[nn.Module]:
     ``touched`` tensor (benchmarks: the bytes of the experts a decode step reads)."""
     blocks = sparse_blocks(model)
     for block in blocks:
-        weight = block.gate.weight
+        weight = getattr(block.gate, "weight", None)
         assert isinstance(weight, torch.Tensor)
         block.touched = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     return blocks
