@@ -249,29 +249,43 @@ def write_latent(
         )
 
 
+def decode_heads(ds_mla: bool, q_dtype: torch.dtype) -> int:
+    """Query heads one decode program takes (the rows of its dots): ``BLOCK_H`` (16), or 32
+    for fp8_ds_mla records with a 16-bit q. Each program dequantizes every [BLOCK_N, LATENT]
+    tile it reads, so at 32 heads half as many programs dequantize each row; that work, not
+    the bytes, set the fp8 cache's pace at batch 64 (723 us a layer on the H200 against 287
+    for bf16 rows). ptxas for sm90 at the V3 shape, 64 keys: 32 heads at 8 warps spill 1,100
+    bytes a thread and take 169 KB of shared memory, 16 heads at 4 warps 980 bytes and 151 KB;
+    the bf16 rows at 32 heads spill 24 bytes, at 16 none (their 16 stays: through L2 the 8
+    programs of a sequence now share the rows)."""
+    return 32 if ds_mla and q_dtype != torch.float32 else BLOCK_H
+
+
 def decode_launch(ds_mla: bool, q_dtype: torch.dtype, block_size: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of the decode kernel, from `benchmarks/mla_decode.py --sweep` on
     the H200 at DeepSeek-V3's shape (128 heads, context 2048; benchmarks/results/
     mla_decode_h200.txt) within the shared memory Triton's compiler gives for sm90
-    (LATENT 512, ROPE 64, BLOCK_H 16; tests/test_mla_kernels.py checks every choice against
-    sm90's 227 KB; fp32 records at BLOCK_N 32 once took 300 KB, a launch failure):
+    (LATENT 512, ROPE 64, ``decode_heads``; tests/test_mla_kernels.py checks every choice
+    against sm90's 227 KB; fp32 records at BLOCK_N 32 once took 300 KB, a launch failure):
 
     - auto caches, 16-bit q: 64 keys, 8 warps (batch 1: 62 us against 137 at 32 keys and 4
       warps; batch 64: 287 us against 440);
     - auto caches, fp32 q: 32 keys, 4 warps (182 KB);
-    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 64 keys
-      and 4 warps (batch 64: 723 us against 1,093 at 32 keys and 8 warps; batch 1 even);
+    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 64 keys,
+      32 heads and 8 warps (at 16 heads, 4 warps measured best: batch 64 723 us against
+      1,093 at 32 keys and 8 warps; batch 1 even);
     - fp8_ds_mla, fp32 q (exact checks, not speed): 16 keys, 8 warps (73 KB).
     """
     if not ds_mla:
         return (min(block_size, 64), 8) if q_dtype != torch.float32 else (min(block_size, 32), 4)
     if q_dtype == torch.float32:
         return min(block_size, 16), 8
-    return min(block_size, 64), 4
+    return min(block_size, 64), 8
 
 
 def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device) -> int:
-    """Programs per (sequence, head tile) (``triton_common.decode_splits_for``)."""
+    """Programs per (sequence, head tile) (``triton_common.decode_splits_for``), counting
+    tiles of ``BLOCK_H`` heads whatever the cache (the caller does not know it)."""
     return decode_splits_for(num_seqs * triton.cdiv(num_heads, BLOCK_H), device)
 
 
@@ -308,7 +322,8 @@ def mla_decode_attention(
     )
     part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     stride_cn, _, _, stride_cb, stride_cd = layer_cache.stride()
-    tiles = triton.cdiv(num_heads, BLOCK_H)
+    block_h = decode_heads(ds_mla, q.dtype)
+    tiles = triton.cdiv(num_heads, block_h)
     block_n, num_warps = decode_launch(ds_mla, q.dtype, block_size)
     with _device_guard(q):
         _mla_decode_kernel[(tiles, splits, num_seqs)](
@@ -332,7 +347,7 @@ def mla_decode_attention(
             *part_ml.stride()[:3],
             LATENT=latent_dim,
             ROPE=rope,
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=block_h,
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             SPLITS=splits,
