@@ -234,12 +234,12 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     t0=$(date +%s)
     left() { echo $(( ${DEEPSEEK_BUDGET_S:-470} - ($(date +%s) - t0) )); }
     # the kernel paths' GPU tests: CUDA graphs = eager = reference
-    timeout 130 python3 -m pytest -q -m gpu tests/test_moe_kernels.py tests/test_hyper_kernels.py \
-        tests/test_split_reduce.py tests/test_mla_kernels.py -p no:cacheprovider --durations=5 \
-        > "$OUT/deepseek_gpu_tests.txt" 2>&1 || rc=1
+    timeout 100 python3 -m pytest -q -m gpu tests/test_moe_kernels.py tests/test_hyper_kernels.py \
+        tests/test_split_reduce.py tests/test_mla_kernels.py -k "not qwen3_moe" \
+        -p no:cacheprovider --durations=5 > "$OUT/deepseek_gpu_tests.txt" 2>&1 || rc=1
     tail -6 "$OUT/deepseek_gpu_tests.txt"
     # the MLA decode kernel alone, 128 heads, context 2048 (auto and fp8 caches)
-    timeout 60 python3 benchmarks/mla_decode.py --batch-sizes 1,64 > "$OUT/mla_decode.txt" 2>&1
+    timeout 40 python3 benchmarks/mla_decode.py --batch-sizes 1,64 > "$OUT/mla_decode.txt" 2>&1
     tail -8 "$OUT/mla_decode.txt"
     bench() {  # NAME SECONDS ARGS...: one bench engine run, skipped when the budget is spent
         local name=$1 limit=$2; shift 2
@@ -258,10 +258,9 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
         fi
         rm -rf "$PDSERVE_CACHE_DIR"/random/*"$name"* 2>/dev/null  # sparse, but page cache
     }
-    bench 30b-a3b-full 170 --shape 30b-a3b-full --prompt-len 512 --batch-sizes 1,16,64
-    for kv in auto fp8; do
-        bench "dsv3_${kv}" 60 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype $kv
-    done
+    bench 30b-a3b-full 160 --shape 30b-a3b-full --prompt-len 512 --batch-sizes 1,16,64
+    bench dsv3_auto 80 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype auto
+    bench dsv3_fp8 60 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype fp8
     bench dsv4-flash 120 --shape dsv4-flash --prompt-len 2048 --batch-sizes 1,64
     bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64
     bench v2-lite 90 --shape v2-lite --prompt-len 512 --batch-sizes 1,64
