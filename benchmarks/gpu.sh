@@ -32,6 +32,8 @@
 #                 bench engine step/floor at 30b-a3b full depth (b1/16/64), dsv3 MLA auto and
 #                 fp8 (b64), dsv4-flash and dsv32 (skipped where main lacks their CUDA
 #                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py)
+#   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
+#                 by kernel of one decode step): 30b-a3b's layer at batch 1 and 64, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -41,7 +43,7 @@
 # from .gpu/commit (write `git rev-parse HEAD` there before the copy), else git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,37p' "$0"; exit 2; }
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -74,6 +76,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 needs_1b=1
 [ "$*" = gpu-tests ] && needs_1b=0
 [ "$*" = deepseek-speed ] && needs_1b=0
+[ "$*" = deepseek-profile ] && needs_1b=0
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -270,6 +273,16 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     return $rc
 }
 
+suite_deepseek-profile() {  # issue #47: where the decode step's time goes, kernel by kernel
+    for args in "--shape 30b-a3b --batch 1 --context 512" "--shape 30b-a3b --batch 64 --context 512" \
+        "--shape dsv3 --batch 64 --context 2048"; do
+        # shellcheck disable=SC2086
+        timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
+            --steps 10 --kernels --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" \
+            | tee -a "$OUT/deepseek_profile.txt" | head -60
+    done
+}
+
 SELF_SPEC='{"method": "draft_model", "model": "self", "num_speculative_tokens": 5}'
 NGRAM_SPEC='{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 suite_spec() {
@@ -292,7 +305,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, deepseek-speed, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, spec, deepseek-speed, deepseek-profile, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }
