@@ -69,6 +69,7 @@ __all__ = [
     "mla_decode_splits",
     "prepare_cpu",
     "moe_experts",
+    "moe_route",
     "prefill_attention",
     "rms_norm",
     "rotary",
@@ -387,3 +388,28 @@ def hyper_collapse(
 
         return triton_hyper.collapse(streams, fn, base, scale, eps, hc_eps)
     return hyper_ref.collapse(streams, fn, base, scale, eps, hc_eps)
+
+
+def moe_route(
+    logits: torch.Tensor,  # [T, E] router logits
+    top_k: int,
+    norm_topk_prob: bool,
+    sigmoid: bool,  # DeepSeek-V3's grouped sigmoid (else Qwen3-MoE's softmax)
+    correction_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (weights [T, k] fp32, ids [T, k] int64)
+    """The routing of common/model/moe.py ``route`` in one Triton kernel
+    (:mod:`pdserve.kernels.triton_route`) where the backend is Triton and the router fits
+    it (at most 1024 experts; grouped: a power of two); None: the caller's torch route."""
+    num_experts = logits.shape[1]
+    if backend_name(logits.device) != "triton" or num_experts > 1024:
+        return None
+    if n_group > 1 and (num_experts & (num_experts - 1) or num_experts % n_group):
+        return None
+    from pdserve.kernels import triton_route
+
+    return triton_route.route(
+        logits, top_k, norm_topk_prob, sigmoid, correction_bias, n_group, topk_group, scale
+    )

@@ -16,6 +16,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.kernels import moe_grouped, moe_ref
+from tests.kernel_tools import TRITON_DEVICES
 
 
 def weights(
@@ -310,3 +311,107 @@ def test_clamped_grouped_kernel_on_cuda_eager_graph_and_reference(tokens: int) -
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+# -- routing in one Triton kernel (kernels/triton_route.py) -----------------------------------
+
+ROUTERS = {
+    # Qwen3-MoE: softmax, renormalised (and not)
+    "softmax-norm": dict(num_experts=128, top_k=8, norm_topk_prob=True),
+    "softmax": dict(num_experts=12, top_k=6, norm_topk_prob=False),
+    # DeepSeek-V3's grouped sigmoid: 8 groups of 32, 4 kept; V2-Lite's sizes ungrouped
+    "v3-grouped": dict(
+        num_experts=256,
+        top_k=8,
+        norm_topk_prob=True,
+        scoring="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+    ),  # fmt: skip
+    "sigmoid": dict(num_experts=64, top_k=6, norm_topk_prob=False, scoring="sigmoid"),
+}
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def route_device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_route_kernel_chooses_the_references_experts_and_weights(
+    route_device: str, name: str
+) -> None:
+    """The kernel against common/model/moe.py's torch route (transformers' arithmetic):
+    per token the same experts, the same weights (its k in descending order)."""
+    from pdserve.common.model.moe import route
+    from pdserve.common.model.moe_config import MoEConfig
+    from pdserve.kernels import triton_route
+
+    moe = MoEConfig(intermediate_size=8, **ROUTERS[name])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(len(name))
+    logits = torch.randn(64, moe.num_experts, generator=gen) * 2
+    bias = torch.randn(moe.num_experts, generator=gen) if moe.scoring == "sigmoid" else None
+    want_w, want_ids = route(logits, moe, bias)  # CPU: the torch reference
+    got_w, got_ids = triton_route.route(
+        logits.to(route_device), moe.top_k, moe.norm_topk_prob, moe.scoring == "sigmoid",
+        None if bias is None else bias.to(route_device), moe.n_group, moe.topk_group,
+        moe.routed_scaling_factor if moe.scoring == "sigmoid" else 1.0,
+    )  # fmt: skip
+    for t in range(logits.shape[0]):
+        want = dict(zip(want_ids[t].tolist(), want_w[t].tolist(), strict=True))
+        got = dict(zip(got_ids[t].cpu().tolist(), got_w[t].cpu().tolist(), strict=True))
+        assert got.keys() == want.keys(), (t, sorted(got), sorted(want))
+        for e, w in want.items():
+            assert got[e] == pytest.approx(w, rel=1e-5, abs=1e-7)
+
+
+def test_route_kernel_compiles_for_hopper() -> None:
+    """Without a GPU: the kernel at Qwen3-30B-A3B's router (128 experts, 8) and DeepSeek-V3's
+    (256 in 8 groups, 4 kept, 8) compiles for sm90."""
+    triton = pytest.importorskip("triton")
+    from tests.kernel_tools import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_route
+
+    kernel = triton_route._route_kernel
+    for consts in (
+        dict(TOPK=8, K=8, BLOCK_E=128, SIGMOID=False, HAS_BIAS=False, GROUPS=1, PER_GROUP=1,
+             TOPK_GROUP=1, NORM=True),
+        dict(TOPK=8, K=8, BLOCK_E=256, SIGMOID=True, HAS_BIAS=True, GROUPS=8, PER_GROUP=32,
+             TOPK_GROUP=4, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=64, SIGMOID=True, HAS_BIAS=True, GROUPS=1, PER_GROUP=1,
+             TOPK_GROUP=1, NORM=False),
+    ):  # fmt: skip
+        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
+        triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_route_kernel_replays_in_a_cuda_graph() -> None:
+    """DeepSeek-V3's grouped sigmoid router at batch 64 on CUDA: the kernel through
+    route's dispatch, eager = CUDA-graph replay, the same experts as the CPU reference."""
+    from pdserve.common.model.moe import route
+    from pdserve.common.model.moe_config import MoEConfig
+
+    moe = MoEConfig(intermediate_size=8, **ROUTERS["v3-grouped"])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 256, generator=gen) * 2).cuda()
+    bias = torch.randn(256, generator=gen).cuda()
+    eager_w, eager_ids = route(logits, moe, bias)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_w, out_ids = route(logits, moe, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_ids, eager_ids) and torch.equal(out_w, eager_w)
+    want_w, want_ids = route(logits.cpu(), moe, bias.cpu())
+    assert [sorted(r) for r in eager_ids.cpu().tolist()] == [sorted(r) for r in want_ids.tolist()]

@@ -37,7 +37,18 @@ def route(
     moe: MoEConfig,
     correction_bias: torch.Tensor | None = None,  # [E] DeepSeek's e_score_correction_bias
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k], expert ids [T, k] int64)
-    """The experts each token goes to and their weights, as transformers computes them."""
+    """The experts each token goes to and their weights, as transformers computes them
+    (on CUDA one Triton kernel, ``kernels.moe_route``; the same choice, the k in another
+    order)."""
+    sigmoid = moe.scoring == SIGMOID
+    scale = moe.routed_scaling_factor if sigmoid else 1.0
+    routed = kernels.moe_route(
+        logits, moe.top_k, moe.norm_topk_prob, sigmoid, correction_bias, moe.n_group,
+        moe.topk_group, scale,
+    )  # fmt: skip
+    if routed is not None:
+        weights, ids = routed
+        return (weights if sigmoid else weights.to(logits.dtype)), ids
     if moe.scoring == SIGMOID:
         return _route_grouped_sigmoid(logits.float(), moe, correction_bias)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
