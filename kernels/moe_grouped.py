@@ -80,8 +80,10 @@ def moe_experts(
         y = _rows_mm(h, down, expert)
     # rows past offs[-1] (other ranks' experts) were not computed: zero them, not scale them
     # (masked_fill, not torch.where with a Python 0: no host tensor inside a CUDA graph)
+    # (masked in y's dtype, then multiplied into float32 in the same pass: one [T*k, H] pass
+    # fewer than casting first; the values are the same)
     w = topk_weights.flatten()[order].float()
-    y = y.float().masked_fill(~valid[:, None], 0.0) * w[:, None]
+    y = y.masked_fill(~valid[:, None], 0.0) * w[:, None]
     # the k experts of a token summed in fp32: index_add_ adds in any order (atomics), and
     # bf16 sums would then round differently from one run (or graph replay) to the next
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
