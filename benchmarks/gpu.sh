@@ -238,7 +238,7 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     left() { echo $(( ${DEEPSEEK_BUDGET_S:-470} - ($(date +%s) - t0) )); }
     # the kernel paths' GPU tests: CUDA graphs = eager = reference
     timeout 100 python3 -m pytest -q -m gpu tests/test_moe_kernels.py tests/test_hyper_kernels.py \
-        tests/test_split_reduce.py tests/test_mla_kernels.py -k "not qwen3_moe" \
+        tests/test_split_reduce.py tests/test_mla_kernels.py tests/test_bench_cli.py -k "not qwen3_moe" \
         -p no:cacheprovider --durations=5 > "$OUT/deepseek_gpu_tests.txt" 2>&1 || rc=1
     tail -6 "$OUT/deepseek_gpu_tests.txt"
     # the MLA decode kernel alone, 128 heads, context 2048 (auto and fp8 caches)
