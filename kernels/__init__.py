@@ -394,13 +394,14 @@ def moe_route(
     logits: torch.Tensor,  # [T, E] router logits
     top_k: int,
     norm_topk_prob: bool,
-    sigmoid: bool,  # DeepSeek-V3's grouped sigmoid (else Qwen3-MoE's softmax)
+    scoring: str,  # "softmax" (Qwen3-MoE), "sigmoid" (DeepSeek-V3, grouped), "sqrtsoftplus" (V4)
     correction_bias: torch.Tensor | None,
-    n_group: int,
-    topk_group: int,
-    scale: float,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
+    hash_ids: torch.Tensor | None = None,  # [T, k]: the experts given (V4's hash layers)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (weights [T, k] fp32, ids [T, k] int64)
-    """The routing of common/model/moe.py ``route`` in one Triton kernel
+    """A router's top-k experts and weights in one Triton kernel
     (:mod:`pdserve.kernels.triton_route`) where the backend is Triton and the router fits
     it (at most 1024 experts; grouped: a power of two); None: the caller's torch route."""
     num_experts = logits.shape[1]
@@ -411,5 +412,6 @@ def moe_route(
     from pdserve.kernels import triton_route
 
     return triton_route.route(
-        logits, top_k, norm_topk_prob, sigmoid, correction_bias, n_group, topk_group, scale
-    )
+        logits, top_k, norm_topk_prob, scoring, correction_bias, n_group, topk_group, scale,
+        hash_ids,
+    )  # fmt: skip

@@ -354,7 +354,7 @@ def test_route_kernel_chooses_the_references_experts_and_weights(
     bias = torch.randn(moe.num_experts, generator=gen) if moe.scoring == "sigmoid" else None
     want_w, want_ids = route(logits, moe, bias)  # CPU: the torch reference
     got_w, got_ids = triton_route.route(
-        logits.to(route_device), moe.top_k, moe.norm_topk_prob, moe.scoring == "sigmoid",
+        logits.to(route_device), moe.top_k, moe.norm_topk_prob, moe.scoring,
         None if bias is None else bias.to(route_device), moe.n_group, moe.topk_group,
         moe.routed_scaling_factor if moe.scoring == "sigmoid" else 1.0,
     )  # fmt: skip
@@ -381,15 +381,19 @@ def test_route_kernel_compiles_for_hopper() -> None:
 
     kernel = triton_route._route_kernel
     for consts in (
-        dict(TOPK=8, K=8, BLOCK_E=128, SIGMOID=False, HAS_BIAS=False, GROUPS=1, PER_GROUP=1,
-             TOPK_GROUP=1, NORM=True),
-        dict(TOPK=8, K=8, BLOCK_E=256, SIGMOID=True, HAS_BIAS=True, GROUPS=8, PER_GROUP=32,
-             TOPK_GROUP=4, NORM=True),
-        dict(TOPK=6, K=8, BLOCK_E=64, SIGMOID=True, HAS_BIAS=True, GROUPS=1, PER_GROUP=1,
-             TOPK_GROUP=1, NORM=False),
+        dict(TOPK=8, K=8, BLOCK_E=128, SCORING=0, HASH=False, HAS_BIAS=False, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=8, K=8, BLOCK_E=256, SCORING=1, HASH=False, HAS_BIAS=True, GROUPS=8,
+             PER_GROUP=32, TOPK_GROUP=4, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=64, SCORING=1, HASH=False, HAS_BIAS=True, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=False),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=True, HAS_BIAS=False, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=False, HAS_BIAS=True, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
     ):  # fmt: skip
-        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
-                "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "hash_ptr": "*i64",
+                "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
         sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
         triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
 
@@ -415,3 +419,33 @@ def test_route_kernel_replays_in_a_cuda_graph() -> None:
     assert torch.equal(out_ids, eager_ids) and torch.equal(out_w, eager_w)
     want_w, want_ids = route(logits.cpu(), moe, bias.cpu())
     assert [sorted(r) for r in eager_ids.cpu().tolist()] == [sorted(r) for r in want_ids.tolist()]
+
+
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
+    """DeepSeek-V4's Gate (sqrt(softplus) scores, top-k on scores + bias or the hash
+    table's experts, weights over their sum times routed_scaling_factor) through the kernel
+    against its torch forward, float32, 256 experts, 6 a token."""
+    from pdserve.kernels import triton_route
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 256, generator=gen) * 3
+    logits[0, :8] = 30.0  # softplus's linear range
+    bias = torch.randn(256, generator=gen) * 0.1
+    table = torch.randint(0, 256, (40, 6), generator=gen)
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    ids = table if hash_layer else torch.topk(scores + bias, 6, dim=-1).indices
+    want = scores.gather(1, ids)
+    want = want / (want.sum(-1, keepdim=True) + 1e-20) * 1.5
+    got_w, got_ids = triton_route.route(
+        logits.to(route_device), 6, True, "sqrtsoftplus",
+        None if hash_layer else bias.to(route_device), scale=1.5,
+        hash_ids=table.to(route_device) if hash_layer else None,
+    )  # fmt: skip
+    if not hash_layer:  # the kernel's k in descending order: the reference's sorted too
+        order = got_ids.cpu().argsort(-1)
+        got_ids, got_w = got_ids.cpu().gather(1, order), got_w.cpu().gather(1, order)
+        ref = ids.argsort(-1)
+        ids, want = ids.gather(1, ref), want.gather(1, ref)
+    assert torch.equal(got_ids.cpu(), ids)
+    torch.testing.assert_close(got_w.cpu(), want, rtol=1e-4, atol=1e-6)  # log(1 + e^x): not log1p

@@ -101,9 +101,19 @@ class Gate(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k], expert ids [T, k])
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
-        if self.is_hash:
-            ids = self.tid2eid[input_ids].long()
+        from pdserve import kernels
+
+        logits = F.linear(x, self.weight)
+        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
+        routed = kernels.moe_route(  # on CUDA one kernel (kernels/triton_route.py)
+            logits, self.top_k, True, "sqrtsoftplus", None if self.is_hash else self.bias,
+            scale=self.factor, hash_ids=hashed,
+        )  # fmt: skip
+        if routed is not None:
+            return routed[0].to(x.dtype), routed[1]
+        scores = F.softplus(logits).sqrt()
+        if hashed is not None:
+            ids = hashed
         else:
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)

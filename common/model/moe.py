@@ -43,7 +43,7 @@ def route(
     sigmoid = moe.scoring == SIGMOID
     scale = moe.routed_scaling_factor if sigmoid else 1.0
     routed = kernels.moe_route(
-        logits, moe.top_k, moe.norm_topk_prob, sigmoid, correction_bias, moe.n_group,
+        logits, moe.top_k, moe.norm_topk_prob, moe.scoring, correction_bias, moe.n_group,
         moe.topk_group, scale,
     )  # fmt: skip
     if routed is not None:
