@@ -209,3 +209,39 @@ def test_floor_reads_v32_indexer_keys_and_selected_latents() -> None:
     assert context_bytes(c, 10000) == pytest.approx(10000 * 4 * 256 + 2048 * 4 * 1152)
     dense = Ceilings(0.0, 0.0, 0, per_token, 0, 0, 0)  # no terms: every row
     assert context_bytes(dense, 100) == 100 * per_token
+
+
+def test_bench_engine_on_a_tiny_v4_shape_counts_its_experts_and_cache_reads(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``random_shape_model`` of a V4 shape (here V4-Flash's config at RANDOM_V4's sizes, 3
+    layers: window, CSA, HCA), written once, then ``bench engine`` on CPU: the experts-read
+    column counts V4MoE's experts (batch 1: 2 a layer, 3 layers, 2 of them hash-routed), the
+    floor counts V4's
+    cache reads (context_terms) and the touched experts' bytes (8 experts of 3 x 32 x 64)."""
+    from pdserve.cli.main import main
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(rs.CONFIG_SHAPES, "tiny-v4", {**rs.DEEPSEEK_V4_FLASH, **TINY["dsv4-flash"]})
+    path = rs.random_shape_model("tiny-v4", num_layers=3, dtype="float32", tokenizer_from=model_dir)
+    written = (path / "config.json").stat().st_mtime_ns
+    again = rs.random_shape_model(
+        "tiny-v4", num_layers=3, dtype="float32", tokenizer_from=model_dir
+    )
+    assert again == path and (path / "config.json").stat().st_mtime_ns == written
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["layer_types"] == [
+        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+    ]  # fmt: skip
+    out = tmp_path / "engine.json"
+    args = ["bench", "engine", "--model", str(path), "--prompt-len", "40", "--gen-len", "4"]
+    assert main([*args, "--batch-sizes", "1", "--no-hf", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    c = payload["config"]["ceilings"]
+    assert c["expert_bytes"] == 3 * 32 * 64 * 4
+    assert c["routed_expert_bytes"] == 3 * 8 * c["expert_bytes"]
+    assert len(c["context_terms"]) == 4  # window rows; CSA keys and entries; HCA entries
+    (row,) = payload["rows"]
+    # 2 a layer, less where a hash layer's random table gives a token one expert twice
+    assert 2 + 2 * 1 <= row["experts_touched"] <= 2 * 3
+    assert row["decode_floor_ms"] > 0

@@ -161,6 +161,24 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def group_blocks(model: str | None, tokens: int, chunk: int, block_size: int) -> int:
+    """The blocks a sequence of ``tokens`` holds at most over the model's KV cache groups
+    (common/engine/kv_groups.py: DeepSeek-V4's window of every layer plus its compressed
+    entries, sliding layers' windows), prefilled ``chunk`` tokens a step; 0 where the
+    checkpoint's config cannot be read here (a GGUF file, the embedded default)."""
+    from pdserve.common.engine.kv_groups import cache_groups
+    from pdserve.common.errors import ModelLoadError
+    from pdserve.common.model.config import ModelConfig
+
+    if model is None or not (Path(model) / "config.json").is_file():
+        return 0
+    try:
+        cfg = ModelConfig.from_dir(Path(model))
+    except ModelLoadError:
+        return 0
+    return sum(g.max_blocks(tokens, block_size, chunk) for g in cache_groups(cfg))
+
+
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
@@ -175,7 +193,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         spec = spec_config_of(args)
         # the drafts' slots, and the repeat workload's prompts run a little past prompt_len
         extra = spec.num_speculative_tokens + (args.prompt_len if args.workload == "repeat" else 0)
-    blocks_per_seq = -(-(args.prompt_len + args.gen_len + extra) // block_size)
+    tokens = args.prompt_len + args.gen_len + extra
+    blocks_per_seq = max(
+        -(-tokens // block_size), group_blocks(args.model, tokens, args.prompt_len, block_size)
+    )
     config = EngineConfig(
         model=args.model,
         device=args.device,
