@@ -39,6 +39,13 @@
 #                 parts in that priority, each skipped when $PD_BUDGET_S (default 540) cannot
 #                 hold it ($PD_PARTS=order-b,split,...: only those); then
 #                 benchmarks/pd_one_gpu.py's tables
+#   deepseek-speed  #47 in <= 8 min: the GPU tests of its kernel paths (grouped MoE clamped,
+#                 hyper-connections, split reduce with sinks, MLA), the MLA decode kernel alone,
+#                 bench engine step/floor at 30b-a3b full depth (b1/16/64), dsv3 MLA auto and
+#                 fp8 (b64), dsv4-flash and dsv32 (skipped where main lacks their CUDA
+#                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py)
+#   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
+#                 by kernel of one decode step): 30b-a3b's layer at batch 1 and 64, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -79,8 +86,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
-case "$*" in gpu-tests|pick|"gpu-tests pick"|"pick gpu-tests") needs_1b=0 ;; esac
-[ "$*" = pd-one-gpu ] && needs_1b=0
+case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile) needs_1b=0 ;; esac
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -292,6 +298,57 @@ suite_mla-speed() {
     return $rc
 }
 
+suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends within ~8 min
+    local t0 rc=0 left
+    t0=$(date +%s)
+    left() { echo $(( ${DEEPSEEK_BUDGET_S:-470} - ($(date +%s) - t0) )); }
+    # the kernel paths' GPU tests: CUDA graphs = eager = reference
+    timeout 100 python3 -m pytest -q -m gpu tests/test_moe_kernels.py tests/test_hyper_kernels.py \
+        tests/test_split_reduce.py tests/test_mla_kernels.py tests/test_bench_cli.py -k "not qwen3_moe" \
+        -p no:cacheprovider --durations=5 > "$OUT/deepseek_gpu_tests.txt" 2>&1 || rc=1
+    tail -6 "$OUT/deepseek_gpu_tests.txt"
+    # the MLA decode kernel alone, 128 heads, context 2048 (auto and fp8 caches)
+    timeout 40 python3 benchmarks/mla_decode.py --batch-sizes 1,64 > "$OUT/mla_decode.txt" 2>&1
+    tail -8 "$OUT/mla_decode.txt"
+    bench() {  # NAME SECONDS ARGS...: one bench engine run, skipped when the budget is spent
+        local name=$1 limit=$2; shift 2
+        local room; room=$(left)
+        [ "$room" -lt 40 ] && { stamp "$name: skipped, ${room} s left"; return 0; }
+        [ "$room" -lt "$limit" ] && limit=$room
+        stamp "$name (<= ${limit} s)"
+        timeout "$limit" python3 -m pdserve bench engine --tokenizer /tmp/tokmodel --device cuda \
+            --dtype bfloat16 --no-hf --gen-len 32 --repeats 1 "$@" \
+            --json "$OUT/engine_${name}.json" 2>"$OUT/engine_${name}_err.txt" | tail -7
+        local code=${PIPESTATUS[0]}
+        if [ "$code" = 2 ] && grep -q "needs kernels" "$OUT/engine_${name}_err.txt"; then
+            stamp "$name: skipped, $(grep -o 'needs kernels[^:]*' "$OUT/engine_${name}_err.txt" | head -1)"
+        elif [ "$code" != 0 ]; then
+            rc=1; tail -3 "$OUT/engine_${name}_err.txt"
+        fi
+        rm -rf "$PDSERVE_CACHE_DIR"/random/*"$name"* 2>/dev/null  # sparse, but page cache
+    }
+    bench 30b-a3b-full 160 --shape 30b-a3b-full --prompt-len 512 --batch-sizes 1,16,64
+    bench dsv3_auto 80 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype auto
+    bench dsv3_fp8 60 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype fp8
+    bench dsv4-flash 120 --shape dsv4-flash --prompt-len 2048 --batch-sizes 1,64
+    bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64
+    bench v2-lite 90 --shape v2-lite --prompt-len 512 --batch-sizes 1,64
+    python3 benchmarks/floor_table.py "$OUT"/engine_30b-a3b-full.json "$OUT"/engine_dsv3_*.json \
+        "$OUT"/engine_dsv4-flash.json "$OUT"/engine_dsv32.json "$OUT"/engine_v2-lite.json \
+        --json "$OUT/deepseek_speed.json" | tee "$OUT/deepseek_speed.md"
+    return $rc
+}
+
+suite_deepseek-profile() {  # issue #47: where the decode step's time goes, kernel by kernel
+    for args in "--shape 30b-a3b --batch 1 --context 512" "--shape 30b-a3b --batch 64 --context 512" \
+        "--shape dsv3 --batch 64 --context 2048"; do
+        # shellcheck disable=SC2086
+        timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
+            --steps 10 --kernels --tokenizer /tmp/tokmodel 2>&1 | grep -v "^20" \
+            | tee -a "$OUT/deepseek_profile.txt" | head -60
+    done
+}
+
 SELF_SPEC='{"method": "draft_model", "model": "self", "num_speculative_tokens": 5}'
 NGRAM_SPEC='{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 suite_spec() {
@@ -314,7 +371,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

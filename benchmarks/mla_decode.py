@@ -9,7 +9,8 @@ shape, auto (bf16 latent) against fp8_ds_mla (656-byte records) caches, on one G
 Per (cache, batch): the kernel's time (triton.testing.do_bench, median), the bytes of
 latent it must read (batch x context x bytes a token) over that time, and the largest
 difference from the torch reference over the same cache (relative to its largest value).
-``--sweep`` overrides ``decode_launch`` to time every (BLOCK_N, num_warps) that compiles.
+``--sweep`` overrides ``decode_launch`` and ``decode_heads`` to time every (BLOCK_H, BLOCK_N,
+num_warps) that compiles.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def main() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         interpreter._patch_lang_tensor = patched
-    launch = triton_mla.decode_launch
+    launch, heads = triton_mla.decode_launch, triton_mla.decode_heads
     print(f"heads {args.heads}  latent {args.latent}  rope {args.rope}  context {args.context}  "
           f"{args.dtype}  {args.device}")  # fmt: skip
-    print("cache  batch  BLOCK_N  warps  us  GB/s  max |diff| / max |ref|")
+    print("cache  batch  BLOCK_H  BLOCK_N  warps  us  GB/s  max |diff| / max |ref|")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         per_seq = -(-args.context // block)
         tables = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, -1)
@@ -92,11 +93,14 @@ def main() -> None:
                 scale, args.latent,
             )  # fmt: skip
             ds = cache_dtype == "fp8"
-            configs = [launch(ds, dtype, block)]
+            configs = [(heads(ds, dtype), *launch(ds, dtype, block))]
             if args.sweep:
-                configs += [(n, w) for n in (16, 32, 64) if n <= block for w in (4, 8)]
-            for block_n, warps in dict.fromkeys(configs):
+                configs += [
+                    (h, n, w) for h in (16, 32) for n in (16, 32, 64) if n <= block for w in (4, 8)
+                ]
+            for block_h, block_n, warps in dict.fromkeys(configs):
                 triton_mla.decode_launch = lambda *_, c=(block_n, warps): c  # type: ignore[misc]
+                triton_mla.decode_heads = lambda *_, h=block_h: h  # type: ignore[misc]
                 try:
                     out = triton_mla.mla_decode_attention(
                         q, cache, lens, tables, scale, args.latent
@@ -106,13 +110,16 @@ def main() -> None:
                     )
                     ms = _bench(run, dev)
                 except Exception as e:  # noqa: BLE001 - a config over the GPU's resources
-                    print(f"{cache_dtype:5s}  {batch:5d}  {block_n:7d}  {warps:5d}  {e!r:.80}")
+                    print(
+                        f"{cache_dtype:5s}  {batch:5d}  {block_h:7d}  {block_n:7d}  {warps:5d}  "
+                        f"{e!r:.80}"
+                    )
                     continue
                 finally:
-                    triton_mla.decode_launch = launch
+                    triton_mla.decode_launch, triton_mla.decode_heads = launch, heads
                 diff = float((out.float() - want).abs().max() / want.abs().max())
                 gbps = batch * args.context * token_bytes / (ms * 1e-3) / 1e9
-                print(f"{cache_dtype:5s}  {batch:5d}  {block_n:7d}  {warps:5d}  {ms * 1e3:8.1f}  "
+                print(f"{cache_dtype:5s}  {batch:5d}  {block_h:7d}  {block_n:7d}  {warps:5d}  {ms * 1e3:8.1f}  "
                       f"{gbps:6.0f}  {diff:.1e}")  # fmt: skip
 
 

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from pdserve.kernels import (  # noqa: E402
     cpu_native,
+    hyper_ref,
     indexer_ref,
     mla_reference,
     moe_ref,
@@ -66,11 +67,14 @@ __all__ = [
     "backend_name",
     "decode_attention",
     "decode_splits",
+    "hyper_collapse",
+    "hyper_mix",
     "indexer_topk",
     "mla_decode_attention",
     "mla_decode_splits",
     "prepare_cpu",
     "moe_experts",
+    "moe_route",
     "prefill_attention",
     "rms_norm",
     "rotary",
@@ -172,7 +176,11 @@ def rotary(
     return _pointwise(q.device).rotary(q, k, cos, sin)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+def silu_and_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up; with ``limit`` the gate clamped above and
+    the up on both sides at it first (DeepSeek-V4's experts)."""
+    if limit is not None:
+        return _pointwise(gate_up.device).silu_and_mul(gate_up, limit)
     if _native_pointwise(gate_up.device):
         out = cpu_native.silu_and_mul(gate_up)
         if out is not None:
@@ -338,6 +346,7 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H] this rank's experts
     down: torch.Tensor,  # [E, H, I]
     first_expert: int = 0,  # global id of this rank's expert 0
+    limit: float | None = None,  # DeepSeek-V4: gate and up clamped at it (swiglu_limit)
 ) -> torch.Tensor:  # [T, H]: sum over this rank's experts of weight * expert(x)
     """Routed experts: on CUDA (bf16, sm90+) tokens sorted by expert and one grouped GEMM
     per projection (:mod:`pdserve.kernels.moe_grouped`); elsewhere, or with
@@ -346,8 +355,73 @@ def moe_experts(
         from pdserve.kernels import moe_grouped
 
         if moe_grouped.available(x, gate_up):
-            return moe_grouped.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)
-    return moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert)
+            return moe_grouped.moe_experts(
+                x, topk_ids, topk_weights, gate_up, down, first_expert, limit
+            )
+    return moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert, limit)
+
+
+def hyper_mix(
+    streams: torch.Tensor,  # [T, n, hidden]
+    fn: torch.Tensor,  # [(2 + n) * n, n * hidden]
+    base: torch.Tensor,  # [(2 + n) * n]
+    scale: torch.Tensor,  # [3]
+    eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # post [T, n], comb [T, n, n], input
+    """DeepSeek-V4's hyper-connection weights and the block's input
+    (:mod:`pdserve.kernels.hyper_ref`): on CUDA one Triton kernel
+    (:mod:`pdserve.kernels.triton_hyper`), elsewhere the reference, op for op as
+    transformers."""
+    if backend_name(streams.device) == "triton":
+        from pdserve.kernels import triton_hyper
+
+        return triton_hyper.mix(streams, fn, base, scale, eps, hc_eps, sinkhorn_iters)
+    return hyper_ref.mix(streams, fn, base, scale, eps, hc_eps, sinkhorn_iters)
+
+
+def hyper_collapse(
+    streams: torch.Tensor,  # [T, n, hidden]
+    fn: torch.Tensor,  # [n, n * hidden]
+    base: torch.Tensor,  # [n]
+    scale: torch.Tensor,  # [1]
+    eps: float,
+    hc_eps: float,
+) -> torch.Tensor:  # [T, hidden]
+    """DeepSeek-V4's head collapse of the streams (as :func:`hyper_mix`)."""
+    if backend_name(streams.device) == "triton":
+        from pdserve.kernels import triton_hyper
+
+        return triton_hyper.collapse(streams, fn, base, scale, eps, hc_eps)
+    return hyper_ref.collapse(streams, fn, base, scale, eps, hc_eps)
+
+
+def moe_route(
+    logits: torch.Tensor,  # [T, E] router logits
+    top_k: int,
+    norm_topk_prob: bool,
+    scoring: str,  # "softmax" (Qwen3-MoE), "sigmoid" (DeepSeek-V3, grouped), "sqrtsoftplus" (V4)
+    correction_bias: torch.Tensor | None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
+    hash_ids: torch.Tensor | None = None,  # [T, k]: the experts given (V4's hash layers)
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (weights [T, k] fp32, ids [T, k] int64)
+    """A router's top-k experts and weights in one Triton kernel
+    (:mod:`pdserve.kernels.triton_route`) where the backend is Triton and the router fits
+    it (at most 1024 experts; grouped: a power of two); None: the caller's torch route."""
+    num_experts = logits.shape[1]
+    if backend_name(logits.device) != "triton" or num_experts > 1024:
+        return None
+    if n_group > 1 and (num_experts & (num_experts - 1) or num_experts % n_group):
+        return None
+    from pdserve.kernels import triton_route
+
+    return triton_route.route(
+        logits, top_k, norm_topk_prob, scoring, correction_bias, n_group, topk_group, scale,
+        hash_ids,
+    )  # fmt: skip
 
 
 def indexer_topk(

@@ -59,6 +59,7 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     down: torch.Tensor,  # [E, H, I]
     first_expert: int = 0,
+    limit: float | None = None,  # DeepSeek-V4's swiglu_limit (kernels.silu_and_mul)
 ) -> torch.Tensor:  # [T, H]
     from pdserve import kernels
 
@@ -69,18 +70,20 @@ def moe_experts(
     # [E, 2I, H] viewed [E, H, 2I] (column-major B, what the grouped GEMM wants)
     if x.dtype == torch.bfloat16 or not _capturing(x):
         h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-        h = kernels.silu_and_mul(h)  # [T*k, I]
+        h = kernels.silu_and_mul(h, limit)  # [T*k, I]
         y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T*k, H]
     else:
         # float32's grouped GEMM is torch's fallback, which reads offs on the host: inside
         # a CUDA graph (decode) each row multiplies by its own expert's gathered weights
         expert = (topk_ids.flatten()[order] - first_expert).clamp(0, gate_up.shape[0] - 1)
-        h = kernels.silu_and_mul(_rows_mm(xs, gate_up, expert))
+        h = kernels.silu_and_mul(_rows_mm(xs, gate_up, expert), limit)
         y = _rows_mm(h, down, expert)
     # rows past offs[-1] (other ranks' experts) were not computed: zero them, not scale them
     # (masked_fill, not torch.where with a Python 0: no host tensor inside a CUDA graph)
+    # (masked in y's dtype, then multiplied into float32 in the same pass: one [T*k, H] pass
+    # fewer than casting first; the values are the same)
     w = topk_weights.flatten()[order].float()
-    y = y.float().masked_fill(~valid[:, None], 0.0) * w[:, None]
+    y = y.masked_fill(~valid[:, None], 0.0) * w[:, None]
     # the k experts of a token summed in fp32: index_add_ adds in any order (atomics), and
     # bf16 sums would then round differently from one run (or graph replay) to the next
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)

@@ -20,6 +20,7 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     down: torch.Tensor,  # [E, H, I]
     first_expert: int = 0,
+    limit: float | None = None,  # DeepSeek-V4's swiglu_limit: gate clamped above, up both sides
 ) -> torch.Tensor:  # [T, H], the weighted sum over this rank's experts
     out = torch.zeros_like(x)
     num_local = gate_up.shape[0]
@@ -29,6 +30,8 @@ def moe_experts(
     for expert in hit:
         slot, token = torch.where(mask == expert)
         gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         y = F.linear(F.silu(gate) * up, down[expert])
         y = y * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))

@@ -43,6 +43,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+def silu_and_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[T, 2I] -> [T, I]; with ``limit`` (DeepSeek-V4's experts) the gate clamped above
+    and the up projection on both sides at it first."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up

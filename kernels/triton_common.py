@@ -29,11 +29,21 @@ q's dtype); q is then never cast to the cache dtype, the dots run in q's dtype.
 
 Constraints: head_dim and block_size must be powers of two >= 16 (``tl.arange`` needs
 powers of two, ``tl.dot`` needs an inner dimension >= 16).
+
+Split-K decode (flash decoding), shared by ``triton_decode.py`` and ``triton_mla.py``: a
+program of (sequence, head tile, split) walks one run of the context's blocks and either
+finishes its rows (``finish_rows``: one split) or stores its partial softmax
+(``store_partials``: running max and sum in base 2, unnormalised output, fp32) for
+``reduce_splits``, which merges a sequence's splits at their common max in split order.
+Either end may add an attention sink: a per-head logit (natural-log units) that joins the
+softmax's denominator and no value (DeepSeek-V4's ``sinks``, gpt-oss's). How many splits:
+``decode_splits_for``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -42,6 +52,7 @@ import triton.language as tl
 from pdserve.kernels.fp8 import is_fp8
 
 _LOG2E = 1.4426950408889634
+MAX_DECODE_SPLITS = 32
 
 
 @triton.jit
@@ -149,3 +160,134 @@ def _device_guard(t: torch.Tensor):
 def compute_dtype(q: torch.Tensor, layer_cache: torch.Tensor) -> torch.dtype:
     """The dtype the dots run in: the cache's, or q's when the cache is fp8 (dequantized)."""
     return q.dtype if is_fp8(layer_cache.dtype) else layer_cache.dtype
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits_for(tiles: int, device: torch.device) -> int:
+    """Splits of each of a decode step's ``tiles`` programs ((sequence, head tile) pairs)
+    so that about two programs run per SM (flash decoding, for small batches), 1 once the
+    tiles alone fill the GPU. The split changes the summation order, so a step and its
+    CUDA-graph replay must ask with the same (padded) batch size
+    (common/engine/model_runner.py does). Off CUDA (the interpreter) 1: tests pass theirs."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = triton.cdiv(2 * _num_sms(index), max(1, tiles))
+    return max(1, min(MAX_DECODE_SPLITS, wanted))
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i, sink, HAS_SINK: tl.constexpr):
+    """The output rows of one split-free program: ``acc / l``, a row that saw nothing left
+    at 0; with a sink (``sink``: [rows] logits in base-2 units, scale not applied) its
+    ``exp2(sink - m)`` joins the denominator."""
+    if HAS_SINK:
+        l_i = l_i + tl.exp2(sink - m_i)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def store_partials(part_acc_ptr, part_ml_ptr, seq, heads, split, d, acc, m_i, l_i, ok,
+                   stride_as, stride_ah, stride_ap, stride_ms, stride_mh, stride_mp):  # fmt: skip
+    # One split's rows [H_t, D] of unnormalised output and their running max and sum. An
+    # empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing in the reduce.
+    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+    tl.store(acc_ptrs + split * stride_ap, acc, mask=ok[:, None])
+    ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh + split * stride_mp
+    tl.store(ml_ptrs, m_i, mask=ok)
+    tl.store(ml_ptrs + 1, l_i, mask=ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [S, H, D]
+    part_acc_ptr,  # [S, H, SPLITS, D] fp32
+    part_ml_ptr,  # [S, H, SPLITS, 2] fp32
+    sinks_ptr,  # [H] fp32 (read when HAS_SINK)
+    num_heads,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # SPLITS rounded up to a power of two
+    HAS_SINK: tl.constexpr,
+):
+    # One program per (sequence, BLOCK_H heads): every split's max and sum loaded as one
+    # [H_t, P] tile, then the splits' outputs added in split order, each an independent
+    # load (unrolled: no chain of dependent loads, which left a batch of 1 at 11 us a layer
+    # on the H200 when a program looped over its splits rescaling as it went).
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, HEAD_DIM)
+    ml_ptrs = part_ml_ptr + seq * stride_ms + heads[:, None] * stride_mh + p[None, :] * stride_mp
+    ok = h_ok[:, None] & (p < SPLITS)[None, :]
+    m_p = tl.load(ml_ptrs, mask=ok, other=-1.0e30)  # [H_t, P] each split's max (base 2)
+    l_p = tl.load(ml_ptrs + 1, mask=ok, other=0.0)  # [H_t, P] each split's sum
+    m = tl.max(m_p, axis=1)
+    if HAS_SINK:
+        sink = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    alpha = tl.exp2(m_p - m[:, None])
+    total = tl.sum(alpha * l_p, axis=1)
+    if HAS_SINK:
+        total += tl.exp2(sink - m)
+    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for q in tl.static_range(SPLITS):
+        a_q = tl.sum(tl.where(p[None, :] == q, alpha, 0.0), axis=1)  # [H_t] split q's weight
+        acc += a_q[:, None] * tl.load(acc_ptrs + q * stride_ap, mask=h_ok[:, None], other=0.0)
+    # A context of 0 sees nothing: its splits sum to 0 and it keeps acc = 0.
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def reduce_splits(
+    out: torch.Tensor,  # [S, H, D], fully overwritten
+    part_acc: torch.Tensor,  # [S, H, SPLITS, D] fp32
+    part_ml: torch.Tensor,  # [S, H, SPLITS, 2] fp32
+    sinks: torch.Tensor | None = None,  # [H] per-head sink logits (natural-log units)
+    block_h: int = 16,
+) -> None:
+    """Merge each sequence's split partials into ``out`` (and a sink per head)."""
+    num_seqs, num_heads, splits, head_dim = part_acc.shape
+    block_h = min(block_h, triton.next_power_of_2(num_heads))
+    with _device_guard(out):
+        _reduce_splits_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
+            out,
+            part_acc,
+            part_ml,
+            part_ml if sinks is None else sinks,
+            num_heads,
+            *out.stride(),
+            *part_acc.stride()[:3],
+            *part_ml.stride()[:3],
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            SPLITS=splits,
+            BLOCK_P=triton.next_power_of_2(splits),
+            HAS_SINK=sinks is not None,
+        )
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` as the kernels read them: [H] float32, contiguous."""
+    if sinks is None:
+        return None
+    assert sinks.shape == (num_heads,), f"sinks must be [{num_heads}], got {tuple(sinks.shape)}"
+    return sinks.float().contiguous()

@@ -1,22 +1,27 @@
-"""The Triton decode kernel (flash-decoding over splits of the context) and its reduction;
+"""The Triton decode kernel (flash-decoding over splits of the context; the splits'
+reduction and their number shared with the MLA decode in kernels/triton_common.py);
 layouts, softmax and fp8 handling as in kernels/triton_common.py."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels.fp8 import is_fp8
-from pdserve.kernels.triton_common import (
+from pdserve.kernels.triton_common import (  # noqa: F401 - MAX_DECODE_SPLITS: re-exported
     _INTERPRETED,
     _LOG2E,
+    MAX_DECODE_SPLITS,
     _attend_block,
     _check_attention,
     _device_guard,
+    check_sinks,
     compute_dtype,
+    decode_splits_for,
+    finish_rows,
+    reduce_splits,
+    store_partials,
 )
 
 
@@ -29,6 +34,7 @@ def _decode_kernel(
     block_tables_ptr,  # [S, max_blocks]
     part_acc_ptr,  # [S, H_q, SPLITS, D] fp32: each split's unnormalised output
     part_ml_ptr,  # [S, H_q, SPLITS, 2] fp32: each split's running max and sum
+    sinks_ptr,  # [H_q] fp32 per-head sink logits (read when HAS_SINK and SPLITS == 1)
     qk_scale,  # scale * log2(e)
     k_scale,  # fp8 caches: K = stored * k_scale
     v_scale,
@@ -60,6 +66,7 @@ def _decode_kernel(
     SPLITS: tl.constexpr,  # programs per (sequence, kv head)
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     # Program (sequence, kv head, split): the GROUP q heads that share the kv head are the
     # rows of one tile, so each K/V block is read once per kv head. With SPLITS > 1 the
@@ -125,79 +132,23 @@ def _decode_kernel(
             UPCAST,
         )
 
-    if SPLITS > 1:  # an empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing
-        acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + d[None, :]
-        tl.store(acc_ptrs + split * stride_ap, acc, mask=g_ok[:, None])
-        ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh + split * stride_mp
-        tl.store(ml_ptrs, m_i, mask=g_ok)
-        tl.store(ml_ptrs + 1, l_i, mask=g_ok)
+    if SPLITS > 1:
+        store_partials(part_acc_ptr, part_ml_ptr, seq, heads, split, d, acc, m_i, l_i, g_ok,
+                       stride_as, stride_ah, stride_ap, stride_ms, stride_mh, stride_mp)  # fmt: skip
     else:
         # A padding row (g >= GROUP) or a context of 0 sees nothing and keeps acc = 0.
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
+        sink = m_i
+        if HAS_SINK:
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
+        out = finish_rows(acc, m_i, l_i, sink, HAS_SINK)
         o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    out_ptr,  # [S, H_q, D]
-    part_acc_ptr,  # [S, H_q, SPLITS, D] fp32
-    part_ml_ptr,  # [S, H_q, SPLITS, 2] fp32
-    stride_os,
-    stride_oh,
-    stride_od,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_P: tl.constexpr,  # SPLITS rounded up to a power of two
-):
-    # One program per (sequence, query head): every split's partial softmax loaded as one
-    # [SPLITS, D] tile and merged at their common max. (One program per KV head looping over
-    # the splits left a batch of 1 eight programs of 32 dependent loads: 11 us a layer on
-    # the H200, three times the decode kernel it follows.)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    p = tl.arange(0, BLOCK_P)
-    p_ok = p < SPLITS
-    d = tl.arange(0, HEAD_DIM)
-    ml_ptrs = part_ml_ptr + seq * stride_ms + head * stride_mh + p * stride_mp
-    m_p = tl.load(ml_ptrs, mask=p_ok, other=-1.0e30)  # [P] each split's max (log2 units)
-    l_p = tl.load(ml_ptrs + 1, mask=p_ok, other=0.0)  # [P] each split's sum
-    alpha = tl.exp2(m_p - tl.max(m_p, axis=0))
-    total = tl.sum(alpha * l_p, axis=0)
-    acc_ptrs = part_acc_ptr + seq * stride_as + head * stride_ah + p[:, None] * stride_ap
-    acc = tl.load(acc_ptrs + d[None, :], mask=p_ok[:, None], other=0.0)  # [P, D]
-    out = tl.sum(alpha[:, None] * acc, axis=0)
-    # A context of 0 sees nothing: its splits sum to 0 and it keeps acc = 0.
-    out = out / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty))  # fmt: skip
-
-
-MAX_DECODE_SPLITS = 32
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Programs per (sequence, kv head) for a decode step of ``num_seqs`` sequences: enough
-    for two programs per SM (flash-decoding at small batches), 1 once the batch fills the
-    GPU. The split changes the summation order, so a step and its CUDA-graph replay must
-    ask with the same (padded) batch size (common/engine/model_runner.py does)."""
-    if device.type != "cuda":  # Triton's interpreter (tests pass num_splits themselves)
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = triton.cdiv(2 * _num_sms(index), max(1, num_seqs * num_kv_heads))
-    return max(1, min(MAX_DECODE_SPLITS, wanted))
+    """Programs per (sequence, kv head) for a decode step of ``num_seqs`` sequences
+    (``triton_common.decode_splits_for``)."""
+    return decode_splits_for(num_seqs * num_kv_heads, device)
 
 
 def _decode_into(
@@ -211,6 +162,7 @@ def _decode_into(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     group, num_kv_heads, block_size, head_dim = _check_attention(q, layer_cache, sliding_window)
     assert out.shape == q.shape, f"out must be shaped like q {tuple(q.shape)}: {tuple(out.shape)}"
@@ -219,6 +171,7 @@ def _decode_into(
     if num_seqs == 0:
         return
     splits = num_splits or decode_splits(num_seqs, num_kv_heads, q.device)
+    sinks = check_sinks(sinks, q.shape[1])
     q = q.to(compute_dtype(q, layer_cache))
     context_lens = context_lens.contiguous()
     # [S, H_q, SPLITS, D] and [S, H_q, SPLITS, 2]; unused (never written) when SPLITS == 1
@@ -236,6 +189,7 @@ def _decode_into(
             block_tables,
             part_acc,
             part_ml,
+            part_ml if sinks is None else sinks,
             scale * _LOG2E,
             k_scale,
             v_scale,
@@ -252,19 +206,10 @@ def _decode_into(
             SPLITS=splits,
             FP8=is_fp8(layer_cache.dtype),
             UPCAST=_INTERPRETED,
+            HAS_SINK=sinks is not None,
         )
-        if splits > 1:
-            _decode_reduce_kernel[(num_seqs, q.shape[1])](
-                out,
-                part_acc,
-                part_ml,
-                *out.stride(),
-                *part_acc.stride()[:3],
-                *part_ml.stride()[:3],
-                HEAD_DIM=head_dim,
-                SPLITS=splits,
-                BLOCK_P=triton.next_power_of_2(splits),
-            )
+    if splits > 1:
+        reduce_splits(out, part_acc, part_ml, sinks, block_h=1)
 
 
 def decode_attention(
@@ -277,6 +222,7 @@ def decode_attention(
     num_splits: int | None = None,  # None: decode_splits() for this batch
     k_scale: float = 1.0,  # fp8 caches: K = stored * k_scale
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [H_q] per-head sink logits (DeepSeek-V4, gpt-oss)
 ) -> torch.Tensor:  # [S, H_q, D]
     out = torch.empty_like(q)
     _decode_into(
@@ -290,5 +236,6 @@ def decode_attention(
         num_splits,
         k_scale,
         v_scale,
+        sinks,
     )
     return out

@@ -9,9 +9,16 @@ over those scores applied to the rows' latent parts (LATENT values).
 ``_mla_decode_kernel``: one program per (sequence, BLOCK_H query heads, split). The heads
 of the tile are the rows of ``tl.dot``, so each latent row is read once per BLOCK_H heads
 (DeepSeek-V3: 128 heads, 8 reads per step at BLOCK_H = 16, against 128 for per-head K/V).
+The head tiles are the grid's fastest axis, then the splits, then the sequences: the 8
+programs that read the same rows are launched side by side and run together, so the rows
+come from memory once and from L2 the other 7 times. (With the sequence fastest, as
+before, a batch of 64 ran the programs of one head tile for every sequence at once, and
+read every latent row from memory 8 times: at DeepSeek-V3's shape, context 2048, 287 us a
+layer on the H200 where its 151 MB take 31.)
 Scores in fp32, online softmax in base 2 (``scale * log2(e)`` folded in), accumulated in
 fp32. With SPLITS > 1 the sequence's blocks are cut into SPLITS equal runs (flash
-decoding), each run's partial softmax merged by ``_mla_reduce_kernel`` in split order; the
+decoding), each run's partial softmax merged by ``triton_common.reduce_splits`` in split
+order (with DeepSeek-V4's per-head sinks, optionally); the
 cut depends on the context length and SPLITS only, so an eager step and a CUDA-graph replay
 that pass the same ``num_splits`` agree bit for bit.
 
@@ -34,8 +41,16 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import fp8_ds_mla
-from pdserve.kernels.triton_common import _LOG2E, _device_guard, _is_pow2
-from pdserve.kernels.triton_decode import MAX_DECODE_SPLITS, _num_sms
+from pdserve.kernels.triton_common import (
+    _LOG2E,
+    _device_guard,
+    _is_pow2,
+    check_sinks,
+    decode_splits_for,
+    finish_rows,
+    reduce_splits,
+    store_partials,
+)
 from pdserve.kernels.triton_mla_fp8 import load_ds_mla, record_rope, write_ds_mla
 
 BLOCK_H = 16  # query heads per program: the rows of tl.dot (>= 16)
@@ -82,6 +97,7 @@ def _mla_decode_kernel(
     block_tables_ptr,  # [S, max_blocks]
     part_acc_ptr,  # [S, H, SPLITS, LATENT] fp32
     part_ml_ptr,  # [S, H, SPLITS, 2] fp32
+    sinks_ptr,  # [H] fp32 per-head sink logits (read when HAS_SINK and SPLITS == 1)
     qk_scale,  # scale * log2(e)
     num_heads,
     stride_qs,
@@ -110,11 +126,13 @@ def _mla_decode_kernel(
     UPCAST: tl.constexpr,
     DS_MLA: tl.constexpr,  # uint8 cache of fp8_ds_mla records (stride_cd is 1: bytes)
     TILE: tl.constexpr,  # DS_MLA: latent values per scale
+    HAS_SINK: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H_t]
+    # grid (head tiles, splits, sequences): the tiles reading the same rows side by side
+    heads = tl.program_id(0).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H_t]
     h_ok = heads < num_heads
-    split = tl.program_id(2)
+    split = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
 
     dl = tl.arange(0, LATENT)
@@ -169,58 +187,16 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
             m_i = m_new
 
-    if SPLITS > 1:  # an empty split stores m = -1e30, l = 0, acc = 0: it weighs nothing
-        acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + dl[None, :]
-        tl.store(acc_ptrs + split * stride_ap, acc, mask=h_ok[:, None])
-        ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh + split * stride_mp
-        tl.store(ml_ptrs, m_i, mask=h_ok)
-        tl.store(ml_ptrs + 1, l_i, mask=h_ok)
+    if SPLITS > 1:
+        store_partials(part_acc_ptr, part_ml_ptr, seq, heads, split, dl, acc, m_i, l_i, h_ok,
+                       stride_as, stride_ah, stride_ap, stride_ms, stride_mh, stride_mp)  # fmt: skip
     else:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
+        sink = m_i
+        if HAS_SINK:
+            sink = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0) * 1.4426950408889634
+        out = finish_rows(acc, m_i, l_i, sink, HAS_SINK)
         o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dl[None, :] * stride_od
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-
-
-@triton.jit
-def _mla_reduce_kernel(
-    out_ptr,  # [S, H, LATENT]
-    part_acc_ptr,  # [S, H, SPLITS, LATENT] fp32
-    part_ml_ptr,  # [S, H, SPLITS, 2] fp32
-    num_heads,
-    stride_os,
-    stride_oh,
-    stride_od,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    LATENT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    # One program per (sequence, BLOCK_H heads): the splits merged in split order.
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    dl = tl.arange(0, LATENT)
-    acc_ptrs = part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + dl[None, :]
-    ml_ptrs = part_ml_ptr + seq * stride_ms + heads * stride_mh
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    for p in range(SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptrs + p * stride_mp, mask=h_ok, other=-1.0e30))
-    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    for p in range(SPLITS):
-        alpha = tl.exp2(tl.load(ml_ptrs + p * stride_mp, mask=h_ok, other=-1.0e30) - m)
-        total += alpha * tl.load(ml_ptrs + p * stride_mp + 1, mask=h_ok, other=0.0)
-        acc += alpha[:, None] * tl.load(acc_ptrs + p * stride_ap, mask=h_ok[:, None], other=0.0)
-    total = tl.where(total == 0.0, 1.0, total)
-    out = acc / total[:, None]
-    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dl[None, :] * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 # True when TRITON_INTERPRET was set as this module was imported.
@@ -273,35 +249,44 @@ def write_latent(
         )
 
 
+def decode_heads(ds_mla: bool, q_dtype: torch.dtype) -> int:
+    """Query heads one decode program takes (the rows of its dots): ``BLOCK_H`` (16), or 32
+    for fp8_ds_mla records with a 16-bit q. Each program dequantizes every [BLOCK_N, LATENT]
+    tile it reads, so at 32 heads half as many programs dequantize each row; that work, not
+    the bytes, set the fp8 cache's pace at batch 64 (723 us a layer on the H200 against 287
+    for bf16 rows). ptxas for sm90 at the V3 shape, 64 keys: 32 heads at 8 warps spill 1,100
+    bytes a thread and take 169 KB of shared memory, 16 heads at 4 warps 980 bytes and 151 KB;
+    the bf16 rows at 32 heads spill 24 bytes, at 16 none (their 16 stays: through L2 the 8
+    programs of a sequence now share the rows)."""
+    return 32 if ds_mla and q_dtype != torch.float32 else BLOCK_H
+
+
 def decode_launch(ds_mla: bool, q_dtype: torch.dtype, block_size: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of the decode kernel, from `benchmarks/mla_decode.py --sweep` on
     the H200 at DeepSeek-V3's shape (128 heads, context 2048; benchmarks/results/
     mla_decode_h200.txt) within the shared memory Triton's compiler gives for sm90
-    (LATENT 512, ROPE 64, BLOCK_H 16; tests/test_mla_kernels.py checks every choice against
-    sm90's 227 KB; fp32 records at BLOCK_N 32 once took 300 KB, a launch failure):
+    (LATENT 512, ROPE 64, ``decode_heads``; tests/test_mla_kernels.py checks every choice
+    against sm90's 227 KB; fp32 records at BLOCK_N 32 once took 300 KB, a launch failure):
 
     - auto caches, 16-bit q: 64 keys, 8 warps (batch 1: 62 us against 137 at 32 keys and 4
       warps; batch 64: 287 us against 440);
     - auto caches, fp32 q: 32 keys, 4 warps (182 KB);
-    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 64 keys
-      and 4 warps (batch 64: 723 us against 1,093 at 32 keys and 8 warps; batch 1 even);
+    - fp8_ds_mla, 16-bit q: the dequantized [BLOCK_N, LATENT] tile in q's dtype, 64 keys,
+      32 heads and 8 warps (at 16 heads, 4 warps measured best: batch 64 723 us against
+      1,093 at 32 keys and 8 warps; batch 1 even);
     - fp8_ds_mla, fp32 q (exact checks, not speed): 16 keys, 8 warps (73 KB).
     """
     if not ds_mla:
         return (min(block_size, 64), 8) if q_dtype != torch.float32 else (min(block_size, 32), 4)
     if q_dtype == torch.float32:
         return min(block_size, 16), 8
-    return min(block_size, 64), 4
+    return min(block_size, 64), 8
 
 
 def mla_decode_splits(num_seqs: int, num_heads: int, device: torch.device) -> int:
-    """Programs per (sequence, head tile): about two programs per SM, 1 once the batch
-    fills the GPU (as triton_ops.decode_splits)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    tiles = num_seqs * triton.cdiv(num_heads, BLOCK_H)
-    return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(2 * _num_sms(index), max(1, tiles))))
+    """Programs per (sequence, head tile) (``triton_common.decode_splits_for``), counting
+    tiles of ``BLOCK_H`` heads whatever the cache (the caller does not know it)."""
+    return decode_splits_for(num_seqs * triton.cdiv(num_heads, BLOCK_H), device)
 
 
 def mla_decode_attention(
@@ -312,6 +297,7 @@ def mla_decode_attention(
     scale: float,
     latent_dim: int,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H] per-head sink logits (DeepSeek-V4's attention)
 ) -> torch.Tensor:  # [S, H, latent_dim]
     block_size, width = _check_cache(layer_cache)
     ds_mla = fp8_ds_mla.is_ds_mla(layer_cache.dtype)
@@ -327,6 +313,7 @@ def mla_decode_attention(
     if num_seqs == 0:
         return out
     splits = num_splits or mla_decode_splits(num_seqs, num_heads, q.device)
+    sinks = check_sinks(sinks, num_heads)
     if not ds_mla:  # fp8_ds_mla: the dots run in q's dtype
         q = q.to(layer_cache.dtype)
     context_lens = context_lens.contiguous()
@@ -335,10 +322,11 @@ def mla_decode_attention(
     )
     part_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     stride_cn, _, _, stride_cb, stride_cd = layer_cache.stride()
-    tiles = triton.cdiv(num_heads, BLOCK_H)
+    block_h = decode_heads(ds_mla, q.dtype)
+    tiles = triton.cdiv(num_heads, block_h)
     block_n, num_warps = decode_launch(ds_mla, q.dtype, block_size)
     with _device_guard(q):
-        _mla_decode_kernel[(num_seqs, tiles, splits)](
+        _mla_decode_kernel[(tiles, splits, num_seqs)](
             out,
             q,
             layer_cache,
@@ -346,6 +334,7 @@ def mla_decode_attention(
             block_tables,
             part_acc,
             part_ml,
+            part_ml if sinks is None else sinks,
             scale * _LOG2E,
             num_heads,
             *q.stride(),
@@ -358,7 +347,7 @@ def mla_decode_attention(
             *part_ml.stride()[:3],
             LATENT=latent_dim,
             ROPE=rope,
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=block_h,
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             SPLITS=splits,
@@ -366,18 +355,8 @@ def mla_decode_attention(
             DS_MLA=ds_mla,
             TILE=fp8_ds_mla.TILE,
             num_warps=num_warps,
+            HAS_SINK=sinks is not None,
         )
-        if splits > 1:
-            _mla_reduce_kernel[(num_seqs, tiles)](
-                out,
-                part_acc,
-                part_ml,
-                num_heads,
-                *out.stride(),
-                *part_acc.stride()[:3],
-                *part_ml.stride()[:3],
-                LATENT=latent_dim,
-                BLOCK_H=BLOCK_H,
-                SPLITS=splits,
-            )
+    if splits > 1:
+        reduce_splits(out, part_acc, part_ml, sinks, block_h=BLOCK_H)
     return out

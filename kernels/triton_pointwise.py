@@ -173,7 +173,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     n_cols,
+    limit,
     BLOCK: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -181,11 +183,14 @@ def _silu_and_mul_kernel(
     dt = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:  # DeepSeek-V4's experts: the gate clamped above, the up on both sides
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     act = (gate / (1.0 + tl.exp(-gate))).to(dt)
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up).to(dt), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
     num_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
@@ -199,6 +204,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up.stride(0),
             out.stride(0),
             n_cols,
+            0.0 if limit is None else float(limit),
             BLOCK=block,
+            CLAMP=limit is not None,
         )
     return out

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from pdserve.cli import bench_accuracy
+from pdserve.cli.bench import bench_accuracy
 
 METRICS = """# TYPE pdserve:kv_transfers_total counter
 pdserve:kv_transfers_total{service="decode",instance="0",rank="0"} 5

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli.main import main
 
@@ -113,7 +114,7 @@ def test_bench_engine_without_hf(
 def test_the_table_says_where_hf_was_skipped() -> None:
     """A batch size HF could not run (out of device memory) reads "skipped" in HF's
     columns, not "-" as if nobody had tried."""
-    from pdserve.cli.bench_rows import Row, format_table
+    from pdserve.cli.bench.bench_rows import Row, format_table
 
     ran = Row(1, 10.0, 5.0, 0.1, 0.2, 1, hf_prefill_tok_s=5.0, prefill_ratio=2.0)
     skipped = Row(64, 10.0, 5.0, 0.1, 0.2, 1, hf_skipped="out of device memory")
@@ -127,9 +128,23 @@ def test_bench_engine_rejects_a_one_token_generation() -> None:
         main(["bench", "engine", "--gen-len", "1"])
 
 
-def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path, device: str) -> None:
     """A Qwen3-MoE (8 experts, 2 a token, 2 layers): the decode floor counts the routed
-    experts each step read (batch 1: exactly 2 per layer), not all 8."""
+    experts each step read (batch 1: exactly 2 per layer), not all 8. On CUDA (CUDA graphs,
+    asynchronous scheduling) the count was never added: the column printed 0."""
     from pdserve.common.model.random_shapes import write_random_llama
 
     model = write_random_llama(
@@ -147,6 +162,7 @@ def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path) -
     )
     out = tmp_path / "engine.json"
     args = ["bench", "engine", "--model", str(model), "--prompt-len", "16", "--gen-len", "4"]
+    args += ["--device", device]
     assert main([*args, "--batch-sizes", "1,4", "--no-hf", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     c = payload["config"]["ceilings"]

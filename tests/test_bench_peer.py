@@ -1,4 +1,4 @@
-"""``pdserve bench serve --peer-url`` (cli/bench_peer.py): the peer gets the very requests
+"""``pdserve bench serve --peer-url`` (cli/bench/bench_peer.py): the peer gets the very requests
 pdserve got, load for load, over real sockets; its runs join the table, JSON and plot.
 
 Two small OpenAI servers (aiohttp, on real ports) record what they receive; the slow test

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pdserve.cli.bench_serve import format_table
-from pdserve.cli.main import main
-from pdserve.cli.serve_load import (
+from pdserve.cli.bench.bench_serve import format_table
+from pdserve.cli.bench.serve_load import (
     Load,
     RequestRecord,
     Workload,
@@ -33,6 +32,7 @@ from pdserve.cli.serve_load import (
     prompts_of_lengths,
     warmup_plan,
 )
+from pdserve.cli.main import main
 from pdserve.common.runtime.ttft import PARTS
 from tests.e2e import deployment
 from tests.test_bench_peer import openai_server

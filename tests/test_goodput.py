@@ -1,4 +1,4 @@
-"""Goodput arithmetic (cli/goodput.py) against hand-computed requests: vLLM's good request
+"""Goodput arithmetic (cli/bench/goodput.py) against hand-computed requests: vLLM's good request
 (every target met; TPOT = (E2E - TTFT) / (output tokens - 1), none for one token) and
 DistServe's goodput (the highest swept rate with >= 90% good, interpolated)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.cli.goodput import (
+from pdserve.cli.bench.goodput import (
     attainment,
     describe,
     format_tables,

@@ -87,12 +87,16 @@ def test_rotary_in_place_on_packed_qkv(pointwise, device, gen, dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inner", [1536, 8192])
-def test_silu_and_mul(pointwise, device, gen, dtype, inner):
+@pytest.mark.parametrize("limit", [None, 3.0], ids=["plain", "clamped"])
+def test_silu_and_mul(pointwise, device, gen, dtype, inner, limit):
+    """silu(gate) * up; clamped (DeepSeek-V4's swiglu_limit: values * 4 pass 3 often)."""
     from pdserve.kernels import pointwise_ref
 
     x = (torch.randn(3, 2 * inner, generator=gen) * 4).to(dtype)
-    want = pointwise_ref.silu_and_mul(x)
-    got = pointwise.silu_and_mul(x.to(device))
+    want = pointwise_ref.silu_and_mul(x, limit)
+    if limit is not None:
+        assert not torch.equal(want, pointwise_ref.silu_and_mul(x))
+    got = pointwise.silu_and_mul(x.to(device), limit)
     if dtype == torch.float32:  # exp() may differ in the last bit
         assert rel_err(got, want) < 1e-6
     else:

@@ -76,7 +76,7 @@ def test_threshold_from_toml_env_and_flag(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_bench_reads_the_local_share_from_two_scrapes() -> None:
-    from pdserve.cli.ttft_parts import local_prefills, local_share
+    from pdserve.cli.bench.ttft_parts import local_prefills, local_share
     from pdserve.common.runtime.metrics import Metrics, render
 
     metrics = Metrics("router", 0)

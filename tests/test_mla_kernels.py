@@ -209,7 +209,7 @@ def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() ->
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16.f32" in ptx
     decode = triton_mla._mla_decode_kernel
     consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=32, SPLITS=2,
-                  UPCAST=False, DS_MLA=True, TILE=128)  # fmt: skip
+                  UPCAST=False, DS_MLA=True, TILE=128, HAS_SINK=False)  # fmt: skip
     ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": "*u8", "context_lens_ptr": "*i32",
             "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "qk_scale": "fp32"}  # fmt: skip
@@ -240,9 +240,10 @@ def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(dtype: str, ds_mla
 
     q_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     block_n, num_warps = triton_mla.decode_launch(ds_mla, q_dtype, 64)
+    block_h = triton_mla.decode_heads(ds_mla, q_dtype)
     decode = triton_mla._mla_decode_kernel
-    consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=block_n, SPLITS=2,
-                  UPCAST=False, DS_MLA=ds_mla, TILE=128)  # fmt: skip
+    consts = dict(LATENT=512, ROPE=64, BLOCK_H=block_h, BLOCK_SIZE=64, BLOCK_N=block_n, SPLITS=2,
+                  UPCAST=False, DS_MLA=ds_mla, TILE=128, HAS_SINK=False)  # fmt: skip
     ptrs = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "cache_ptr": "*u8" if ds_mla else
             f"*{dtype}", "context_lens_ptr": "*i32", "block_tables_ptr": "*i32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip

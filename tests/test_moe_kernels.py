@@ -16,6 +16,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.kernels import moe_grouped, moe_ref
+from tests.kernel_tools import TRITON_DEVICES
 
 
 def weights(
@@ -183,3 +184,268 @@ def test_qwen3_moe_on_cuda_graphs_eager_and_torch_give_hf_tokens(
         del engine
         torch.cuda.empty_cache()
     assert tokens["graphs"] == tokens["eager"] == tokens["torch"] == want
+
+
+# -- DeepSeek-V4's experts: the clamped SwiGLU ------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_clamped_grouped_path_equals_the_expert_loop_on_cpu(tokens: int) -> None:
+    """DeepSeek-V4's swiglu_limit (gate clamped above, up on both sides) through the grouped
+    path and the loop; weights large enough that the clamp bites."""
+    gate_up, down = weights(16, 32, 24, torch.float32, "cpu")
+    gate_up = gate_up * 60  # gate/up values well past the limit of 1
+    ids, w = routing(tokens, 3, 16, "cpu")
+    x = torch.randn(tokens, 32)
+    clamped = moe_ref.moe_experts(x, ids, w, gate_up, down, 0, 1.0)
+    assert not torch.allclose(clamped, moe_ref.moe_experts(x, ids, w, gate_up, down))
+    got = moe_grouped.moe_experts(x, ids, w, gate_up, down, 0, 1.0)
+    torch.testing.assert_close(got, clamped, rtol=1e-5, atol=1e-6)
+
+
+def _v4_moe(hash_layer: bool, tp_size: int = 1, tp_rank: int = 0):  # noqa: ANN202
+    """A small V4MoE (16 experts of 24, 3 a token, hidden 32, swiglu_limit 1) with random
+    weights, and its experts as the per-expert modules they are loaded as."""
+    from types import SimpleNamespace
+
+    from pdserve.common.model.dsv4 import V4MoE
+
+    v4 = SimpleNamespace(
+        num_experts=16, top_k=3, routed_scaling_factor=1.5, moe_intermediate_size=24,
+        swiglu_limit=1.0, mlp_kinds=("hash_moe" if hash_layer else "moe",),
+    )  # fmt: skip
+    cfg = SimpleNamespace(hidden_size=32, vocab_size=50)
+    par = SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank, all_reduce_tp=lambda t: t)
+    torch.manual_seed(3)
+    moe = V4MoE(cfg, v4, 0, par)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+        if hash_layer:
+            moe.gate.tid2eid.copy_(torch.randint(0, 16, moe.gate.tid2eid.shape))
+        else:
+            moe.gate.bias.copy_(torch.randn(16))
+    return moe
+
+
+def _v4_moe_loop(moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """V4MoE's forward as it was: a loop over the chosen experts' modules (with .tolist())."""
+    weights, ids = moe.gate(x, input_ids)
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        if str(e) not in moe.experts:
+            continue
+        token, slot = torch.where(ids == e)
+        y = moe.experts[str(e)](x[token]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+@pytest.mark.parametrize(("tp_size", "tp_rank"), [(1, 0), (4, 2)])
+def test_v4_moe_one_op_over_stacked_experts_equals_its_expert_loop(
+    hash_layer: bool, tp_size: int, tp_rank: int
+) -> None:
+    """V4MoE's routed experts as one op over this rank's experts stacked: the result of the
+    loop over its per-expert modules; after the stacking the modules' weights are views
+    into the stacks (held once), and a replaced weight (a load) is stacked again."""
+    moe = _v4_moe(hash_layer, tp_size, tp_rank)
+    x = torch.randn(9, 32)
+    input_ids = torch.randint(0, 50, (9,))
+    want = _v4_moe_loop(moe, x, input_ids)
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-6)
+    gate_up, down = moe.stacked_experts()
+    first = moe.experts[str(moe.first)]
+    assert gate_up.shape == (16 // tp_size, 48, 32) and down.shape == (16 // tp_size, 32, 24)
+    assert first.w1.weight.data_ptr() == gate_up.data_ptr()
+    assert first.w2.weight.data_ptr() == down.data_ptr()
+    with torch.no_grad():  # a new weight, as a load assigns it: stacked again
+        first.w3.weight = torch.nn.Parameter(torch.randn(24, 32))
+        first.w1.weight = torch.nn.Parameter(torch.randn(24, 32))
+    want = _v4_moe_loop(moe, x, input_ids)
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-6)
+
+
+def test_v4_moe_marks_the_experts_it_reads() -> None:
+    """record_expert_usage finds V4MoE blocks (benchmarks' experts-read column)."""
+    from torch import nn
+
+    from pdserve.common.model.moe import record_expert_usage
+
+    moe = _v4_moe(hash_layer=True)
+    blocks = record_expert_usage(nn.Sequential(moe))
+    assert blocks == [moe]
+    input_ids = torch.tensor([3, 7])
+    moe(torch.randn(2, 32), input_ids)
+    want = set(moe.gate.tid2eid[input_ids].flatten().tolist())
+    assert set(torch.nonzero(moe.touched).flatten().tolist()) == want
+
+
+# Flash's expert layer: 256 experts of 2048, 6 a token, hidden 4096 (a quarter of them here)
+V4_SHAPE = {"num_experts": 64, "hidden": 4096, "inter": 2048, "top_k": 6}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_clamped_grouped_kernel_on_cuda_eager_graph_and_reference(tokens: int) -> None:
+    """bfloat16 with V4's swiglu_limit (10) on CUDA: the dispatch's grouped path, eager and
+    replayed in a CUDA graph, against the float32 loop reference."""
+    e, h, i, k = (V4_SHAPE[n] for n in ("num_experts", "hidden", "inter", "top_k"))
+    gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
+    gate_up = gate_up * 8  # some gate/up values past 10
+    ids, w = routing(tokens, k, e, "cuda")
+    x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    assert moe_grouped.available(x, gate_up)
+    eager = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), 0, 10.0)
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+# -- routing in one Triton kernel (kernels/triton_route.py) -----------------------------------
+
+ROUTERS = {
+    # Qwen3-MoE: softmax, renormalised (and not)
+    "softmax-norm": dict(num_experts=128, top_k=8, norm_topk_prob=True),
+    "softmax": dict(num_experts=12, top_k=6, norm_topk_prob=False),
+    # DeepSeek-V3's grouped sigmoid: 8 groups of 32, 4 kept; V2-Lite's sizes ungrouped
+    "v3-grouped": dict(
+        num_experts=256,
+        top_k=8,
+        norm_topk_prob=True,
+        scoring="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+    ),  # fmt: skip
+    "sigmoid": dict(num_experts=64, top_k=6, norm_topk_prob=False, scoring="sigmoid"),
+}
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def route_device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_route_kernel_chooses_the_references_experts_and_weights(
+    route_device: str, name: str
+) -> None:
+    """The kernel against common/model/moe.py's torch route (transformers' arithmetic):
+    per token the same experts, the same weights (its k in descending order)."""
+    from pdserve.common.model.moe import route
+    from pdserve.common.model.moe_config import MoEConfig
+    from pdserve.kernels import triton_route
+
+    moe = MoEConfig(intermediate_size=8, **ROUTERS[name])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(len(name))
+    logits = torch.randn(64, moe.num_experts, generator=gen) * 2
+    bias = torch.randn(moe.num_experts, generator=gen) if moe.scoring == "sigmoid" else None
+    want_w, want_ids = route(logits, moe, bias)  # CPU: the torch reference
+    got_w, got_ids = triton_route.route(
+        logits.to(route_device), moe.top_k, moe.norm_topk_prob, moe.scoring,
+        None if bias is None else bias.to(route_device), moe.n_group, moe.topk_group,
+        moe.routed_scaling_factor if moe.scoring == "sigmoid" else 1.0,
+    )  # fmt: skip
+    for t in range(logits.shape[0]):
+        want = dict(zip(want_ids[t].tolist(), want_w[t].tolist(), strict=True))
+        got = dict(zip(got_ids[t].cpu().tolist(), got_w[t].cpu().tolist(), strict=True))
+        assert got.keys() == want.keys(), (t, sorted(got), sorted(want))
+        for e, w in want.items():
+            assert got[e] == pytest.approx(w, rel=1e-5, abs=1e-7)
+
+
+def test_route_kernel_compiles_for_hopper() -> None:
+    """Without a GPU: the kernel at Qwen3-30B-A3B's router (128 experts, 8) and DeepSeek-V3's
+    (256 in 8 groups, 4 kept, 8) compiles for sm90."""
+    triton = pytest.importorskip("triton")
+    from tests.kernel_tools import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_route
+
+    kernel = triton_route._route_kernel
+    for consts in (
+        dict(TOPK=8, K=8, BLOCK_E=128, SCORING=0, HASH=False, HAS_BIAS=False, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=8, K=8, BLOCK_E=256, SCORING=1, HASH=False, HAS_BIAS=True, GROUPS=8,
+             PER_GROUP=32, TOPK_GROUP=4, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=64, SCORING=1, HASH=False, HAS_BIAS=True, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=False),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=True, HAS_BIAS=False, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=False, HAS_BIAS=True, GROUPS=1,
+             PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+    ):  # fmt: skip
+        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "hash_ptr": "*i64",
+                "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
+        triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_route_kernel_replays_in_a_cuda_graph() -> None:
+    """DeepSeek-V3's grouped sigmoid router at batch 64 on CUDA: the kernel through
+    route's dispatch, eager = CUDA-graph replay, the same experts as the CPU reference."""
+    from pdserve.common.model.moe import route
+    from pdserve.common.model.moe_config import MoEConfig
+
+    moe = MoEConfig(intermediate_size=8, **ROUTERS["v3-grouped"])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 256, generator=gen) * 2).cuda()
+    bias = torch.randn(256, generator=gen).cuda()
+    eager_w, eager_ids = route(logits, moe, bias)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_w, out_ids = route(logits, moe, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_ids, eager_ids) and torch.equal(out_w, eager_w)
+    want_w, want_ids = route(logits.cpu(), moe, bias.cpu())
+    assert [sorted(r) for r in eager_ids.cpu().tolist()] == [sorted(r) for r in want_ids.tolist()]
+
+
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
+    """DeepSeek-V4's Gate (sqrt(softplus) scores, top-k on scores + bias or the hash
+    table's experts, weights over their sum times routed_scaling_factor) through the kernel
+    against its torch forward, float32, 256 experts, 6 a token."""
+    from pdserve.kernels import triton_route
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 256, generator=gen) * 3
+    logits[0, :8] = 30.0  # softplus's linear range
+    bias = torch.randn(256, generator=gen) * 0.1
+    table = torch.randint(0, 256, (40, 6), generator=gen)
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    ids = table if hash_layer else torch.topk(scores + bias, 6, dim=-1).indices
+    want = scores.gather(1, ids)
+    want = want / (want.sum(-1, keepdim=True) + 1e-20) * 1.5
+    got_w, got_ids = triton_route.route(
+        logits.to(route_device), 6, True, "sqrtsoftplus",
+        None if hash_layer else bias.to(route_device), scale=1.5,
+        hash_ids=table.to(route_device) if hash_layer else None,
+    )  # fmt: skip
+    if not hash_layer:  # the kernel's k in descending order: the reference's sorted too
+        order = got_ids.cpu().argsort(-1)
+        got_ids, got_w = got_ids.cpu().gather(1, order), got_w.cpu().gather(1, order)
+        ref = ids.argsort(-1)
+        ids, want = ids.gather(1, ref), want.gather(1, ref)
+    assert torch.equal(got_ids.cpu(), ids)
+    torch.testing.assert_close(got_w.cpu(), want, rtol=1e-4, atol=1e-6)  # log(1 + e^x): not log1p

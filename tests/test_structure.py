@@ -122,7 +122,7 @@ def _dependencies(path: Path, modules: set[str]) -> set[str]:
 
 def test_no_import_cycles() -> None:
     """No two modules import each other, even lazily or for types only: each seam has one
-    owner (services/*/service.py <-> worker.py and cli/bench_serve.py <-> bench_serve_hf.py
+    owner (services/*/service.py <-> worker.py and cli/bench/bench_serve.py <-> bench_serve_hf.py
     were such cycles)."""
     paths = {_module_name(p): p for layer in LAYERS for p in _sources(layer)}
     graph = {m: _dependencies(p, set(paths)) for m, p in paths.items()}

@@ -1,11 +1,11 @@
-"""TTFT parts (common/runtime/ttft.py) and their scrape for ``bench serve`` (cli/ttft_parts.py), on
+"""TTFT parts (common/runtime/ttft.py) and their scrape for ``bench serve`` (cli/bench/ttft_parts.py), on
 synthetic marks and a synthetic /metrics page: no services, no timing."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.cli.ttft_parts import parse, part_metrics, quantile, table_rows
+from pdserve.cli.bench.ttft_parts import parse, part_metrics, quantile, table_rows
 from pdserve.common.runtime.metrics import Metrics, render
 from pdserve.common.runtime.ttft import MARKS, PARTS, ttft_parts
 

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step, rms
+from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step
 from pdserve.common.model.dsv4_config import HASH_MOE, SLIDING, V4Config
 from pdserve.common.model.moe_config import local_experts
 from pdserve.common.parallel.context import ParallelContext
@@ -50,9 +50,11 @@ class HyperHead(nn.Module):
         self.eps, self.hc_eps = eps, v4.hc_eps
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:  # [T, n, hidden] -> [T, hidden]
-        mixes = F.linear(rms(streams.flatten(1).float(), self.eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        from pdserve import kernels  # on CUDA one kernel (kernels/triton_hyper.py)
+
+        return kernels.hyper_collapse(
+            streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps
+        )
 
 
 def hyper_weights(
@@ -63,22 +65,11 @@ def hyper_weights(
     v4: V4Config,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # post [T, n], comb [T, n, n], input
-    """transformers' DeepseekV4HyperConnection, op for op."""
-    n = v4.hc_mult
-    mixed = F.linear(rms(streams.flatten(1).float(), eps), fn.float())
-    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + v4.hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1)
-    comb = comb + v4.hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + v4.hc_eps)
-    for _ in range(v4.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + v4.hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + v4.hc_eps)
-    collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
+    """transformers' DeepseekV4HyperConnection: op for op on CPU (kernels/hyper_ref.py), one
+    Triton kernel on CUDA (kernels/triton_hyper.py) instead of ~100 launches."""
+    from pdserve import kernels
+
+    return kernels.hyper_mix(streams, fn, base, scale, eps, v4.hc_eps, v4.hc_sinkhorn_iters)
 
 
 class Expert(nn.Module):
@@ -110,9 +101,19 @@ class Gate(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k], expert ids [T, k])
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
-        if self.is_hash:
-            ids = self.tid2eid[input_ids].long()
+        from pdserve import kernels
+
+        logits = F.linear(x, self.weight)
+        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
+        routed = kernels.moe_route(  # on CUDA one kernel (kernels/triton_route.py)
+            logits, self.top_k, True, "sqrtsoftplus", None if self.is_hash else self.bias,
+            scale=self.factor, hash_ids=hashed,
+        )  # fmt: skip
+        if routed is not None:
+            return routed[0].to(x.dtype), routed[1]
+        scores = F.softplus(logits).sqrt()
+        if hashed is not None:
+            ids = hashed
         else:
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
@@ -121,27 +122,69 @@ class Gate(nn.Module):
 
 
 class V4MoE(nn.Module):
+    """Routed experts (top-k by score, or ``tid2eid`` of the token id in a hash layer) plus
+    the shared expert. The routed experts run as one op over this rank's experts stacked
+    (``kernels.moe_experts``: on CUDA tokens sorted by expert and one grouped GEMM per
+    projection, no host sync, CUDA-graph capturable; on CPU the reference loop), the
+    clamped SwiGLU at ``swiglu_limit``."""
+
     def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int, par: ParallelContext) -> None:
         super().__init__()
         self.par = par
         hidden, inter = cfg.hidden_size, v4.moe_intermediate_size
         self.gate = Gate(v4, hidden, cfg.vocab_size, v4.mlp_kinds[layer] == HASH_MOE)
         # this rank's experts, under the checkpoint's indices (experts.N.*)
-        first, count = local_experts(v4.num_experts, par.tp_size, par.tp_rank)
+        self.first, self.count = local_experts(v4.num_experts, par.tp_size, par.tp_rank)
         self.experts = nn.ModuleDict(
-            {str(e): Expert(hidden, inter, v4.swiglu_limit) for e in range(first, first + count)}
+            {
+                str(e): Expert(hidden, inter, v4.swiglu_limit)
+                for e in range(self.first, self.first + self.count)
+            }
         )
         self.shared_experts = Expert(hidden, inter // par.tp_size, v4.swiglu_limit)
+        self.limit = v4.swiglu_limit
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        # [E] bool, set by common/model/moe.py record_expert_usage (benchmarks)
+        self.touched: torch.Tensor | None = None
+
+    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts as ``gate_up`` [E, 2I, H] (w1's rows, then w3's) and ``down``
+        [E, H, I] (w2). Stacked once (the first forward, before any CUDA-graph capture);
+        each expert's weights are then views into the stacks, so the experts are held
+        once. Stacked again if its weights were replaced since (a load, a move)."""
+        experts: list[Expert] = []
+        for e in range(self.first, self.first + self.count):
+            m = self.experts[str(e)]
+            assert isinstance(m, Expert)
+            experts.append(m)
+        if self._stacked is not None:
+            if experts[0].w1.weight.data_ptr() == self._stacked[0].data_ptr():
+                return self._stacked
+        with torch.no_grad():
+            w = [(m.w1.weight, m.w3.weight, m.w2.weight) for m in experts]
+            inter = w[0][0].shape[0]
+            gate_up = w[0][0].new_empty((len(w), 2 * inter, w[0][0].shape[1]))
+            down = w[0][2].new_empty((len(w), *w[0][2].shape))
+            for i, (m, (w1, w3, w2)) in enumerate(zip(experts, w, strict=True)):
+                gate_up[i, :inter].copy_(w1)
+                gate_up[i, inter:].copy_(w3)
+                down[i].copy_(w2)
+                # the expert's own tensors give way to views (freed as we go)
+                m.w1.weight.data = gate_up[i, :inter]
+                m.w3.weight.data = gate_up[i, inter:]
+                m.w2.weight.data = down[i]
+            del w
+        self._stacked = (gate_up, down)
+        return self._stacked
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        from pdserve import kernels
+
         weights, ids = self.gate(x, input_ids)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            if str(e) not in self.experts:  # another rank's
-                continue
-            token, slot = torch.where(ids == e)
-            y = self.experts[str(e)](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        if self.touched is not None:  # a device op: CUDA graphs capture it too
+            self.touched.index_fill_(0, ids.flatten(), True)
+        gate_up, down = self.stacked_experts()
+        out = kernels.moe_experts(x, ids, weights, gate_up, down, self.first, self.limit)
         return self.par.all_reduce_tp(out + self.shared_experts(x))
 
 

@@ -37,7 +37,18 @@ def route(
     moe: MoEConfig,
     correction_bias: torch.Tensor | None = None,  # [E] DeepSeek's e_score_correction_bias
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k], expert ids [T, k] int64)
-    """The experts each token goes to and their weights, as transformers computes them."""
+    """The experts each token goes to and their weights, as transformers computes them
+    (on CUDA one Triton kernel, ``kernels.moe_route``; the same choice, the k in another
+    order)."""
+    sigmoid = moe.scoring == SIGMOID
+    scale = moe.routed_scaling_factor if sigmoid else 1.0
+    routed = kernels.moe_route(
+        logits, moe.top_k, moe.norm_topk_prob, moe.scoring, correction_bias, moe.n_group,
+        moe.topk_group, scale,
+    )  # fmt: skip
+    if routed is not None:
+        weights, ids = routed
+        return (weights if sigmoid else weights.to(logits.dtype)), ids
     if moe.scoring == SIGMOID:
         return _route_grouped_sigmoid(logits.float(), moe, correction_bias)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
@@ -142,12 +153,25 @@ class SparseMoeBlock(nn.Module):
         """Nothing to pack: the experts are already one tensor per projection."""
 
 
-def record_expert_usage(model: nn.Module) -> list[SparseMoeBlock]:
+def sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block of ``model`` that routes tokens to experts: a module with a router
+    (``gate.weight`` [E, hidden]) and a ``touched`` slot (``SparseMoeBlock``, DeepSeek-V4's
+    ``V4MoE``)."""
+    found = []
+    for m in model.modules():
+        gate = getattr(m, "gate", None)
+        if hasattr(m, "touched") and isinstance(getattr(gate, "weight", None), torch.Tensor):
+            found.append(m)
+    return found
+
+
+def record_expert_usage(model: nn.Module) -> list[nn.Module]:
     """Make every sparse block of ``model`` mark the experts it routes to in its
     ``touched`` tensor (benchmarks: the bytes of the experts a decode step reads)."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = sparse_blocks(model)
     for block in blocks:
-        weight = block.gate.weight
+        weight = getattr(block.gate, "weight", None)
+        assert isinstance(weight, torch.Tensor)
         block.touched = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     return blocks
 

@@ -77,7 +77,7 @@ class KVConsumer(_CacheAgent):
         # agent, a notification sits on the same UCX endpoint as the next READ, whose
         # completion then waits until the producer's agent has made progress: measured
         # 943-950 ms per 32 MiB pull against a producer progressing once a second, 6-12 ms
-        # with this notifier (cli/bench_transfer.py --producer-poll-ms).
+        # with this notifier (cli/bench/bench_transfer.py --producer-poll-ms).
         from nixl._api import nixl_agent, nixl_agent_config
 
         try:

@@ -55,11 +55,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.arg_types import positive_int, positive_ints
+from pdserve.cli.bench.arg_types import positive_int, positive_ints
 from pdserve.cli.engine_flags import add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
 
-DTYPE = "bfloat16"  # the stored dtype of --kv-cache-dtype auto (cli/transfer_cache.py's DTYPE)
+DTYPE = "bfloat16"  # --kv-cache-dtype auto's stored dtype (cli/bench/transfer_cache.py's)
 DEFAULT_TOKENS = {
     ("cpu", "1b"): [1024, 4096, 8192, 16384],
     ("cpu", "8b"): [1024, 4096, 8192],
@@ -68,7 +68,7 @@ DEFAULT_TOKENS = {
 }
 # The two processes fork from a server that imported these once (multiprocessing's
 # forkserver, as rank processes do), not each from a fresh interpreter (~2 s of CPU each).
-PEER_PRELOAD = ["torch", "pdserve.common.transfer.nixl_libs", "pdserve.cli.transfer_peers"]
+PEER_PRELOAD = ["torch", "pdserve.common.transfer.nixl_libs", "pdserve.cli.bench.transfer_peers"]
 START_WAIT_S = 300.0  # a fresh forkserver's imports + filling the cache, on a loaded machine
 ROW_WAIT_S = 600.0
 
@@ -146,7 +146,7 @@ def _orders(text: str) -> list[str]:
 
 
 def _shapes(text: str) -> list[str]:
-    from pdserve.cli.transfer_cache import SHAPES
+    from pdserve.cli.bench.transfer_cache import SHAPES
 
     shapes = [s.strip().lower() for s in text.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
@@ -204,8 +204,8 @@ def run_shape(
     device: str, shape: str, order: str, tokens: list[int], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Spawn producer and consumer for one shape and order; return its rows and what they said."""
-    from pdserve.cli.transfer_cache import cache_blocks
-    from pdserve.cli.transfer_peers import consumer_main, producer_main
+    from pdserve.cli.bench.transfer_cache import cache_blocks
+    from pdserve.cli.bench.transfer_peers import consumer_main, producer_main
     from pdserve.common.errors import PdserveError
 
     spec = {
@@ -255,7 +255,7 @@ def kv_dtype_of(kv_cache_dtype: str) -> str:
 
 def check_memory(device: str, shape: str, tokens: list[int], dtype: str = DTYPE) -> None:
     """Refuse a cpu run whose two caches would not fit the memory available now."""
-    from pdserve.cli.transfer_cache import cache_blocks, make_layout
+    from pdserve.cli.bench.transfer_cache import cache_blocks, make_layout
     from pdserve.common.errors import PdserveError
 
     if device != "cpu":
@@ -314,7 +314,7 @@ def bench_config(args: argparse.Namespace, load_start: float) -> dict[str, Any]:
 
     import torch
 
-    from pdserve.cli.bench_rows import device_name
+    from pdserve.cli.bench.bench_rows import device_name
 
     try:
         nixl_version = version("nixl")

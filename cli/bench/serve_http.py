@@ -17,8 +17,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli import ttft_parts
-from pdserve.cli.serve_load import (
+from pdserve.cli.bench import ttft_parts
+from pdserve.cli.bench.serve_load import (
     WARMUP_MAX_BURST,
     Load,
     RequestRecord,

@@ -36,8 +36,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli.arg_types import gen_len_arg, positive_int, positive_ints
-from pdserve.cli.bench_rows import (
+from pdserve.cli.bench.arg_types import gen_len_arg, positive_int, positive_ints
+from pdserve.cli.bench.bench_rows import (
     FLOOR_COLUMNS,
     add_floors,
     bench_config,
@@ -46,7 +46,7 @@ from pdserve.cli.bench_rows import (
     median_timing,
     write_json,
 )
-from pdserve.cli.bench_runners import (
+from pdserve.cli.bench.bench_runners import (
     EngineBench,
     HFBench,
     Timing,
@@ -71,11 +71,25 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape",
         default=None,
-        choices=("1b", "8b", "dsv3", "dsv3-mini", "30b-a3b"),
+        choices=(
+            "1b",
+            "8b",
+            "dsv3",
+            "dsv3-mini",
+            "30b-a3b",
+            "30b-a3b-full",
+            "v2-lite",
+            "dsv32",
+            "dsv4-flash",
+        ),  # fmt: skip
         help="a random bf16 model of this shape (1B: Llama 3.2's, 8B: Llama 3.1's, dsv3: "
         "DeepSeek-V3's MLA attention on 4 dense layers, dsv3-mini: its per-head sizes at 16 heads, "
         "hidden 1024, 2 layers (CPU profiling), 30b-a3b: Qwen3-30B-A3B's MoE layer, "
-        "4 layers), written once into the model cache, instead of --model",
+        "4 layers; 30b-a3b-full: all its 48 layers, v2-lite: DeepSeek-V2-Lite's 27 layers, "
+        "dsv32: DeepSeek-V3.2's layers (1 dense, 3 MoE), dsv4-flash: DeepSeek-V4-Flash's "
+        "first 4 layers (window, window, CSA, HCA; 3 hash-routed), these four with their "
+        "routed experts zeros (common/model/random_shapes.py)), written once into the model "
+        "cache, instead of --model",
     )
     p.add_argument(
         "--layers",
@@ -129,7 +143,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="JSON",
         help="decode tok/s with and without speculative decoding in the same run "
-        '(cli/bench_spec.py); \'"model": "self"\' drafts with the target itself',
+        '(cli/bench/bench_spec.py); \'"model": "self"\' drafts with the target itself',
     )
     p.add_argument(
         "--workload",
@@ -147,6 +161,24 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def group_blocks(model: str | None, tokens: int, chunk: int, block_size: int) -> int:
+    """The blocks a sequence of ``tokens`` holds at most over the model's KV cache groups
+    (common/engine/kv_groups.py: DeepSeek-V4's window of every layer plus its compressed
+    entries, sliding layers' windows), prefilled ``chunk`` tokens a step; 0 where the
+    checkpoint's config cannot be read here (a GGUF file, the embedded default)."""
+    from pdserve.common.engine.kv_groups import cache_groups
+    from pdserve.common.errors import ModelLoadError
+    from pdserve.common.model.config import ModelConfig
+
+    if model is None or not (Path(model) / "config.json").is_file():
+        return 0
+    try:
+        cfg = ModelConfig.from_dir(Path(model))
+    except ModelLoadError:
+        return 0
+    return sum(g.max_blocks(tokens, block_size, chunk) for g in cache_groups(cfg))
+
+
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
@@ -156,12 +188,15 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     spec = None
     extra = 0
     if args.speculative_config is not None:
-        from pdserve.cli.bench_spec import spec_config_of
+        from pdserve.cli.bench.bench_spec import spec_config_of
 
         spec = spec_config_of(args)
         # the drafts' slots, and the repeat workload's prompts run a little past prompt_len
         extra = spec.num_speculative_tokens + (args.prompt_len if args.workload == "repeat" else 0)
-    blocks_per_seq = -(-(args.prompt_len + args.gen_len + extra) // block_size)
+    tokens = args.prompt_len + args.gen_len + extra
+    blocks_per_seq = max(
+        -(-tokens // block_size), group_blocks(args.model, tokens, args.prompt_len, block_size)
+    )
     config = EngineConfig(
         model=args.model,
         device=args.device,
@@ -220,6 +255,23 @@ def hf_timings(
     return timings, skipped
 
 
+def refuse_unsupported_shape(args: argparse.Namespace) -> None:
+    """A ModelLoadError (``pdserve: error: ...``, exit 2) when the device cannot run the
+    shape's model (DeepSeek-V3.2 and V4 on CUDA need kernels), before its checkpoint is
+    written."""
+    from pdserve.common.model.random_shapes import CONFIG_SHAPES, shape_config
+
+    if args.shape not in CONFIG_SHAPES:
+        return
+    import torch
+
+    from pdserve.common.engine.model_loader import check_device_supports
+    from pdserve.common.model.config import ModelConfig
+
+    raw = {**shape_config(args.shape, args.layers), "vocab_size": 1}
+    check_device_supports(ModelConfig.from_dict(raw), torch.device(args.device))
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
@@ -229,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
         from pdserve.common.model.random_shapes import random_shape_model
 
+        refuse_unsupported_shape(args)  # before writing tens of GB
         progress(f"random {args.shape} checkpoint")
         args.model = str(
             random_shape_model(
@@ -247,12 +300,12 @@ def run(args: argparse.Namespace) -> int:
     load_at_start = os.getloadavg()[0]
     engine = build_engine(args)
     if args.speculative_config is not None:
-        from pdserve.cli.bench_spec import run_spec
+        from pdserve.cli.bench.bench_spec import run_spec
 
         bench = EngineBench(engine, make_sync(args.device))
         return run_spec(args, engine, bench, random_prompts, format_table)
     engine_bench = EngineBench(engine, make_sync(args.device))
-    from pdserve.cli import bench_floors
+    from pdserve.cli.bench import bench_floors
 
     ceilings = bench_floors.measure(engine)
     vocab = engine.model_config.vocab_size

@@ -72,12 +72,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli import bench_peer, goodput, ttft_parts
-from pdserve.cli.arg_types import positive_int, positive_ints  # stdlib-only at import time
+from pdserve.cli.bench import bench_peer, goodput, ttft_parts
+from pdserve.cli.bench.arg_types import positive_int, positive_ints  # stdlib-only at import time
+from pdserve.cli.bench.serve_http import progress, run_loads
+from pdserve.cli.bench.serve_load import STATS, Load, Workload
 from pdserve.cli.engine_flags import add_gpu_share, add_kv_cache_dtype
 from pdserve.cli.provenance import provenance
-from pdserve.cli.serve_http import progress, run_loads
-from pdserve.cli.serve_load import STATS, Load, Workload
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         if args.compare:
             runs = [run for mode in args.modes for run in run_deployed(args, mode, loads)]
             if args.hf_reference:
-                from pdserve.cli.bench_serve_hf import hf_runs
+                from pdserve.cli.bench.bench_serve_hf import hf_runs
 
                 concurrencies = list(args.max_concurrency or [None])
                 runs += hf_runs(args, concurrencies, tuple(runs[0]["server"]["token_id_range"]),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli.serve_http import run_loads
-from pdserve.cli.serve_load import Load
+from pdserve.cli.bench.serve_http import run_loads
+from pdserve.cli.bench.serve_load import Load
 
 MODES = ("disaggregated", "colocated", "conditional")
 

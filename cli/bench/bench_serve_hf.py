@@ -22,7 +22,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     import torch
     import transformers
 
-    from pdserve.cli.serve_load import make_prompts, stats
+    from pdserve.cli.bench.serve_load import make_prompts, stats
     from pdserve.common.model.files import resolve_model
 
     transformers.logging.set_verbosity_error()

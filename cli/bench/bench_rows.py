@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli.bench_runners import Timing
+from pdserve.cli.bench.bench_runners import Timing
 
 if TYPE_CHECKING:
     from pdserve.common.engine.llm_engine import LLMEngine
@@ -32,7 +32,7 @@ class Row:
     hf_decode_s: float | None = None
     prefill_ratio: float | None = None  # engine / HF: above 1, the engine is faster
     decode_ratio: float | None = None
-    # Against the machine's ceilings (cli/bench_floors.py): ms per decode step, of it
+    # Against the machine's ceilings (cli/bench/bench_floors.py): ms per decode step, of it
     # the model's forward, the memory floor of that step, and step / floor.
     engine_step_ms: float | None = None
     model_step_ms: float | None = None
@@ -59,7 +59,7 @@ def median_timing(runs: list[Timing]) -> Timing:
 
 
 def add_floors(row: Row, engine: Timing, ceilings: Any, prompt_len: int, gen_len: int) -> None:
-    from pdserve.cli.bench_floors import decode_floor_s, prefill_floor_s
+    from pdserve.cli.bench.bench_floors import decode_floor_s, prefill_floor_s
 
     if engine.decode_steps:
         # timed steps decode tokens 2..gen_len: contexts prompt_len + 1 .. prompt_len + gen_len - 1

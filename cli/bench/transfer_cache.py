@@ -1,4 +1,4 @@
-"""The cache a ``pdserve bench transfer`` row moves (cli/transfer_peers.py runs the two
+"""The cache a ``pdserve bench transfer`` row moves (cli/bench/transfer_peers.py runs the two
 processes): the model shapes and their layouts, a pattern of (block id, position) written
 through the logical view and checked after a pull, and the raw NIXL agent of the
 one-descriptor ceiling.

@@ -119,6 +119,13 @@ class EngineBench:
         overlapped = runner.device.type == "cuda" and self.engine.is_async_scheduling
         marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+        def count_touched() -> None:
+            # device ops, no sync, after the step's forward on the same stream: the
+            # (layer, expert) pairs this step read (with or without the overlap: it was
+            # only counted without it, so the overlapped CUDA runs printed 0)
+            if touched is not None:
+                touched.add_(torch.stack([b.touched for b in blocks]).sum())
+
         def timed_execute(plan, *args):  # noqa: ANN001, ANN002, ANN202
             nonlocal model_s
             for block in blocks:  # device ops, no sync: which experts this step reads
@@ -133,13 +140,13 @@ class EngineBench:
                 logits = execute(plan, *args)
                 end.record()
                 marks.append((begin, end))
+                count_touched()
                 return logits
             start = time.perf_counter()
             logits = execute(plan, *args)
             self.sync()  # sampling syncs right after anyway: this moves the wait, adds none
             model_s += time.perf_counter() - start
-            if touched is not None:
-                touched.add_(torch.stack([b.touched for b in blocks]).sum())  # type: ignore[misc]
+            count_touched()
             return logits
 
         runner.execute = timed_execute  # type: ignore[method-assign]

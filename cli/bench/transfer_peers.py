@@ -6,7 +6,7 @@ single descriptor, and a plain local copy of them).
 Only the public API of ``kv_layout`` / ``kv_transfer`` is used: the memory order is free
 to change (block-major, head-major for TP), so the content is written and checked through
 the logical view (blocks found by the position of ``num_blocks`` in ``KVLayout.shape``),
-and the ceilings work on the raw bytes of the cache's storage (cli/transfer_cache.py: the
+and the ceilings work on the raw bytes of the cache's storage (cli/bench/transfer_cache.py: the
 shapes, the pattern, the raw agent).
 """
 
@@ -19,7 +19,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cli.transfer_cache import (
+from pdserve.cli.bench.transfer_cache import (
     ENGINE_ID,
     EPOCH,
     RawAgent,

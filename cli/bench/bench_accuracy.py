@@ -1,7 +1,7 @@
 """``pdserve bench accuracy``: lm-eval-harness through the OpenAI router, as the
 reference deployment was validated.
 
-Two tasks made from a seed (cli/accuracy_tasks.py: arithmetic word problems answered by
+Two tasks made from a seed (cli/bench/accuracy_tasks.py: arithmetic word problems answered by
 generation, and a four-way multiple choice scored by loglikelihood) are run by lm-eval's
 ``local-completions`` model against a disaggregated deployment and a colocated one, and
 by lm-eval's own ``hf`` backend on the same model directory. The report: per mode the
@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.arg_types import positive_int
+from pdserve.cli.bench.arg_types import positive_int
 from pdserve.cli.provenance import provenance
 
 MODES = ("disaggregated", "colocated", "hf")
@@ -218,7 +218,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.cli.accuracy_tasks import write_tasks
+    from pdserve.cli.bench.accuracy_tasks import write_tasks
 
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))

@@ -2,7 +2,7 @@
 
 This module only wires the parsers: each benchmark module exposes ``add_parser(sub)``,
 which adds its own sub-subcommand and sets ``run=``. To add one, write
-``cli/bench_<name>.py`` and list it in ``BENCHMARKS``.
+``cli/bench/bench_<name>.py`` and list it in ``BENCHMARKS``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli import bench_accuracy, bench_engine, bench_serve, bench_transfer
+from pdserve.cli.bench import bench_accuracy, bench_engine, bench_serve, bench_transfer
 
 # Only the parser set-up runs at import time; heavy imports (torch, transformers) stay
 # inside each module's run(), so `pdserve --help` stays fast.

@@ -1,0 +1,109 @@
+"""DeepSeek-V4's hyper-connection mixing: the torch reference (kernels/hyper_ref.py) bit for
+bit as transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` on CPU, and the
+one-kernel Triton version (kernels/triton_hyper.py) against that reference, through Triton's
+interpreter on CPU (``TRITON_INTERPRET=1``) or on the GPU (``-m gpu``, with a CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import hyper_ref
+from tests.kernel_tools import TRITON_DEVICES, device_fixture  # noqa: F401
+
+HC, HIDDEN, ITERS = 4, 64, 20
+
+
+def hf_config():  # noqa: ANN201
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "deepseek_v4", hidden_size=HIDDEN, hc_mult=HC, hc_sinkhorn_iters=ITERS, rms_norm_eps=1e-6
+    )
+
+
+def params(head: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = HC if head else (2 + HC) * HC
+    fn = torch.randn(rows, HC * HIDDEN, generator=gen) * 0.3
+    base = torch.randn(rows, generator=gen)
+    scale = torch.rand(1 if head else 3, generator=gen) + 0.5
+    return fn, base, scale
+
+
+def test_reference_mix_is_transformers_hyper_connection_bit_for_bit() -> None:
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    config = hf_config()
+    gen = torch.Generator().manual_seed(0)
+    module = hf.DeepseekV4HyperConnection(config)
+    fn, base, scale = params(False, gen)
+    with torch.no_grad():
+        module.fn.copy_(fn), module.base.copy_(base), module.scale.copy_(scale)
+    streams = torch.randn(2, 5, HC, HIDDEN, generator=gen)
+    want = module(streams)
+    got = hyper_ref.mix(streams.flatten(0, 1), fn, base, scale, 1e-6, config.hc_eps, ITERS)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w.flatten(0, 1))
+
+
+def test_reference_collapse_is_transformers_hyper_head_bit_for_bit() -> None:
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    config = hf_config()
+    gen = torch.Generator().manual_seed(1)
+    module = hf.DeepseekV4HyperHead(config)
+    fn, base, scale = params(True, gen)
+    with torch.no_grad():
+        module.hc_fn.copy_(fn), module.hc_base.copy_(base), module.hc_scale.copy_(scale)
+    streams = torch.randn(3, 4, HC, HIDDEN, generator=gen)
+    got = hyper_ref.collapse(streams.flatten(0, 1), fn, base, scale, 1e-6, config.hc_eps)
+    assert torch.equal(got, module(streams).flatten(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_triton_mix_and_collapse_match_the_reference(
+    device: str, dtype: torch.dtype, tokens: int
+) -> None:
+    from pdserve.kernels import triton_hyper
+
+    gen = torch.Generator().manual_seed(tokens)
+    streams = torch.randn(tokens, HC, HIDDEN, generator=gen).to(dtype)
+    fn, base, scale = (t.to(dtype) for t in params(False, gen))
+    want = hyper_ref.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    got = triton_hyper.mix(*(t.to(device) for t in (streams, fn, base, scale)), 1e-6, 1e-6, ITERS)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g.cpu().float(), w.float(), **tol)
+    fn, base, scale = (t.to(dtype) for t in params(True, gen))
+    want_head = hyper_ref.collapse(streams, fn, base, scale, 1e-6, 1e-6)
+    got_head = triton_hyper.collapse(
+        *(t.to(device) for t in (streams, fn, base, scale)), 1e-6, 1e-6
+    )
+    torch.testing.assert_close(got_head.cpu().float(), want_head.float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_mix_replays_in_a_cuda_graph_at_the_flash_shape() -> None:
+    """V4-Flash's hidden 4096, 4 streams, batch 64, bfloat16: a CUDA graph replay of the
+    kernel equals its eager run, and the reference within bf16's rounding."""
+    from pdserve.kernels import triton_hyper
+
+    hidden = 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    streams = torch.randn(64, HC, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    fn = (torch.randn(24, HC * hidden, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    base = torch.randn(24, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = torch.ones(3, device="cuda", dtype=torch.bfloat16)
+    eager = triton_hyper.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_hyper.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = hyper_ref.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    for o, e, w in zip(out, eager, want, strict=True):
+        assert torch.equal(o, e)
+        torch.testing.assert_close(o.float(), w.float(), rtol=2e-2, atol=2e-2)
