@@ -6,7 +6,7 @@ The model is tests/test_dsv4.py's random checkpoint (sliding, CSA with its index
 6, HCA, CSA; hash_moe and moe; hc_mult 4; window 16; head_dim 32), in float32 on both
 devices; prompts of 40, 300 and 1,500 tokens. Must hold: greedy tokens on CUDA = HF's =
 the CPU engine's; chunked prefill with 98-token chunks (a multiple of neither 4 nor 16);
-CUDA graphs refused by name (the MoE's host reads), tokens as eager; the fp8 cache within
+CUDA graphs captured and replayed, tokens as eager; the fp8 cache within
 tests/test_fp8_kv.py's documented agreement against the auto cache, on CUDA.
 """
 
@@ -61,24 +61,26 @@ def test_cuda_chunks_not_aligned_to_entries_or_blocks(
     assert got == reference[:2] * 2
 
 
-def test_cuda_graphs_refused_by_name_and_the_tokens_those_of_eager(
-    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
-) -> None:
-    """V4 captures no decode graph yet (its MoE reads the chosen experts on the host): the
-    runner says so by name and runs every step eagerly. Once the refusal is lifted this
-    must assert that graphs were captured and replayed, as tests/test_dsv32_gpu.py does."""
+def test_cuda_graphs_equal_eager(v4_model: Path, prompts: list[list[int]]) -> None:
+    """Decode steps replayed from captured graphs (V4Step's static shapes, the indexer's
+    top-k, the routing kernel and the grouped experts: no host read) give the eager steps'
+    tokens, which are transformers'."""
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
     from tests.test_families import NUM_TOKENS
 
+    eager = engine_greedy(v4_model, prompts, **CUDA, cuda_graphs=False)
     engine = LLMEngine(
         EngineConfig(model=str(v4_model), kv_cache_memory_gb=0.05, **CUDA, cuda_graphs=True)
     )
-    assert engine.runner.graphs is None
-    assert "MoE" in engine.runner.model.cuda_graphs_refused
-    got = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS))
-    assert [o.token_ids for o in got] == reference
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    assert graphs is not None  # captured: V4 is not refused
+    replays: list[int] = []
+    graphs.on_replay = lambda plan: replays.append(len(plan.seqs))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS))
+    assert replays  # the decode steps ran as graphs
+    assert [o.token_ids for o in outs] == eager
 
 
 def test_cuda_fp8_cache_within_the_documented_agreement(tmp_path: Path, model_dir: Path) -> None:

@@ -269,11 +269,9 @@ class DeepseekV4Model(nn.Module):
         self.hidden: torch.Tensor | None = None  # [S, L * hidden]: the logits rows'
         self.hidden_rows: torch.Tensor | None = None  # [T, L * hidden]: every token's
         # common/engine/model_runner.py captures no decode graph of a model that says why.
-        # The attention's decode step is graph-safe (dsv4_attention.V4Step: device work of
-        # static shapes); the MoE's routing reads the chosen experts on the host (V4MoE)
-        self.cuda_graphs_refused = (
-            "deepseek_v4's MoE reads its chosen experts on the host (dsv4.py V4MoE.forward)"
-        )
+        # None: a decode step is device work of static shapes throughout (dsv4_attention's
+        # V4Step; V4MoE's routing and grouped experts read no host value)
+        self.cuda_graphs_refused: str | None = None
 
     def place_kv(self, groups: Sequence[tuple[Sequence[int], int]]) -> None:
         """Each layer's slot of its per-token rows (groups of 1 token a slot) and of its
