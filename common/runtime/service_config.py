@@ -106,6 +106,19 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # `dispatch_window`); the others wait at the router, clients served in turn, so one
     # client's backlog queues behind its own requests, not in front of another's.
     max_dispatched_requests: int = 0
+    # Per-client limits (fair admission, services/router/fair_queue.py): dispatch slots one
+    # client may hold at once (0: derived, ``dispatch_share``) and requests one client may
+    # have waiting for a slot (0: only max_requests_per_client bounds them); past the
+    # second, its next request is refused "overloaded" (HTTP 429).
+    max_dispatched_per_client: int = 0
+    max_queued_per_client: int = 0
+    # Whether an OpenAI body's ``user`` names the client for fair admission and the
+    # engines' waiting lines (per API key when there are several). Off: anyone could claim
+    # to be many users and take more than one share; ``user`` is then ignored.
+    trust_user_field: bool = False
+    # Per-client metrics (pdserve:client_*): the first this many clients seen get a
+    # label of their own, every later one "other" (bounded cardinality).
+    max_client_classes: int = 8
     # An HTTP body not read whole within this many seconds: 408, connection closed.
     body_read_timeout_seconds: float = 30.0
     # A long prompt not tokenised within this many seconds (its wait for the router's
@@ -197,6 +210,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         for name in ("max_requests_per_client", "max_prompts_per_request", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_dispatched_per_client", "max_queued_per_client", "max_client_classes"):
+            if getattr(self, name) < 0:
+                raise PdserveError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.max_dispatched_requests < 0:
             raise PdserveError(f"max_dispatched_requests must be 0 (derived) or more, got "
                                f"{self.max_dispatched_requests}")  # fmt: skip
@@ -239,6 +255,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         instances' seats)."""
         window = self.dispatch_window
         return max(1, window - max(1, window // 9))
+
+    @property
+    def client_dispatch_share(self) -> int:
+        """Dispatch slots one client may hold: ``max_dispatched_per_client``, else
+        ``dispatch_share``; never more than the window."""
+        share = self.max_dispatched_per_client or self.dispatch_share
+        return min(share, self.dispatch_window)
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp

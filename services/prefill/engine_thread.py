@@ -174,7 +174,8 @@ class PrefillEngineThread(EngineThread):
     def _on_prefill(self, cmd: Prefill) -> None:
         identity, req = cmd.identity, cmd.request
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling,
+                                    client=req.client, priority=req.priority)  # fmt: skip
         except PdserveError as exc:
             self._fail(identity, req.request_id, req.trace_id, "bad_request", str(exc))
             return
