@@ -261,3 +261,30 @@ def test_a_second_clients_request_is_not_stuck_behind_anothers_backlog(
     # request would see at least 12 of them finish first.
     assert max(passed) < 10, passed
     assert json.dumps(metrics)  # the per-client counters render (bounded labels)
+
+
+# -- the HTTP API's fields ------------------------------------------------------------------
+
+from tests import http_fakes  # noqa: E402
+from tests.http_fakes import FakeCore, request  # noqa: E402
+
+server_core, core, port = http_fakes.server_core, http_fakes.core, http_fakes.port
+
+
+def test_priority_and_a_trusted_user_reach_the_core(port: int, core: FakeCore) -> None:
+    """vLLM's ``priority`` is passed on; ``user`` names the client only when the
+    deployment trusts it (else every user behind one address would be one client, and
+    anyone could claim to be many when trusted by default)."""
+    body = {"prompt": "hi", "max_tokens": 1, "user": "alice", "priority": -2}
+    assert request(port, "POST", "/v1/completions", body)[0] == 200
+    core.trust_user_field = True
+    try:
+        assert request(port, "POST", "/v1/completions", body)[0] == 200
+        assert request(port, "POST", "/v1/completions", {**body, "user": "bob"})[0] == 200
+    finally:
+        del core.trust_user_field
+    assert core.owners[0] == "http:127.0.0.1"
+    assert core.owners[1:] == ["user:alice", "user:bob"]
+    assert [g.priority for g in core.submitted] == [-2, -2, -2]
+    status, _, _ = request(port, "POST", "/v1/completions", {**body, "priority": "high"})
+    assert status == 400
