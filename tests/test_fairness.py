@@ -221,11 +221,11 @@ def test_a_second_clients_request_is_not_stuck_behind_anothers_backlog(
     tmp_path: Path, model_dir: Path
 ) -> None:
     """The router lets one client hold every dispatch slot here (max_dispatched_per_client
-    = the window of 16, 4 decode seats), so the busy client's backlog reaches the engines'
+    = the window of 16, 2 decode seats), so the busy client's backlog reaches the engines'
     waiting lines and fairness there is what is tested: the other client's requests (from
     another connection) go before the busy client's queued ones at the router (VTC) and in
     decode's and prefill's waiting lines. Counted in requests: while one of them is in
-    flight, the busy client finishes a few of its own, not the dozen queued before it."""
+    flight, the busy client finishes a few of its own, not the 14 queued before it."""
     from pdserve.services.router.client import Client
     from tests.e2e import deployment
     from tests.fault_tools import wait_until
@@ -235,7 +235,7 @@ def test_a_second_clients_request_is_not_stuck_behind_anothers_backlog(
         "max_dispatched_requests": 16,
         "max_dispatched_per_client": 16,
     }
-    with deployment(tmp_path, model_dir, engine={"max_num_seqs": 4}, **settings) as dep:
+    with deployment(tmp_path, model_dir, engine={"max_num_seqs": 2}, **settings) as dep:
         with Client(dep.cfg.front_address, timeout=120) as other:
             other.generate(prompt_token_ids=[5] * 8, max_tokens=2)  # warm
             busy = subprocess.Popen([sys.executable, "-c", BUSY, dep.cfg.front_address],
@@ -257,8 +257,9 @@ def test_a_second_clients_request_is_not_stuck_behind_anothers_backlog(
         metrics = router_metrics(dep)
     print(f"busy client's requests finished while each short one was in flight: {passed}")
     assert "done" in done
-    # Behind the busy client's 16 dispatched (12 of them queued in the engines), a short
-    # request would see at least 12 of them finish first.
+    # Behind the busy client's 16 dispatched (14 of them queued in the engines), a short
+    # request sees ~all 16 finish first (16, 16, 16 with the engines' lines first come,
+    # first served; 6, 2, 4 with them fair).
     assert max(passed) < 10, passed
     assert json.dumps(metrics)  # the per-client counters render (bounded labels)
 
@@ -268,7 +269,12 @@ def test_a_second_clients_request_is_not_stuck_behind_anothers_backlog(
 from tests import http_fakes  # noqa: E402
 from tests.http_fakes import FakeCore, request  # noqa: E402
 
-server_core, core, port = http_fakes.server_core, http_fakes.core, http_fakes.port
+server_core, core, port, tokenizer = (
+    http_fakes.server_core,
+    http_fakes.core,
+    http_fakes.port,
+    http_fakes.tokenizer,
+)
 
 
 def test_priority_and_a_trusted_user_reach_the_core(port: int, core: FakeCore) -> None:
