@@ -250,11 +250,17 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     @property
     def dispatch_share(self) -> int:
-        """Dispatch slots one client may hold: the window but its last eighth (at least one
-        slot), kept for other clients' next requests (for the derived window: the decode
-        instances' seats)."""
+        """Dispatch slots one client may hold: the decode seats (``max_num_seqs`` x
+        instances) but an eighth of them (at least one), within the window. Those seats
+        stay free for other clients' requests: a decode instance full of one client's
+        requests started together frees its seats only when they end, together (64 tokens
+        later), and a newcomer waited that long (issue 49: 56 s on a loaded 2-core CPU).
+        With ``max_dispatched_requests`` set: that window but its last ninth."""
         window = self.dispatch_window
-        return max(1, window - max(1, window // 9))
+        if self.max_dispatched_requests:
+            return max(1, window - max(1, window // 9))
+        seats = self.engine_for("decode").max_num_seqs * self.decode_instances
+        return max(1, min(window, seats) - max(1, seats // 8))
 
     @property
     def client_dispatch_share(self) -> int:
