@@ -294,3 +294,34 @@ def test_priority_and_a_trusted_user_reach_the_core(port: int, core: FakeCore) -
     assert [g.priority for g in core.submitted] == [-2, -2, -2]
     status, _, _ = request(port, "POST", "/v1/completions", {**body, "priority": "high"})
     assert status == 400
+
+
+# -- per-client limits ----------------------------------------------------------------------
+
+
+def test_one_client_leaves_decode_seats_free_and_per_client_limits_apply(tokenizer: Any) -> None:
+    from pdserve.common.errors import PdserveError
+    from pdserve.common.runtime.service_config import DeploymentConfig
+    from pdserve.services.router.router import Router
+
+    default = DeploymentConfig()  # 64 decode seats: 72 dispatched, one client 56
+    assert (default.dispatch_window, default.client_dispatch_share) == (72, 56)
+    assert DeploymentConfig(max_dispatched_per_client=8).client_dispatch_share == 8
+    assert DeploymentConfig(max_dispatched_requests=900).client_dispatch_share == 800
+    with pytest.raises(PdserveError, match="max_queued_per_client"):
+        DeploymentConfig(max_queued_per_client=-1)
+
+    from pdserve.common.runtime.instance_config import SecurityConfig
+
+    cfg = DeploymentConfig(max_dispatched_requests=1, max_queued_per_client=2,
+                           security=SecurityConfig(insecure=True))  # fmt: skip
+    router = Router(cfg, tokenizer, "m", 64, 100)
+    assert router.admission.join("a", "a0")
+    assert not router.admission.join("a", "a1")
+    assert router._refusal("a") is None or router._refusal("a")[0] != "overloaded"
+    assert not router.admission.join("a", "a2")
+    refusal = router._refusal("a")
+    assert refusal is not None and refusal[0] == "overloaded"
+    assert "max_queued_per_client" in refusal[1]
+    other = router._refusal("b")  # another client is not refused for a's queue
+    assert other is None or other[0] != "overloaded"
