@@ -10,7 +10,10 @@ OpenAI ``user`` field, and runs three phases against it:
 3. both: A's burst again, B one short request every 2 s until A's last answer.
 
 Ratios are to the same run's idle / alone phases: B's latency p50 and max against its idle
-p50, A's throughput against alone. The machine's load (`uptime`) is recorded per phase.
+p50, A's throughput against alone. The floor of B's ratio is measured too: the mean gap
+between two tokens of a stream (the router's pdserve:inter_token_latency_seconds) while
+A's burst runs alone, over that gap in B's idle phase: B's few tokens each wait for a step
+of A's whole batch, which no order shortens. The machine's load is recorded per phase.
 
     python benchmarks/fairness.py --json benchmarks/results/fairness_cpu.json
     python benchmarks/fairness.py --device cuda --model DIR --json .../fairness_gpu.json
@@ -35,6 +38,25 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def token_gaps(url: str) -> tuple[float, float]:
+    """The router's inter-token latency histogram: (sum of seconds, count)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("pdserve:inter_token_latency_seconds_sum{"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdserve:inter_token_latency_seconds_count{"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def mean_gap(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Mean seconds between two tokens of a stream over a phase (every client's)."""
+    num = after[1] - before[1]
+    return round((after[0] - before[0]) / num, 4) if num else float("nan")
 
 
 def load() -> list[float]:
@@ -104,10 +126,18 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
             await complete(session, url, "interactive", "Hello", args.probe_tokens)
         out: dict[str, Any] = {}
         out["load_before"] = load()
+        gaps = token_gaps(url)
         idle = await probes(session, url, args.probe_tokens, args.probe_count, None)
-        out["idle"] = {"b_latency": summary(idle), "latencies": idle, "load": load()}
+        gaps, gaps_before = token_gaps(url), gaps
+        out["idle"] = {"b_latency": summary(idle), "latencies": idle, "load": load(),
+                       "token_gap_seconds": mean_gap(gaps_before, gaps)}  # fmt: skip
         alone = await burst(session, url, args.burst)
-        out["alone"] = {"a": alone, "load": load()}
+        gaps, gaps_before = token_gaps(url), gaps
+        out["alone"] = {
+            "a": alone,
+            "load": load(),
+            "token_gap_seconds": mean_gap(gaps_before, gaps),
+        }
         await asyncio.sleep(2)
         a_task = asyncio.ensure_future(burst(session, url, args.burst))
         await asyncio.sleep(0.5)  # the burst is in
@@ -119,6 +149,11 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = {
         "b_p50_over_idle": round(out["both"]["b_latency"]["p50"] / idle_p50, 2),
         "b_max_over_idle": round(out["both"]["b_latency"]["max"] / idle_p50, 2),
+        # the floor of B's ratio: a token of a stream beside A's batch against one alone
+        # (B's requests are mostly token gaps; no order makes A's batch step faster)
+        "token_gap_alone_over_idle": round(
+            out["alone"]["token_gap_seconds"] / out["idle"]["token_gap_seconds"], 2
+        ),
         "a_throughput_over_alone": round(
             both["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9), 3
         ),
