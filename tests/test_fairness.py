@@ -339,3 +339,14 @@ def test_one_client_leaves_decode_seats_free_and_per_client_limits_apply(tokeniz
     assert "max_queued_per_client" in refusal[1]
     other = router._refusal("b")  # another client is not refused for a's queue
     assert other is None or other[0] != "overloaded"
+
+
+def test_the_sdk_sends_priority_apart_from_sampling() -> None:
+    from pdserve.common.errors import RequestError
+    from pdserve.services.router.client_common import build_request
+
+    gen = build_request("hi", None, None, None, True, {"priority": -1, "max_tokens": 3})
+    assert gen.priority == -1 and gen.sampling.max_tokens == 3
+    assert build_request("hi", None, None, None, True, {}).priority == 0
+    with pytest.raises(RequestError, match="priority must be an int"):
+        build_request("hi", None, None, None, True, {"priority": "high"})
