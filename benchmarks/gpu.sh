@@ -12,6 +12,8 @@
 #                 (benchmarks/gpu_prefill_attention.py), the prefill step by kernel at batch 1 and 16
 #                 (profile_step.py --kernels), bench engine --shape 8b
 #   serve         pdserve bench serve --compare at three loads, with the HF generate reference
+#   fairness      benchmarks/fairness.py (issue 49) on the 1B shape: client B's latency beside
+#                 client A's 1,000-request burst, ratios to the same run's idle / alone phases
 #   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
 #   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
@@ -112,6 +114,14 @@ suite_serve() {
         --model $LLAMA1B --device cuda --num-prompts 32 --max-concurrency 1,8,32 \
         --input-len 1024 --output-len 128 --hf-reference --json "$OUT/serve_h200.json" \
         2>"$OUT/serve_err.txt" | tail -40
+}
+suite_fairness() {  # issue 49: a 1,000-request burst beside another client's short requests
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 540 python3 benchmarks/fairness.py \
+        --model $LLAMA1B --device cuda --json "$OUT/fairness_h200.json" \
+        > "$OUT/fairness_log.txt" 2>&1; local rc=$?
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'])" \
+        "$OUT/fairness_h200.json"
+    return $rc
 }
 suite_engine-8b() {
     timeout 400 python3 -m pdserve bench engine --shape 8b --tokenizer /tmp/tokmodel --device cuda \
@@ -371,7 +381,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

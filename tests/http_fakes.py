@@ -47,6 +47,7 @@ class FakeCore:
 
     model_name = MODEL
     max_model_len = 256
+    trust_user_field = False
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

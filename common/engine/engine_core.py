@@ -187,17 +187,30 @@ class EngineCore(Generic[OutputT]):
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
-        self._track(self._new_request(request_id, prompt_token_ids, sampling))
+        """``client`` / ``priority``: whose request it is and how urgent (lower first):
+        the scheduler's waiting line serves by them (scheduler.py)."""
+        self._track(self._new_request(request_id, prompt_token_ids, sampling, client, priority))
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        client: str = "",
+        priority: int = 0,
     ) -> Request:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
-        return Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
+        return Request(request_id, list(prompt_token_ids), sampling, next(self._arrivals),
+                       client=client, priority=priority)  # fmt: skip
 
     def _track(self, req: Request) -> None:
         p = req.sampling
@@ -214,6 +227,7 @@ class EngineCore(Generic[OutputT]):
         if entry is None:
             return None
         req, _ = entry
+        self.scheduler.num_abandoned_tokens += req.num_step_tokens  # nobody waits for them
         self.scheduler.finish(req, "abort")
         return self._output(req, [], "", "abort")
 

@@ -49,8 +49,14 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         arrival_order: int = 0,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # whose it is and its priority (lower first): the waiting line's order (scheduler.py)
+        self.client = client
+        self.priority = priority
+        self.num_step_tokens = 0  # tokens steps computed for it here (abandoned on abort)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling = sampling

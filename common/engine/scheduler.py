@@ -30,6 +30,16 @@ still has to pull is pinned (``pin``) until its lease ends (``unpin``). With
 ``publish_host_tier`` (a producer that serves its host tier), a pinned block the tier also
 holds is published as its tier slot, pinned in the tier instead, and its device block goes
 back to the pool at once.
+
+The waiting line is served fairly (the Virtual Token Counter of "Fairness in Serving
+Large Language Models", OSDI 2024): each client (``Request.client``, named by the router)
+has a counter of the tokens steps computed for it here; the next request admitted is the
+waiting one of the lowest ``priority`` (vLLM's: lower first), then of the client with the
+lowest counter, then the first in line (arrival order, a preempted request back at the
+front). A client that becomes active starts at the lowest counter among the active ones:
+it neither jumps ahead on credit from an idle past nor waits for the others' history. One
+client alone is served first come, first served, as before; running requests and
+preemption (the latest arrival first) are untouched.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from pdserve.common.engine.group_tables import GroupTables
 from pdserve.common.engine.kv_groups import KVCacheGroup
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
+
+MAX_COUNTERS = 4096  # clients' counters kept; past it, those of idle clients are dropped
 
 
 class Scheduler:
@@ -79,13 +91,46 @@ class Scheduler:
         self.num_computed_tokens = 0  # every token computed by a step, for tests and stats
         # prompt tokens recomputed because a sliding window lost blocks of a cached prefix
         self.num_replayed_tokens = 0
+        # tokens computed for requests then aborted (nobody waited for them; engine_core)
+        self.num_abandoned_tokens = 0
+        self.served: dict[str, int] = {}  # client -> tokens computed for it (its counter)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        self._activate(req)
         self.waiting.append(req)
+
+    def _activate(self, req: Request) -> None:
+        """Lift the counter of a client that had nothing here to the lowest of the active
+        clients' (VTC): served from now on by what it is served from now on."""
+        active = {r.client for r in self.running} | {r.client for r in self.waiting}
+        active.update(r.client for r in self.waiting_for_remote_kv.values() if r is not req)
+        if req.client in active:
+            return
+        if len(self.served) > MAX_COUNTERS:  # forget idle clients' counters
+            self.served = {c: n for c, n in self.served.items() if c in active}
+        floor = min((self.served.get(c, 0) for c in active), default=0)
+        self.served[req.client] = max(self.served.get(req.client, 0), floor)
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next: lowest priority, then the client served
+        fewest tokens, then the first in line."""
+        first = self.waiting[0]
+        if all(r.client == first.client and r.priority == first.priority for r in self.waiting):
+            return first
+        served = self.served
+        best = min(
+            range(len(self.waiting)),
+            key=lambda i: (
+                self.waiting[i].priority,
+                served.get(self.waiting[i].client, 0),
+                i,
+            ),
+        )
+        return self.waiting[best]
 
     def max_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` (prompt included) holds at once."""
@@ -110,7 +155,7 @@ class Scheduler:
             chosen.append((req, num))
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
             if req.has_pending_token:
                 break  # preempted while its newest token was on the device: not yet known
             req.num_drafts = 0
@@ -126,7 +171,10 @@ class Scheduler:
                 break
             self.tables.allocate(req, num)
             self.num_replayed_tokens += req.num_replayed_tokens
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             chosen.append((req, num))
@@ -253,6 +301,8 @@ class Scheduler:
         for req, seq, void in zip(reqs, plan.seqs, rejected, strict=True):
             req.num_computed_tokens += len(seq.token_ids) - void
             self.num_computed_tokens += len(seq.token_ids)
+            req.num_step_tokens += len(seq.token_ids)
+            self.served[req.client] = self.served.get(req.client, 0) + len(seq.token_ids)
             if void:
                 self._free_tail(req)
             req.num_drafts = 0
@@ -298,6 +348,7 @@ class Scheduler:
         del self.waiting_for_remote_kv[req.request_id]
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = Status.WAITING
+        self._activate(req)
         self.waiting.append(req)
 
     def remote_kv_failed(self, req: Request, recompute: bool) -> None:

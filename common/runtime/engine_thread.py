@@ -48,6 +48,8 @@ def report_engine(metrics: Metrics, engine: Any, num_pending: int, preemptions_s
     metrics.set("pdserve:num_requests_waiting", len(sched.waiting) + num_pending)
     if sched.num_preemptions > preemptions_seen:
         metrics.inc("pdserve:num_preemptions", sched.num_preemptions - preemptions_seen)
+    abandoned = sched.num_abandoned_tokens - metrics.value("pdserve:abandoned_tokens")
+    metrics.inc("pdserve:abandoned_tokens", max(0, abandoned))  # 0: declared
     replayed = sched.num_replayed_tokens - metrics.value("pdserve:prefix_cache_replayed_tokens")
     if replayed > 0:
         metrics.inc("pdserve:prefix_cache_replayed_tokens", replayed)

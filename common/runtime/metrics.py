@@ -51,6 +51,8 @@ COUNTERS = {
     "pdserve:spec_decode_num_draft_tokens": "draft tokens proposed",
     "pdserve:spec_decode_num_accepted_tokens": "draft tokens accepted",
     "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
+    "pdserve:abandoned_tokens": "tokens computed for requests then given up (aborted: client gone, deadline, abort): nobody was waiting for them",
+    "pdserve:client_served_tokens": "tokens served per client class (prompt tokens dispatched, tokens generated); the first max_client_classes clients seen have a class each, the rest are 'other'",
     "pdserve:spec_decode_num_deferred": "verify steps without drafts: the DSpark draft's state was being rebuilt",
 }
 GAUGES = {
@@ -69,6 +71,7 @@ HISTOGRAMS = {
     "pdserve:inter_token_latency_seconds": "time between consecutive tokens",
     "pdserve:e2e_request_latency_seconds": "time from arrival to the last token",
     "pdserve:kv_transfer_seconds": "time of one KV pull",
+    "pdserve:client_queue_seconds": "time a request waited at the router for a dispatch slot, per client class",
     "pdserve:ttft_part_seconds": "time to first token by part of the request's path (common/runtime/ttft.py)",
 }
 HELP = {**COUNTERS, **GAUGES, **HISTOGRAMS}

@@ -35,13 +35,15 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     content: str
 
 
-class Generate(Message, kw_only=True):
+class Generate(Message, kw_only=True, omit_defaults=True):
     request_id: str = ""  # empty: the router assigns one
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # chat: rendered with the model's template
     sampling: SamplingParams = SamplingParams()
     stream: bool = True
+    # vLLM's: lower is served first, at the router and in the engines' waiting lines
+    priority: int = 0
 
 
 class Abort(Message, kw_only=True):
@@ -86,11 +88,17 @@ class Failed(Message, kw_only=True):
 # -- router -> prefill ----------------------------------------------------------------------
 
 
-class PrefillRequest(Message, kw_only=True):
+class PrefillRequest(Message, kw_only=True, omit_defaults=True):
     request_id: str
     trace_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # Who the request is for (the router's name of its client: an API key's index, an SDK
+    # connection, a trusted ``user``) and its priority (lower first): the engine's waiting
+    # line serves the client with the fewest tokens computed first (scheduler.py). Left
+    # out of the encoding at their defaults, so older services read these messages.
+    client: str = ""
+    priority: int = 0
 
 
 class Replica(msgspec.Struct, kw_only=True, frozen=True):
@@ -144,7 +152,7 @@ class PrefillDone(Message, kw_only=True, omit_defaults=True):
 # -- router -> decode -----------------------------------------------------------------------
 
 
-class DecodeRequest(Message, kw_only=True):
+class DecodeRequest(Message, kw_only=True, omit_defaults=True):
     request_id: str
     trace_id: str
     prompt_token_ids: list[int]
@@ -153,6 +161,8 @@ class DecodeRequest(Message, kw_only=True):
     num_cached_tokens: int = 0
     handle: KVHandle | None = None  # None: colocated, decode prefills the prompt itself
     first_logprobs: TokenLogprobs | None = None  # prefill's, for first_token
+    client: str = ""  # as PrefillRequest's
+    priority: int = 0
 
 
 # -- decode -> producer side channel ------------------------------------------------------

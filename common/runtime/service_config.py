@@ -106,6 +106,19 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # `dispatch_window`); the others wait at the router, clients served in turn, so one
     # client's backlog queues behind its own requests, not in front of another's.
     max_dispatched_requests: int = 0
+    # Per-client limits (fair admission, services/router/fair_queue.py): dispatch slots one
+    # client may hold at once (0: derived, ``dispatch_share``) and requests one client may
+    # have waiting for a slot (0: only max_requests_per_client bounds them); past the
+    # second, its next request is refused "overloaded" (HTTP 429).
+    max_dispatched_per_client: int = 0
+    max_queued_per_client: int = 0
+    # Whether an OpenAI body's ``user`` names the client for fair admission and the
+    # engines' waiting lines (per API key when there are several). Off: anyone could claim
+    # to be many users and take more than one share; ``user`` is then ignored.
+    trust_user_field: bool = False
+    # Per-client metrics (pdserve:client_*): the first this many clients seen get a
+    # label of their own, every later one "other" (bounded cardinality).
+    max_client_classes: int = 8
     # An HTTP body not read whole within this many seconds: 408, connection closed.
     body_read_timeout_seconds: float = 30.0
     # The HTTP front door's connections (services/router/http_front.py): a request's
@@ -219,6 +232,9 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                      "max_http_connections_per_client"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise PdserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_dispatched_per_client", "max_queued_per_client", "max_client_classes"):
+            if getattr(self, name) < 0:
+                raise PdserveError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.max_dispatched_requests < 0:
             raise PdserveError(f"max_dispatched_requests must be 0 (derived) or more, got "
                                f"{self.max_dispatched_requests}")  # fmt: skip
@@ -256,11 +272,24 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     @property
     def dispatch_share(self) -> int:
-        """Dispatch slots one client may hold: the window but its last eighth (at least one
-        slot), kept for other clients' next requests (for the derived window: the decode
-        instances' seats)."""
+        """Dispatch slots one client may hold: the decode seats (``max_num_seqs`` x
+        instances) but an eighth of them (at least one), within the window. Those seats
+        stay free for other clients' requests: a decode instance full of one client's
+        requests started together frees its seats only when they end, together (64 tokens
+        later), and a newcomer waited that long (issue 49: 56 s on a loaded 2-core CPU).
+        With ``max_dispatched_requests`` set: that window but its last ninth."""
         window = self.dispatch_window
-        return max(1, window - max(1, window // 9))
+        if self.max_dispatched_requests:
+            return max(1, window - max(1, window // 9))
+        seats = self.engine_for("decode").max_num_seqs * self.decode_instances
+        return max(1, min(window, seats) - max(1, seats // 8))
+
+    @property
+    def client_dispatch_share(self) -> int:
+        """Dispatch slots one client may hold: ``max_dispatched_per_client``, else
+        ``dispatch_share``; never more than the window."""
+        share = self.max_dispatched_per_client or self.dispatch_share
+        return min(share, self.dispatch_window)
 
     def decode_tp_of(self, instance: int) -> int:
         return self.decode_tp[instance] if isinstance(self.decode_tp, list) else self.decode_tp

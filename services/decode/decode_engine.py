@@ -25,11 +25,13 @@ class DecodeEngine(LLMEngine):
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         remote: RemoteKV,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
         """Accept a request whose prompt was prefilled elsewhere (``remote``: what its KV
         handle says); it waits for its pull. Raises RequestError for a request this engine
         cannot serve."""
-        req = self._new_request(request_id, prompt_token_ids, sampling)
+        req = self._new_request(request_id, prompt_token_ids, sampling, client, priority)
         req.remote = remote
         self._track(req)
 

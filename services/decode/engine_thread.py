@@ -133,7 +133,8 @@ class DecodeEngineThread(EngineThread):
             return  # handled again once its grammar is compiled (or its budget passed)
         try:
             if handle is None:  # colocated: this engine computes the prompt
-                self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling)
+                self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling,
+                                        client=msg.client, priority=msg.priority)  # fmt: skip
             else:
                 assert msg.first_token is not None  # the boundary checked it
                 remote = RemoteKV(
@@ -142,7 +143,8 @@ class DecodeEngineThread(EngineThread):
                     first_token=msg.first_token,
                     num_cached_tokens=msg.num_cached_tokens,
                 )
-                self.engine.add_remote(rid, msg.prompt_token_ids, msg.sampling, remote)
+                self.engine.add_remote(rid, msg.prompt_token_ids, msg.sampling, remote,
+                                       client=msg.client, priority=msg.priority)  # fmt: skip
         except PdserveError as exc:
             self._fail(identity, rid, msg.trace_id, "bad_request", str(exc))
             if handle is not None:

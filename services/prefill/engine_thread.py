@@ -179,7 +179,8 @@ class PrefillEngineThread(EngineThread):
         if not self.grammar_ready(cmd, req.request_id, req.sampling):
             return  # handled again once its grammar is compiled (or its budget passed)
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling,
+                                    client=req.client, priority=req.priority)  # fmt: skip
         except PdserveError as exc:
             self._fail(identity, req.request_id, req.trace_id, "bad_request", str(exc))
             return

@@ -107,7 +107,8 @@ class Client:
                  messages: Sequence[ChatMessage | dict[str, str]] | None = None,
                  request_id: str | None = None, timeout: float | None = UNSET,
                  **sampling: Any) -> Result:  # fmt: skip
-        """Generate to the end; ``sampling`` are SamplingParams fields (max_tokens, ...)."""
+        """Generate to the end; ``sampling`` are SamplingParams fields (max_tokens, ...) and
+        ``priority`` (vLLM's: lower is served first, default 0)."""
         gen = build_request(prompt, prompt_token_ids, messages, request_id, False, sampling)
         chunks: list[TokenChunk] = []
         for event in self._events(gen, timeout):

@@ -92,6 +92,10 @@ def build_request(
 ) -> Generate:
     if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
         raise RequestError("pass exactly one of prompt, prompt_token_ids or messages")
+    sampling = dict(sampling)
+    priority = sampling.pop("priority", 0)  # vLLM's: lower is served first (not sampling)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError(f"priority must be an int (lower is served first), got {priority!r}")
     unknown = set(sampling) - set(SamplingParams.__struct_fields__)
     if unknown:  # msgspec would ignore them; a typo must not silently change nothing
         known = ", ".join(SamplingParams.__struct_fields__)
@@ -126,6 +130,7 @@ def build_request(
         messages=chat,
         sampling=params,
         stream=stream,
+        priority=priority,
     )
 
 

@@ -55,6 +55,8 @@ class RouterCore(Protocol):
     model_name: str  # the served model id, shown by /v1/models and checked against `model`
     max_model_len: int  # prompt + completion tokens, at most
     tokenizer: Tokenizer
+    # an OpenAI body's ``user`` names its client for fair admission (trust_user_field)
+    trust_user_field: bool
 
     def submit(self, gen: Generate, owner: str = "") -> AsyncIterator[Event]:
         """Validate ``gen`` (raising RequestError) and admit it (raising Refused when the

@@ -76,7 +76,8 @@ async def generate(
         sampling = req.sampling(max_tokens, index % n, gate)
         sampling.validate(vocab)  # the core checks again; failing here names no peer
         gens.append(Generate(request_id=request_id, prompt_token_ids=prompt,
-                             sampling=sampling, stream=req.is_stream))  # fmt: skip
+                             sampling=sampling, stream=req.is_stream,
+                             priority=req.priority or 0))  # fmt: skip
     choice_echoes = None if echoes is None else [echoes[i // n] for i in range(num_choices)]
     scored: ScoredPrompt | None = None
     if req.requested_prompt_logprobs is not None:
@@ -88,8 +89,11 @@ async def generate(
                                 echo=show_echo, vllm_field=show_field)  # fmt: skip
 
     batch = ScoringOnly() if scoring_only else Batch()
-    # whose turn it is in the router (fair admission): its API key, else its address
+    # whose turn it is in the router (fair admission): its API key, else its address;
+    # the body's ``user`` within that where the operator trusts it (trust_user_field)
     owner = request.get(CLIENT_KEY) or f"http:{request.remote}"
+    if req.user and core.trust_user_field:
+        owner = f"user:{req.user}" if owner.startswith("http:") else f"{owner}/user:{req.user}"
     in_flight.update(ids)
     # The first candidate of each prompt first: once it has a token, its prompt's
     # blocks are in the prefix cache, and the other n - 1 (sent to the same prefill by

@@ -100,7 +100,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None  # extension (vLLM's)
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
-    user: str | None = None  # for the caller's records; changes nothing
+    # the caller's end user: names the client for fair admission when the deployment
+    # sets trust_user_field (http_generate.py), else for the caller's records only
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    # extension (vLLM's): lower is served first, at the router and in the engines (default 0)
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] | None = None
     response_format: ResponseFormat | None = None  # json_object / json_schema: constrained
     guided_json: Any = None  # vLLM's structured output (structured_request.py)
     guided_regex: str | None = None

@@ -46,3 +46,5 @@ class RequestState:
     finished: bool = False
     # prefilled by its decode instance: that link and the tokens in its local backlog
     local_prefill: tuple[Link, int] | None = None
+    priority: int = 0  # vLLM's: lower is served first (fair_queue.py, the engines' lines)
+    client_class: str = "other"  # its client's label on the per-client metrics

@@ -40,6 +40,8 @@ from pdserve.services.router.request_state import (
 
 __all__ = ["MAX_LABEL_CHARS", "Event", "Router"]
 
+MAX_CLASS_CHARS = 64  # a client's name as a metrics label
+
 log = structlog.get_logger("pdserve.router")
 
 
@@ -57,11 +59,13 @@ class Router(Placement):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.trust_user_field = cfg.trust_user_field
         # A text longer than this has more tokens than max_model_len: refused untokenised.
         self.max_prompt_chars = max_model_len * tokenizer.longest_token_chars
         self.per_owner: dict[str, int] = {}  # requests in flight by owner (their cap)
-        # dispatch slots, clients in turn
-        self.admission = FairQueue(cfg.dispatch_window, cfg.dispatch_share)
+        # dispatch slots, clients served by tokens served (VTC) and priority
+        self.admission = FairQueue(cfg.dispatch_window, cfg.client_dispatch_share)
+        self.client_classes: dict[str, str] = {}  # owner -> its metrics label (bounded)
         for phase in PHASES:
             self.metrics.declare("pdserve:request_timeouts", phase=phase)
         self.owned: dict[tuple[str, str], str] = {}  # (owner, label) -> request id
@@ -104,8 +108,24 @@ class Router(Placement):
         if refusal is not None:
             raise Refused(*refusal)
         rid = f"req-{uuid.uuid4().hex}"
-        state = RequestState(rid, uuid.uuid4().hex, len(ids), label=label or rid, owner=owner)
+        state = RequestState(rid, uuid.uuid4().hex, len(ids), label=label or rid, owner=owner,
+                             priority=gen.priority, client_class=self._client_class(owner))  # fmt: skip
         return self._labelled(state, self._run(state, ids, gen.sampling))
+
+    def _client_class(self, owner: str) -> str:
+        """``owner``'s label on the per-client metrics: its own for the first
+        ``max_client_classes`` clients seen, "other" past them (bounded cardinality)."""
+        label = self.client_classes.get(owner)
+        if label is None:
+            if len(self.client_classes) >= self.cfg.max_client_classes:
+                return "other"
+            label = self.client_classes[owner] = owner[:MAX_CLASS_CHARS] or "anonymous"
+        return label
+
+    def _serve(self, state: RequestState, tokens: int) -> None:
+        """``tokens`` served to ``state``'s client: its virtual counter, its metric."""
+        self.admission.serve(state.owner, tokens)
+        self.metrics.inc("pdserve:client_served_tokens", tokens, client_class=state.client_class)
 
     def _refusal(self, owner: str) -> tuple[str, str] | None:
         """Why a new request of ``owner`` is refused now (reason, message), if it is."""
@@ -118,6 +138,11 @@ class Router(Placement):
         if held >= self.cfg.max_requests_per_client:  # one client cannot take every slot
             return ("overloaded", f"this client holds {held} requests, its share "
                     "(max_requests_per_client); retry when some have finished")  # fmt: skip
+        queued = self.admission.num_waiting_of(owner)
+        if self.cfg.max_queued_per_client and queued >= self.cfg.max_queued_per_client:
+            return ("overloaded", f"this client has {queued} requests waiting for a dispatch "
+                    "slot, its limit (max_queued_per_client); retry when some have "
+                    "started")  # fmt: skip
         if self.stall_mark() is not None:  # peers may look down for our own stall: _pick waits
             return None
         now = time.monotonic()
@@ -234,14 +259,17 @@ class Router(Placement):
         got_first = False
         last = state.arrived
         try:
-            if not self.admission.join(state.owner, rid):  # waits its turn for a slot
+            if not self.admission.join(state.owner, rid, state.priority):  # waits its turn
                 event = await self._next(state, self.cfg.first_token_timeout_seconds, "queue")
                 if not isinstance(event, SlotGiven):  # aborted, drained or timed out
                     yield self._ended(state, event)
                     return
+            self.metrics.observe("pdserve:client_queue_seconds", time.monotonic() - state.arrived,
+                                 client_class=state.client_class)  # fmt: skip
             if not state.queue.empty():  # it ended while its slot was on the way
                 yield self._ended(state, state.queue.get_nowait())
                 return
+            self._serve(state, state.num_prompt_tokens)
             first_token, num_cached, handle, first_logprobs = None, 0, None, None
             prompt_logprobs: list[p.TokenLogprobs] | None = None
             hashes = [] if self.cfg.colocated else hash_blocks(ids, self.block_size)
@@ -276,6 +304,8 @@ class Router(Placement):
                     num_cached_tokens=num_cached,
                     handle=handle,
                     first_logprobs=first_logprobs,
+                    client=state.owner,
+                    priority=state.priority,
                 ),
             )
             while True:
@@ -299,6 +329,7 @@ class Router(Placement):
                     else:
                         self.metrics.observe("pdserve:inter_token_latency_seconds", now - last)
                     last = now
+                    self._serve(state, len(event.token_ids))
                     yield event
                     continue
                 state.finished = True
@@ -349,6 +380,8 @@ class Router(Placement):
                 trace_id=state.trace_id,
                 prompt_token_ids=ids,
                 sampling=sampling,
+                client=state.owner,
+                priority=state.priority,
             ),
         )
         link.remember(hashes)
