@@ -50,22 +50,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def chat_tokens(tokenizer: Any, text: str) -> int:
+    """Prompt tokens of one user message once the chat template wraps it."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
 def make_prompt(tokenizer: Any, tokens: int, seed: int) -> str:
     """Random words, about ``tokens`` tokens once the chat template wraps them."""
     rng = random.Random(seed)
     words = [f"Request {seed}:"]
-    text = ""
-    while True:
+    while chat_tokens(tokenizer, " ".join(words)) < tokens:
         words.extend(rng.choice(WORDS) for _ in range(200))
-        text = " ".join(words)
-        n = len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True))
-        if n >= tokens:
-            break
-    while n > tokens:  # trim to the count
-        words = words[: max(1, len(words) - (n - tokens))]
-        text = " ".join(words)
-        n = len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True))
-    return text
+    while (n := chat_tokens(tokenizer, " ".join(words))) > tokens:  # trim to the count
+        words = words[: max(1, len(words) - max(1, (n - tokens) // 2))]
+    return " ".join(words)
 
 
 async def one_chat(client: openai.AsyncOpenAI, model: str, text: str, max_tokens: int) -> dict:
