@@ -8,7 +8,9 @@ HTTP API, each streamed (time to first token and to the whole answer).
 A fresh deployment of the embedded model (`pdserve up`, its defaults: a prefill and a decode
 instance) on free ports; the prompts are random words, distinct per request (no prefix
 shared past the chat template), sized with the model's tokenizer to --tokens prompt tokens
-(the server's count is recorded too). The JSON records the commit and command, the
+(the server's count is recorded too). Beside the wall times, the CPU seconds that the
+services spent on the lone prompt (every process under `pdserve up`, psutil): on a busy
+machine, the figure that does not depend on the other processes. The JSON records the commit and command, the
 machine's load average before and after (other processes on a shared machine add to every
 time here), the CPU's flags, and the ISA and kernel choices the services logged
 (kernels/cpu_native.py's ``cpu_attention_kernel_loaded`` and ``cpu_kernel_choice`` lines).
@@ -112,12 +114,36 @@ def logged_choices(log_dir: Path) -> list[dict]:
     return out
 
 
-async def run(args: argparse.Namespace, url: str, model: str, tokenizer: Any) -> dict:
+def service_cpu_s(server_pid: int) -> float:
+    """CPU seconds (user + system) used so far by every process under `pdserve up`."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.Process(server_pid).children(recursive=True):
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+async def run(
+    args: argparse.Namespace, url: str, model: str, tokenizer: Any, server_pid: int
+) -> dict:
     client = openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key="none", timeout=args.timeout, max_retries=0
     )
-    alone = await one_chat(client, model, make_prompt(tokenizer, args.tokens, 0), args.max_tokens)
+    text = make_prompt(tokenizer, args.tokens, 0)
+    cpu_before = service_cpu_s(server_pid)
+    alone = await one_chat(client, model, text, args.max_tokens)
+    # the CPU time the services spent on it: what it costs whatever else the machine runs
+    # (on a quiet machine of `threads` cores, about cpu_s / threads of wall time)
+    alone["service_cpu_s"] = round(service_cpu_s(server_pid) - cpu_before, 2)
     print(f"one {args.tokens}-token prompt: {alone}", file=sys.stderr)
+    if args.concurrent == 0:
+        await client.close()
+        return {"alone": alone, "concurrent": [], "concurrent_wall_s": 0.0}
     texts = [make_prompt(tokenizer, args.tokens, i + 1) for i in range(args.concurrent)]
     start = time.perf_counter()
     results = await asyncio.gather(
@@ -168,7 +194,7 @@ def main() -> None:
                 raise SystemExit("pdserve up not healthy after 600 s")
             time.sleep(1)
         model = models["data"][0]["id"]
-        result = asyncio.run(run(args, url, model, tokenizer))
+        result = asyncio.run(run(args, url, model, tokenizer, server.pid))
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -182,6 +208,7 @@ def main() -> None:
         "alone_total_s": result["alone"]["total_s"],
         "alone_ttft_s": result["alone"]["ttft_s"],
         "alone_prompt_tokens": result["alone"]["prompt_tokens"],
+        "alone_service_cpu_s": result["alone"]["service_cpu_s"],
         "concurrent_answered": f"{answered}/{len(rows)}",
         "concurrent_max_total_s": max(totals) if totals else None,
         "concurrent_wall_s": result["concurrent_wall_s"],
