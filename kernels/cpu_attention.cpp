@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <vector>
@@ -92,9 +93,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t M = tab.size(1);
   const float fscale = (float)scale;
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // (sequence, KV head) items taken as threads come free (as in paged_prefill)
+  const int64_t items = S * Hkv;
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
     std::vector<float> acc(G * D), m(G), l(G), sc(G * B);
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t s = w / Hkv, h = w % Hkv;
       const int64_t ctx = lp[s];
       const int64_t first = window > 0 ? std::max<int64_t>(ctx - window, 0) : 0;
@@ -185,8 +190,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
 // 16, and two vectors a row 1.1x one, on this project's 2-core AVX-512 machine: ~235-280
 // GFLOP/s of causal attention against 70-135 for the reference's SDPA,
 // benchmarks/cpu_prefill_attention.py).
-// Items are dealt round robin over torch's threads, the costliest first. D is a multiple
-// of 16 (the caller checks).
+// Items, the costliest first, are taken by torch's threads as each comes free (an atomic
+// counter): a thread that the OS preempts (a shared machine, or the prefill and decode
+// services on the same cores) leaves its share to the others instead of holding the call
+// up. D is a multiple of 16 (the caller checks).
 
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor cu_seqlens,
                             torch::Tensor lens, torch::Tensor tables, double scale,
@@ -230,11 +237,12 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
     std::vector<float> qt(R * D), acc(R * D), kt(D * Bp), sc(R * Bp), m(R), l(R);
     std::vector<int64_t> lo(R), hi(R);
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      for (size_t it = lane; it < items.size(); it += lanes) {
+    {
+      for (size_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
         const Item& w = items[it];
         const int64_t ctx = lp[w.s], q_len = cup[w.s + 1] - cup[w.s];
         const int64_t rows = (w.t1 - w.t0) * G;
