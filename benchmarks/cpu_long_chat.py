@@ -98,7 +98,10 @@ async def one_chat(client: openai.AsyncOpenAI, model: str, text: str, max_tokens
         "total_s": round(total, 3),
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,
-        "answered": bool(pieces),
+        # answered: the stream ended with its usage (a finished answer; the model may stop
+        # at once with an empty text, which counts)
+        "answered": usage is not None and usage.completion_tokens >= 1,
+        "text_chars": len("".join(pieces)),
     }
 
 
