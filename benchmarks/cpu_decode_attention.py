@@ -2,6 +2,11 @@
 compiled kernel (kernels/cpu_native.py), at the embedded model's shape by batch size.
 
     python benchmarks/cpu_decode_attention.py [--batches 1,16,64] [--context 576] [--json F]
+        [--isa auto|avx512|avx2|portable]
+
+``--isa`` picks the compiled kernel's build, as in benchmarks/cpu_prefill_attention.py
+(which says how to hold torch's reference to AVX2 too). The two paths are timed
+alternately; the speedup is the median of the per-pair ratios.
 
 Each call takes the next of 30 layer views of one cache (as a step walks its layers, so no
 call finds the previous one's KV in the CPU's caches); the median of --repeats calls. The
@@ -26,15 +31,25 @@ from pdserve.common.engine.host_malloc import keep_freed_buffers
 from pdserve.kernels import cpu_native, reference
 
 
-def median_ms(fn: Callable[[int], object], repeats: int) -> float:
+def paired_ms(
+    ref: Callable[[int], object],
+    native: Callable[[int], object],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float, float]:
+    """Median ms of each path and the median of the per-pair ratios, the two timed
+    alternately (ref, native, ref, ...) so that a shared machine's busy moments fall on both."""
     for i in range(3):
-        fn(i)
-    times = []
+        ref(i)
+        native(i)
+    ref_t, native_t = [], []
     for i in range(repeats):
-        start = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn, times in ((ref, ref_t), (native, native_t)):
+            start = clock()
+            fn(i)
+            times.append(clock() - start)
+    ratio = statistics.median(r / n for r, n in zip(ref_t, native_t, strict=True))
+    return statistics.median(ref_t) * 1e3, statistics.median(native_t) * 1e3, ratio
 
 
 def main() -> None:
@@ -46,10 +61,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--isa", default="auto", choices=["auto", *cpu_native.ISAS])
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the process's CPU time, not the wall clock: with --threads 1, the cycles "
+        "each path takes whatever else the machine runs (a shared machine's measure)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_buffers()
-    assert cpu_native.load() is not None, "the compiled kernel did not build"
+    load_before = os.getloadavg()
+    module = cpu_native.load() if args.isa == "auto" else cpu_native.load_isa(args.isa)
+    assert module is not None, "the compiled kernel did not build"
     num_heads, num_kv_heads, head_dim = map(int, args.heads.split(","))
     block, layers = args.block_size, 30
     batches = [int(b) for b in args.batches.split(",")]
@@ -65,22 +89,22 @@ def main() -> None:
         tables = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq] + 1
         tables = tables.view(batch, blocks_per_seq).to(torch.int32)
         q = torch.randn(batch, num_heads, head_dim, generator=gen)
-        ref = median_ms(
+        ref, native, ratio = paired_ms(
             lambda i, a=(q, lens, tables): reference.decode_attention(
                 a[0], views[i % layers], a[1], a[2], scale
             ),
-            args.repeats,
-        )
-        native = median_ms(
             lambda i, a=(q, lens, tables): cpu_native.decode_attention(
-                a[0], views[i % layers], a[1], a[2], scale, None
+                a[0], views[i % layers], a[1], a[2], scale, None, module
             ),
             args.repeats,
+            time.process_time if args.cpu_time else time.perf_counter,
         )
         kv_bytes = int(lens.sum()) * 2 * num_kv_heads * head_dim * 4
         rows.append({"batch": batch, "reference_ms": round(ref, 3), "native_ms": round(native, 3),
-                     "speedup": round(ref / native, 2), "kv_mb": round(kv_bytes / 1e6, 2),
+                     "speedup": round(ratio, 2), "kv_mb": round(kv_bytes / 1e6, 2),
                      "native_gb_s": round(kv_bytes / native / 1e6, 1)})  # fmt: skip
+    print(f"build: {module.isa()}; torch CPU capability: {torch.backends.cpu.get_cpu_capability()}; "
+          f"load average {load_before} -> {os.getloadavg()}")  # fmt: skip
     print(
         "| batch | K+V read (MB) | reference (ms) | compiled (ms) | speedup | compiled reads at (GB/s) |"
     )
@@ -89,7 +113,12 @@ def main() -> None:
         print(f"| {r['batch']} | {r['kv_mb']} | {r['reference_ms']} | {r['native_ms']} | "
               f"{r['speedup']}x | {r['native_gb_s']} |")  # fmt: skip
     if args.json:
-        config = {**provenance(), **vars(args), "cpu_count": os.cpu_count()}
+        config = {**provenance(), **vars(args), "cpu_count": os.cpu_count(),
+                  **cpu_native.describe(), "build_isa": module.isa(),
+                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                  "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                  "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                          "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS") if k in os.environ}}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"benchmark": "cpu_decode_attention", "config": config, "rows": rows}, f,
                       indent=1)  # fmt: skip

@@ -110,7 +110,8 @@ class Deployment:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith("PDSERVE_") or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS")
+            if not k.startswith("PDSERVE_")
+            or k in ("PDSERVE_CACHE_DIR", "PDSERVE_KERNELS", "PDSERVE_CPU_ISA")
         }
         # Under systemd, `pdserve up` itself is the unit's main process, not its children.
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):

@@ -5,8 +5,9 @@
 :mod:`pdserve.kernels.fp8`); ``rms_norm``, ``rotary`` and ``silu_and_mul`` those of
 :mod:`pdserve.kernels.pointwise_ref` (Triton: :mod:`pdserve.kernels.triton_pointwise`). By default, CUDA tensors go to the Triton kernels
 (:mod:`pdserve.kernels.triton_ops`) when triton imports, everything else to the torch
-reference, whose decode attention on float32 CPU tensors runs the compiled kernel of
-:mod:`pdserve.kernels.cpu_native` where it builds. ``PDSERVE_KERNELS=torch|triton`` forces
+reference, whose attention and pointwise ops on float32 CPU tensors run the compiled
+kernels of :mod:`pdserve.kernels.cpu_native` where they build for this CPU's ISA and beat
+the reference on it (timed once per kernel, logged). ``PDSERVE_KERNELS=torch|triton`` forces
 one (``torch``: the reference alone, no compiled kernel); Triton on CPU tensors runs only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported).
 
@@ -156,7 +157,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, hidden], added to x first
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normalised, x + residual or None)
-    if _native_pointwise(x.device):
+    if _native_pointwise(x.device, "rms_norm"):
         out = cpu_native.rms_norm(x, weight, eps, residual)
         if out is not None:
             return out
@@ -169,7 +170,7 @@ def rotary(
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,  # [T, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q, k (Triton: in place)
-    if _native_pointwise(q.device):
+    if _native_pointwise(q.device, "rotary"):
         out = cpu_native.rotary(q, k, cos, sin)
         if out is not None:
             return out
@@ -181,7 +182,7 @@ def silu_and_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Ten
     the up on both sides at it first (DeepSeek-V4's experts)."""
     if limit is not None:
         return _pointwise(gate_up.device).silu_and_mul(gate_up, limit)
-    if _native_pointwise(gate_up.device):
+    if _native_pointwise(gate_up.device, "silu_and_mul"):
         out = cpu_native.silu_and_mul(gate_up)
         if out is not None:
             return out
@@ -217,7 +218,11 @@ def prefill_attention(
             q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             k_scale, v_scale, max_q_len,
         )  # fmt: skip
-    if not is_fp8(layer_cache.dtype) and _native_allowed():
+    if (
+        q.device.type == "cpu"
+        and not is_fp8(layer_cache.dtype)
+        and _native_allowed("paged_prefill")
+    ):
         out = cpu_native.prefill_attention(
             q, layer_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
         )
@@ -248,7 +253,12 @@ def decode_attention(
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [S, H_q, D]
     impl = _impl(q.device)
-    if impl is reference and not is_fp8(layer_cache.dtype) and _native_allowed():
+    if (
+        impl is reference
+        and q.device.type == "cpu"
+        and not is_fp8(layer_cache.dtype)
+        and _native_allowed("paged_decode")
+    ):
         out = cpu_native.decode_attention(
             q, layer_cache, context_lens, block_tables, scale, sliding_window
         )
@@ -267,22 +277,27 @@ def decode_attention(
     )
 
 
-def _native_pointwise(device: torch.device) -> bool:
+def _native_pointwise(device: torch.device, kernel: str) -> bool:
     """Pointwise ops take the compiled CPU ones (kernels/cpu_native.py) where the torch
     reference would serve them and ``PDSERVE_KERNELS`` is not ``torch``."""
-    return device.type == "cpu" and backend_name(device) == "torch" and _native_allowed()
+    return device.type == "cpu" and backend_name(device) == "torch" and _native_allowed(kernel)
 
 
-def _native_allowed() -> bool:
-    """CPU decode attention may take the compiled kernel (kernels/cpu_native.py) unless
-    ``PDSERVE_KERNELS=torch`` asks for the reference alone."""
-    return os.environ.get(ENV_VAR, "").strip().lower() != "torch"
+def _native_allowed(kernel: str) -> bool:
+    """CPU float32 ops take the compiled ``kernel`` (kernels/cpu_native.py) unless
+    ``PDSERVE_KERNELS=torch`` asks for the reference alone, or it is not built here, or it
+    lost to the reference on this CPU (cpu_native.chosen: timed once, logged)."""
+    if os.environ.get(ENV_VAR, "").strip().lower() == "torch":
+        return False
+    return cpu_native.chosen(kernel)
 
 
 def prepare_cpu() -> bool:
-    """Build (or load) the compiled CPU kernels now, before the first step needs them: True
-    when they are in use."""
-    return _native_allowed() and cpu_native.load() is not None
+    """Build (or load) the compiled CPU kernels now and time each against the reference,
+    before the first step needs them: True when some are in use."""
+    if os.environ.get(ENV_VAR, "").strip().lower() == "torch" or cpu_native.load() is None:
+        return False
+    return any([cpu_native.chosen(k) for k in cpu_native.KERNELS])
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:

@@ -12,30 +12,59 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <vector>
 
 namespace {
 
+// The vector width and register block follow the ISA this file is compiled for
+// (kernels/cpu_native.py builds one library per ISA and loads the one the CPU runs): a
+// vector is one register, and the RB x 2 accumulators of a micro-tile plus the two operand
+// vectors and a broadcast fit the register file (AVX-512: 32 zmm, RB 8; AVX2 and SSE: 16
+// ymm/xmm, RB 6, as in the classic 6x16 SGEMM tile). A vector wider than a register (the
+// AVX-512 sizing compiled for AVX2) spills on every FMA: 0.05x the reference.
+#if defined(__AVX512F__)
+#define PDSERVE_ISA "avx512"
+constexpr int64_t VW = 16;
+constexpr int64_t RB = 8;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_ISA "avx2"
+constexpr int64_t VW = 8;
+constexpr int64_t RB = 6;
+#elif defined(__AVX__)
+#define PDSERVE_ISA "avx"
+constexpr int64_t VW = 8;
+constexpr int64_t RB = 6;
+#else
+#define PDSERVE_ISA "sse"
+constexpr int64_t VW = 4;
+constexpr int64_t RB = 6;
+#endif
 constexpr int64_t QT = 32;  // query tokens per tile
-constexpr int64_t VW = 16;  // floats per vector
-constexpr int64_t RB = 8;   // query rows per register block
 constexpr int64_t PD = 8;   // decode: rows prefetched ahead
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
 inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(vf)); return v; }
 inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
 
-// the sum of a vector's 16 lanes as a tree of halves (a loop over lanes compiles to 16
-// scalar adds)
+// the sum of a vector's lanes as a tree of halves (a loop over lanes compiles to VW scalar
+// adds)
+template <int W>
+inline float hsum_of(const float* t) {
+  if constexpr (W == 1) {
+    return t[0];
+  } else {
+    float h[W / 2];
+    for (int i = 0; i < W / 2; ++i) h[i] = t[i] + t[i + W / 2];
+    return hsum_of<W / 2>(h);
+  }
+}
 inline float hsum(vf a) {
-  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-  const v8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
-              + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  float t[VW];
+  vstore(t, a);
+  return hsum_of<VW>(t);
 }
 
 struct Item { int64_t s, h, t0, t1, cost; };
@@ -47,7 +76,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
   TORCH_CHECK(q.dtype() == torch::kFloat && cache.dtype() == torch::kFloat, "float32 only");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && tables.dim() == 2, "bad ranks");
   TORCH_CHECK(q.size(1) % cache.size(2) == 0 && q.size(2) == cache.size(4), "head shapes differ");
-  TORCH_CHECK(q.size(2) % VW == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2), DC = D / VW;
   const int64_t Hkv = cache.size(2), B = cache.size(3);
   const int64_t G = Hq / Hkv;
@@ -64,9 +93,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t M = tab.size(1);
   const float fscale = (float)scale;
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // (sequence, KV head) items taken as threads come free (as in paged_prefill)
+  const int64_t items = S * Hkv;
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
     std::vector<float> acc(G * D), m(G), l(G), sc(G * B);
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t s = w / Hkv, h = w % Hkv;
       const int64_t ctx = lp[s];
       const int64_t first = window > 0 ? std::max<int64_t>(ctx - window, 0) : 0;
@@ -88,7 +121,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
           const int64_t nxt = tp[s * M + b + 1];
           if (nxt >= 0 && nxt < cache.size(0)) nkb = cp + nxt * sN + h * sH;
         }
-        // scores: each K row once for the G heads, 16 dims a vector, then summed across
+        // scores: each K row once for the G heads, VW dims a vector, then summed across
         for (int64_t t = t0; t < t1; ++t) {
           const float* kr = kb + t * sB;
           // K and V rows PD ahead, into the next block at the end of this one: the
@@ -122,7 +155,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
         }
-        // acc += P V: a head's 16 dims in a register over the block's V rows
+        // acc += P V: a head's VW dims in a register over the block's V rows
         for (int64_t g = 0; g < G; ++g) {
           const float* pg = sc.data() + g * B;
           for (int64_t dc = 0; dc < DC; ++dc) {
@@ -150,14 +183,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor l
 // KV head, tile of QT query tokens): the G query heads of the KV head over the tile, QT * G
 // rows, attend block by block over the keys any of them sees, flash style (online softmax),
 // reading K and V where they lie, once per tile; GQA needs no repeated K/V, and only blocks
-// that hold a visible key are read. Within a block, QK^T runs as RB rows x 32 keys of
+// that hold a visible key are read. Within a block, QK^T runs as RB rows x 2 vectors of keys of
 // register accumulators over a transposed copy of the K block (D x B, in L1), and PV as RB
-// rows x 32 dims over the V rows; these are GCC/Clang vector types, one AVX-512 register
-// each where the CPU has it (RB 8 measured best of 4, 6, 8, 16, and two vectors a row 1.1x
-// one, on this project's 2-core AVX-512 machine: ~235-280 GFLOP/s of causal attention
-// against 70-135 for the reference's SDPA, benchmarks/cpu_prefill_attention.py).
-// Items are dealt round robin over torch's threads, the costliest first. D is a multiple
-// of 16 (the caller checks).
+// rows x 2 vectors of dims over the V rows; these are GCC/Clang vector types of one
+// register of the ISA compiled for (VW, RB above; on AVX-512 RB 8 measured best of 4, 6, 8,
+// 16, and two vectors a row 1.1x one, on this project's 2-core AVX-512 machine: ~235-280
+// GFLOP/s of causal attention against 70-135 for the reference's SDPA,
+// benchmarks/cpu_prefill_attention.py).
+// Items, the costliest first, are taken by torch's threads as each comes free (an atomic
+// counter): a thread that the OS preempts (a shared machine, or the prefill and decode
+// services on the same cores) leaves its share to the others instead of holding the call
+// up. D is a multiple of 16 (the caller checks).
 
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor cu_seqlens,
                             torch::Tensor lens, torch::Tensor tables, double scale,
@@ -165,7 +201,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
   TORCH_CHECK(q.dtype() == torch::kFloat && cache.dtype() == torch::kFloat, "float32 only");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && tables.dim() == 2, "bad ranks");
   TORCH_CHECK(q.size(1) % cache.size(2) == 0 && q.size(2) == cache.size(4), "head shapes differ");
-  TORCH_CHECK(q.size(2) % VW == 0 && q.size(2) <= 512, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 512, "head_dim must be a multiple of 16, at most 512");
   TORCH_CHECK(cache.stride(4) == 1, "cache rows must be contiguous");
   const int64_t Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = cache.size(2), B = cache.size(3), N = cache.size(0);
@@ -201,11 +237,12 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
     std::vector<float> qt(R * D), acc(R * D), kt(D * Bp), sc(R * Bp), m(R), l(R);
     std::vector<int64_t> lo(R), hi(R);
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      for (size_t it = lane; it < items.size(); it += lanes) {
+    {
+      for (size_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
         const Item& w = items[it];
         const int64_t ctx = lp[w.s], q_len = cup[w.s + 1] - cup[w.s];
         const int64_t rows = (w.t1 - w.t0) * G;
@@ -242,7 +279,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
           }
           for (int64_t d = 0; d < D; ++d)
             for (int64_t j = nj; j < njp; ++j) kt[d * njp + j] = 0.f;
-          // scores: RB rows x 32 keys at a time (16 where one vector is left)
+          // scores: RB rows x 2 vectors of keys at a time (one where one is left)
           for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const float* qr[RB];
             for (int64_t i = 0; i < RB; ++i) qr[i] = qt.data() + std::min(r0 + i, rows - 1) * D;
@@ -290,7 +327,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
           }
-          // acc += P V: RB rows x 32 dims at a time (16 where one vector is left)
+          // acc += P V: RB rows x 2 vectors of dims at a time (one where one is left)
           for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const float* pr[RB];
             float* ar[RB];
@@ -344,7 +381,11 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
+// The ISA this library was compiled for (kernels/cpu_native.py checks it after loading).
+std::string isa() { return PDSERVE_ISA; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa);
   m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill", &paged_prefill, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());

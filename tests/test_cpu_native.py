@@ -1,6 +1,8 @@
 """kernels/cpu_native.py: the compiled CPU decode and prefill attention against the torch
 reference (float64) on NaN-poisoned paged caches, their errors, and the dispatch around
-them."""
+them; each ISA's build (AVX-512, AVX2, portable) that this CPU runs, checked to be the
+vector code of its ISA (its compiled-in tag) and correct; the chooser, which falls back to
+the reference where a build fails or a kernel is slower."""
 
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ CASES = {  # ctx_lens, H_q, H_kv, D, block size
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     assert cpu_native.load() is not None, "the CPU kernel did not build (see the log line)"
+
+
+@pytest.fixture(autouse=True)
+def compiled_chosen(monkeypatch):
+    """The chooser's timing replaced (a shared machine's timings must not flip which path a
+    dispatch test sees): every compiled kernel wins; tests of the chooser inject others."""
+    cpu_native.reset_choices()
+    monkeypatch.setattr(cpu_native, "measure", lambda kernel, module: (1.0, 2.0))
+    yield
+    cpu_native.reset_choices()
 
 
 @pytest.mark.parametrize("window", [None, 24, 100], ids=["full", "win24", "win100"])
@@ -177,6 +189,7 @@ def test_a_failed_build_falls_back_with_the_reason_logged(monkeypatch, capsys, t
         raise RuntimeError("Error building extension\nc++: command not found")
 
     monkeypatch.setattr(ext, "load", no_compiler)
+    monkeypatch.setattr(cpu_native, "load_isa", cpu_native.load_isa.__wrapped__)  # no cache
     assert cpu_native.load.__wrapped__() is None
     err = capsys.readouterr()
     assert "cpu_attention_kernel_unavailable" in err.out + err.err
@@ -261,3 +274,153 @@ def test_pointwise_ops_take_no_rows():
     q, k = torch.empty(0, 2, 64), torch.empty(0, 1, 64)
     assert cpu_native.rotary(q, k, torch.empty(0, 64), torch.empty(0, 64)) == (q, k)
     assert cpu_native.silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
+
+
+# --- one build per ISA: each checked to be its ISA's code, and correct ---------------------
+
+# The ISAs a CI machine can test: AVX-512 and AVX2 wherever the CPU runs them (an AVX-512
+# machine runs both, so the AVX2 build is tested there too); the portable (SSE2) build in
+# the slow lane (a third build, ~30 s on 2 cores). Each builds once per machine (cached in
+# TORCH_EXTENSIONS_DIR) and loads once per test session (load_isa is cached).
+ISA_PARAMS = [
+    "avx512",
+    "avx2",
+    pytest.param("portable", marks=pytest.mark.slow),
+]
+
+
+def isa_build(isa: str):
+    if isa not in cpu_native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    module = cpu_native.load_isa(isa)
+    # the tag is compiled in by the sources' #if on the compiler's ISA macros: a build whose
+    # -march did not apply (a scalar or SSE fallback) reports another one
+    assert module.isa() == cpu_native.ISA_TAGS[isa]
+    return module
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_each_isa_build_matches_the_reference(gen, isa):
+    """Decode, prefill (ragged, GQA, windowed, a head_dim of one AVX-512 vector) and the
+    pointwise ops of one ISA's build against the reference in float64."""
+    module = isa_build(isa)
+    for window in (None, 24):
+        ctx_lens, num_heads, num_kv_heads, head_dim, block = CASES["ragged-gqa4"]
+        paged = Paged(ctx_lens, num_kv_heads, head_dim, block, torch.float32, "cpu", gen)
+        q = random_q(len(ctx_lens), num_heads, num_kv_heads, head_dim, torch.float32, "cpu", gen)
+        args = (paged.layer, paged.context_lens, paged.block_tables, head_dim**-0.5, window)
+        out = cpu_native.decode_attention(q, *args, module=module)
+        assert rel_err(out, reference.decode_attention(*map(cpu64, (q, *args)))) < 1e-5
+        for case in ("after-a-prefix", "mha-d16-ragged-tiles"):
+            seqs, num_heads, num_kv_heads, head_dim, block = PREFILL_CASES[case]
+            ctx = [c for c, _ in seqs]
+            paged = Paged(ctx, num_kv_heads, head_dim, block, torch.float32, "cpu", gen)
+            q_lens = torch.tensor([n for _, n in seqs])
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+            q = random_q(
+                int(q_lens.sum()), num_heads, num_kv_heads, head_dim, torch.float32, "cpu", gen
+            )
+            pargs = (paged.layer, cu, paged.context_lens, paged.block_tables, 0.1, window)
+            out = cpu_native.prefill_attention(q, *pargs, module=module)
+            assert out is not None and not out.isnan().any()
+            assert rel_err(out, reference.prefill_attention(*map(cpu64, (q, *pargs)))) < 1e-5
+    x, residual = torch.randn(2, 13, 200, generator=gen)  # 200: a tail past every vector
+    weight = torch.randn(200, generator=gen)
+    out, total = cpu_native.rms_norm(x, weight, 1e-5, residual, module=module)
+    ref, _ = pointwise_ref.rms_norm(x.double(), weight.double(), 1e-5, residual.double())
+    assert rel_err(out, ref) < 1e-6 and torch.equal(total, x + residual)
+    qkv = torch.randn(13, 6, 48, generator=gen)
+    cos, sin = torch.randn(2, 13, 48, generator=gen)
+    ref_q, ref_k = pointwise_ref.rotary(
+        qkv[:, :4].double(), qkv[:, 4:5].double(), cos.double(), sin.double()
+    )
+    cpu_native.rotary(qkv[:, :4], qkv[:, 4:5], cos, sin, module=module)
+    assert rel_err(qkv[:, :4], ref_q) < 1e-6 and rel_err(qkv[:, 4:5], ref_k) < 1e-6
+    gate_up = torch.randn(13, 2 * 100, generator=gen) * 4
+    got = cpu_native.silu_and_mul(gate_up, module=module)
+    assert rel_err(got, pointwise_ref.silu_and_mul(gate_up.double())) < 1e-6
+
+
+def test_the_best_build_the_cpu_runs_is_loaded_and_a_forced_one_obeyed(monkeypatch):
+    best = cpu_native.supported_isas()[0]
+    monkeypatch.delenv(cpu_native.ISA_ENV, raising=False)
+    assert cpu_native.load.__wrapped__().isa() == cpu_native.ISA_TAGS[best]
+    if "avx2" in cpu_native.supported_isas():
+        monkeypatch.setenv(cpu_native.ISA_ENV, "avx2")  # an AVX2 machine, here
+        assert cpu_native.load.__wrapped__().isa() == "avx2"
+    monkeypatch.setenv(cpu_native.ISA_ENV, "neon")
+    assert cpu_native.load.__wrapped__() is None  # logged: expected one of ...
+
+
+def test_a_build_that_fails_falls_back_to_the_next_isa(monkeypatch, capsys):
+    """The best ISA's build failing (an old compiler without -march=x86-64-v4, say) loads the
+    next one the CPU runs, the reason logged; none building leaves the reference."""
+    isas = cpu_native.supported_isas()
+    real = cpu_native.load_isa
+    monkeypatch.delenv(cpu_native.ISA_ENV, raising=False)
+
+    def failing(isa):
+        if isa == isas[0]:
+            raise RuntimeError(f"Error building extension\nunrecognized -march for {isa}")
+        return real(isa)
+
+    monkeypatch.setattr(cpu_native, "load_isa", failing)
+    if len(isas) > 1:
+        assert cpu_native.load.__wrapped__().isa() == cpu_native.ISA_TAGS[isas[1]]
+        assert f"unrecognized -march for {isas[0]}" in "".join(capsys.readouterr())
+
+    def broken(isa):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(cpu_native, "load_isa", broken)
+    assert cpu_native.load.__wrapped__() is None
+
+
+def test_the_chooser_takes_the_reference_where_the_kernel_is_slower(monkeypatch, gen, capsys):
+    """A kernel slower than the reference on this CPU (a timing injected) is not used: the
+    dispatch returns the reference bit for bit; the choice is logged once with the ISA, the
+    kernel and both timings. The faster one is used."""
+    timings = {"paged_decode": (3.0, 2.0), "paged_prefill": (1.0, 2.0), "silu_and_mul": (5.0, 1.0)}
+    monkeypatch.setattr(cpu_native, "measure", lambda kernel, module: timings[kernel])
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    cpu_native.reset_choices()
+    paged = Paged([9, 200], 1, 16, 16, torch.float32, "cpu", gen)
+    q = torch.randn(2, 2, 16, generator=gen)
+    args = (q, paged.layer, paged.context_lens, paged.block_tables, 0.25)
+    assert torch.equal(kernels.decode_attention(*args), reference.decode_attention(*args))
+    log = "".join(capsys.readouterr())
+    assert "cpu_kernel_choice" in log and "paged_decode" in log and "reference" in log
+    assert "3.0" in log and "2.0" in log and cpu_native.loaded_isa() in log
+    gate_up = torch.randn(5, 64, generator=gen)
+    assert torch.equal(kernels.silu_and_mul(gate_up), pointwise_ref.silu_and_mul(gate_up))
+    qp = torch.randn(9 + 50, 2, 16, generator=gen)
+    cu = torch.tensor([0, 9, 59], dtype=torch.int32)
+    pargs = (qp, paged.layer, cu, paged.context_lens, paged.block_tables, 0.25)
+    assert torch.equal(
+        kernels.prefill_attention(*pargs), cpu_native.prefill_attention(*pargs, None)
+    )
+    assert cpu_native.describe()["native_choices"]["paged_decode"]["compiled"] is False
+    calls = []
+    monkeypatch.setattr(cpu_native, "measure", lambda kernel, module: calls.append(kernel))
+    kernels.decode_attention(*args)
+    assert calls == [], "the choice is made once per process"
+
+
+def test_the_chooser_falls_back_where_no_build_loads(monkeypatch, gen):
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    cpu_native.reset_choices()
+    assert not any(cpu_native.chosen(k) for k in cpu_native.KERNELS)
+    x, weight = torch.randn(5, 64, generator=gen), torch.randn(64, generator=gen)
+    assert torch.equal(
+        kernels.rms_norm(x, weight, 1e-5)[0], pointwise_ref.rms_norm(x, weight, 1e-5)[0]
+    )
+
+
+def test_the_real_probe_times_every_kernel(monkeypatch):
+    """measure() itself (what the tests above replace) runs each kernel's probe on both paths
+    and returns two positive timings; which wins is not asserted."""
+    monkeypatch.undo()
+    module = cpu_native.load()
+    for kernel in cpu_native.KERNELS:
+        native_ms, ref_ms = cpu_native.measure(kernel, module, repeats=1)
+        assert 0 < native_ms < 1e4 and 0 < ref_ms < 1e4

@@ -55,7 +55,13 @@ class FakeEngine:
         self.admitted: list[tuple[str, list[int] | None]] = []
 
     def add_remote(
-        self, rid: str, prompt: list[int], sampling: SamplingParams, remote: RemoteKV
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        remote: RemoteKV,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
         req = Request(rid, prompt, sampling)
         req.remote = remote

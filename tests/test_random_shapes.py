@@ -160,13 +160,19 @@ def test_routed_experts_are_holes_of_a_sparse_file(tmp_path: Path, model_dir: Pa
 def test_bench_refuses_a_shape_its_device_cannot_run_before_writing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """V4 on CUDA needs kernels main does not have yet: exit 2 naming them, nothing written
-    (not 50 GB first)."""
+    """A shape whose family names an op the device lacks (here V4's attention, declared
+    missing on CUDA as a family would for a device without the kernel): exit 2 naming it,
+    nothing written (not 50 GB first)."""
     from pdserve.cli.main import main
+    from pdserve.common.model.families import deepseek_v4
 
+    def lacking(cfg: object, device_type: str) -> dict[str, str]:
+        return {"sink_attention": "no kernel here"} if device_type == "cuda" else {}
+
+    monkeypatch.setattr(deepseek_v4, "unsupported_ops", lacking, raising=False)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert main(["bench", "engine", "--shape", "dsv4-flash", "--device", "cuda"]) == 2
-    assert "needs kernels" in capsys.readouterr().err
+    assert "sink_attention: no kernel here" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 

@@ -175,6 +175,10 @@ def bench_config(
         import transformers
 
         config["transformers_version"] = transformers.__version__
+    if args.device == "cpu":  # the CPU's flags, the compiled kernels' ISA and their choices
+        from pdserve.kernels import cpu_native
+
+        config["cpu"] = cpu_native.describe()
     return config
 
 
