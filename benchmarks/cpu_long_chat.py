@@ -36,7 +36,7 @@ import httpx
 import openai
 
 from pdserve.cli.provenance import provenance
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.checkpoint.files import resolve_model
 from pdserve.kernels import cpu_native
 
 WORDS = (

@@ -20,7 +20,7 @@ PY=${PDSERVE_PYTHON:-.venv/bin/python}
 PDSERVE=${PDSERVE:-.venv/bin/pdserve}
 VLLM_PYTHON=${VLLM_PYTHON:-/work/vllm/bin/python}
 PORT=${VLLM_PORT:-8011}
-MODEL=${MODEL:-$("$PY" -c 'from pdserve.common.model.files import resolve_model; print(resolve_model(None))')}
+MODEL=${MODEL:-$("$PY" -c 'from pdserve.common.model.checkpoint.files import resolve_model; print(resolve_model(None))')}
 mkdir -p "$OUT"
 LOG="$OUT/cpu_vs_vllm_vllm.log"
 

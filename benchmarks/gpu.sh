@@ -84,7 +84,7 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f".gpu/tok/{f}", f"/tmp/tokmodel/{f}")
 PY
 shape_model() {  # the random checkpoint of a named shape, written once (bench engine --shape)
-    python3 -c "from pdserve.common.model.random_shapes import random_shape_model as m; print(m('$1', device='cuda', tokenizer_from='/tmp/tokmodel'))"
+    python3 -c "from pdserve.common.model.fixtures.random_shapes import random_shape_model as m; print(m('$1', device='cuda', tokenizer_from='/tmp/tokmodel'))"
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1

@@ -47,7 +47,7 @@ ln ../../.whl/*.whl .whl/ 2>/dev/null || cp ../../.whl/*.whl .whl/
 echo "$commit" > .gpu/commit
 ../../.venv/bin/python - <<'PY'
 import gzip, shutil
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.checkpoint.files import resolve_model
 src = resolve_model(None)  # the embedded model's converted directory: its tokenizer files
 with open(src / "tokenizer.json", "rb") as f, gzip.open(".gpu/tok/tokenizer.json.gz", "wb", 9) as g:
     shutil.copyfileobj(f, g)

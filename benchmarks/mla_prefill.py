@@ -1,4 +1,4 @@
-"""MLA prefill of one attention layer: ours (common/model/mla.py on a paged latent cache)
+"""MLA prefill of one attention layer: ours (common/model/layers/mla.py on a paged latent cache)
 against transformers' ``DeepseekV3Attention`` (SDPA) with the same weights and rope.
 
     python benchmarks/mla_prefill.py --device cpu --dtype float32            # dsv3-mini sizes
@@ -38,11 +38,11 @@ def main() -> None:
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from pdserve.common.model.attention import AttentionMetadata
-    from pdserve.common.model.config import ModelConfig
-    from pdserve.common.model.mla import MLAAttention
-    from pdserve.common.model.random import DSV3_ROPE
-    from pdserve.common.model.rope import RotaryEmbedding
+    from pdserve.common.model.checkpoint.config import ModelConfig
+    from pdserve.common.model.fixtures.random import DSV3_ROPE
+    from pdserve.common.model.layers.attention import AttentionMetadata
+    from pdserve.common.model.layers.mla import MLAAttention
+    from pdserve.common.model.layers.rope import RotaryEmbedding
     from pdserve.common.parallel.context import ParallelContext
     from pdserve.kernels import fp8_ds_mla
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from pdserve.common.model.moe import SparseMoeBlock
-from pdserve.common.model.moe_config import MoEConfig
+from pdserve.common.model.checkpoint.moe_config import MoEConfig
+from pdserve.common.model.layers.moe import SparseMoeBlock
 from pdserve.common.parallel.context import init_grid
 
 

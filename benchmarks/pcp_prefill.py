@@ -24,8 +24,8 @@ from pdserve.cli.provenance import provenance
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.files import resolve_model
 from pdserve.services.ranks.group import RankGroup
 
 

@@ -20,7 +20,7 @@ import torch
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.random_shapes import random_shape_model
+from pdserve.common.model.fixtures.random_shapes import random_shape_model
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ PRELOAD = [
     "pdserve.cli.main",
     "pdserve.common.runtime.log",
     "pdserve.common.engine.model_runner",
-    "pdserve.common.model.files",
+    "pdserve.common.model.checkpoint.files",
     "pdserve.services.prefill.service",
     "pdserve.services.decode.service",
     "pdserve.services.router.main",

@@ -16,7 +16,7 @@ tokens' 576 data bytes, then their B x 8 scale bytes; here each row's scale byte
 data (docs/models.md). The lightning indexer's key of a CSA entry takes V3.2's fp8 form
 (kernels/fp8_ds_mla.py ``quantize_keys``: 128 fp8 values, one float32 ue8m0 scale).
 
-pdserve's rows (common/model/dsv4_attention.py): a per-token row is the K=V record, then the
+pdserve's rows (common/model/deepseek/dsv4_attention.py): a per-token row is the K=V record, then the
 compressors' per-token kv and gate projections in the model's dtype, unquantized (vLLM keeps
 its compressor state unquantized too, in float32, with the position bias already added, in
 a cache of its own); an entry is the K=V record, then (CSA) the indexer key's fp8 form.

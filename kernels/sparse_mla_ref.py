@@ -1,7 +1,7 @@
 """DeepSeek-V3.2's sparse MLA over the tokens its indexer selected: the torch reference (the
 CPU path, and the oracle of kernels/triton_sparse_mla.py).
 
-Absorbed form, as common/model/mla.py's decode: query ``t``'s heads ``q[t] [H, latent +
+Absorbed form, as common/model/layers/mla.py's decode: query ``t``'s heads ``q[t] [H, latent +
 rope]`` (``q_nope @ W_UK``, then the rotated ``q_rope``) attend only the cached rows
 ``indices[t]`` (``-1``: none) of sequence ``query_seq[t]``; a row's key is its latent and
 rope parts, its value its latent. A row of the auto cache is ``latent ++ rope (++ the

@@ -1,5 +1,5 @@
 """Routing of a mixture-of-experts layer in one Triton kernel: scores, the top-k experts
-and their weights of each token, as common/model/moe.py ``route`` computes them in torch
+and their weights of each token, as common/model/layers/moe.py ``route`` computes them in torch
 (~5 launches for Qwen3-MoE's softmax, ~15 for DeepSeek-V3's grouped sigmoid).
 
 One program per token holds its E router logits (E <= 1024) in registers:

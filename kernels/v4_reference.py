@@ -1,5 +1,5 @@
 """DeepSeek-V4's paged maths as batched torch ops: the reference of kernels/triton_v4.py
-and the CPU path of common/model/dsv4_attention.py (no loop over sequences: every
+and the CPU path of common/model/deepseek/dsv4_attention.py (no loop over sequences: every
 sequence of a step in one call, addressed through per-row slot lists the caller builds
 once per step).
 

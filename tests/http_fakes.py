@@ -21,7 +21,7 @@ from aiohttp import web
 
 from pdserve.common.engine.sampling_params import TokenLogprobs
 from pdserve.common.errors import RequestError
-from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk, Usage
 from pdserve.services.router import openapi
 from pdserve.services.router.core_api import Event, Refused, RouterCore

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.common.model.moe_config import MoEConfig, local_experts
+from pdserve.common.model.checkpoint.moe_config import MoEConfig, local_experts
 
 Case = tuple[MoEConfig, dict[str, np.ndarray], np.ndarray]  # (moe, block state, x [T, H])
 
@@ -40,7 +40,7 @@ def rank_state(
 def _worker(rank: int, tp: int, port: int, cases: list[Case], results: Any) -> None:
     import torch.distributed as dist
 
-    from pdserve.common.model.moe import SparseMoeBlock
+    from pdserve.common.model.layers.moe import SparseMoeBlock
     from pdserve.common.parallel.context import init_grid
 
     torch.set_num_threads(1)

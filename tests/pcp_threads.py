@@ -23,7 +23,7 @@ import torch
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import StepPlan
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.parallel.context import ParallelContext
 
 

@@ -5,7 +5,7 @@ PCP 4 cuts each prompt into 8 zigzag pieces, so V3.2's indexer selects among key
 rank's pieces and V4's windows and compression strides straddle pieces; each of the 4 ranks
 gathers every new row and holds a whole replica of every block. The TP 2 decode instance's
 ranks each pull the whole rows (one "KV head") from one replica, and split the heads and
-experts (V4: common/model/dsv4_tp.py).
+experts (V4: common/model/deepseek/dsv4_tp.py).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def thinking_tokenizer(out: Path, source: Path) -> Path:
 
 def chain(tokenizer_dir: Path) -> dict[int, int]:
     """token -> the token the steered model answers it with."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
     words = [tok.encode(w, add_special_tokens=False) for w in ("Let", " me", " see", "Blue", "!")]
@@ -64,7 +64,7 @@ def steered_qwen3(out: Path, source: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pdserve.common.model.random import save_random_model, tokenizer_vocab_size
+    from pdserve.common.model.fixtures.random import save_random_model, tokenizer_vocab_size
 
     path = save_random_model(
         out, "qwen3", tokenizer_from=source, vocab_size=tokenizer_vocab_size(source) + 2,

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
 
     return save_random_llama(tmp_path_factory.mktemp("bench") / "tiny")
 
@@ -145,7 +145,7 @@ def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path, d
     """A Qwen3-MoE (8 experts, 2 a token, 2 layers): the decode floor counts the routed
     experts each step read (batch 1: exactly 2 per layer), not all 8. On CUDA (CUDA graphs,
     asynchronous scheduling) the count was never added: the column printed 0."""
-    from pdserve.common.model.random_shapes import write_random_llama
+    from pdserve.common.model.fixtures.random_shapes import write_random_llama
 
     model = write_random_llama(
         tmp_path / "moe",

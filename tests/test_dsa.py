@@ -10,7 +10,7 @@ give other tokens: checked). 16 indexer heads: with few heads a key's score is o
 
 Our engine caches one row per token and layer, latent ++ rope key ++ indexer key
 (common/engine/latent_format.py), and attends through kernels.indexer_topk and
-kernels.sparse_mla_attention (common/model/dsa.py; their torch references on CPU;
+kernels.sparse_mla_attention (common/model/deepseek/dsa.py; their torch references on CPU;
 tests/test_dsv32_gpu.py runs the Triton kernels on CUDA). Greedy output
 must equal HF ``generate``'s monolithic, in chunks that straddle blocks, under preemption,
 from a prefix-cache hit, and (slow) disaggregated at TP 1 and with a PCP 2 prefill.
@@ -30,7 +30,7 @@ from pdserve.common.engine.latent_format import LatentFormat, cache_head
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from tests.test_families import (
     NUM_TOKENS,
     engine_greedy,
@@ -67,7 +67,7 @@ V32: dict[str, Any] = {
 
 
 def build_v32(root: Path, tokenizer_from: Path | None = None, **overrides: Any) -> Path:
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     return save_random_model(
         root,
@@ -199,7 +199,7 @@ def test_disaggregated_through_the_openai_api(
     """`pdserve up`: prefill (TP 1, or PCP 2: each rank's zigzag pieces select among every
     rank's indexer keys) to decode TP 1 over NIXL: HF's tokens, every pool full after, and
     the bytes pulled are the whole rows (latent, rope and indexer key) of every block."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from tests.e2e import deployment
     from tests.test_serving import assert_pools_full, metrics, post, total
 
@@ -235,8 +235,8 @@ def test_step_queries_once_a_step() -> None:
     """Each query's sequence and visible keys (a decode, then a prefill run of 3 tokens at
     positions 5..7): built once a step for every layer, anew for the next step's (or a
     CUDA graph capture's) rope tensor."""
-    from pdserve.common.model.attention import AttentionMetadata
-    from pdserve.common.model.dsa import StepQueries
+    from pdserve.common.model.deepseek.dsa import StepQueries
+    from pdserve.common.model.layers.attention import AttentionMetadata
 
     meta = AttentionMetadata(
         slot_mapping=torch.arange(4),

@@ -1,4 +1,4 @@
-"""The speculative method ``dspark``: a DeepSpec DSpark draft (common/model/dspark.py,
+"""The speculative method ``dspark``: a DeepSpec DSpark draft (common/model/draft/dspark.py,
 common/engine/spec_decode/dspark.py) on random Qwen3 targets, CPU, fp32.
 
 * the draft's forward against figures of DeepSpec's own ``Qwen3DSparkModel`` (commit
@@ -34,9 +34,9 @@ from pdserve.common.engine.spec_decode.dspark import DSparkProposer
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError, PdserveError
-from pdserve.common.model.dspark import DSparkDraft, load_dspark
-from pdserve.common.model.random import save_random_model
-from pdserve.common.model.random_dspark import save_random_dspark
+from pdserve.common.model.draft.dspark import DSparkDraft, load_dspark
+from pdserve.common.model.fixtures.random import save_random_model
+from pdserve.common.model.fixtures.random_dspark import save_random_dspark
 
 K = 5
 VOCAB = 512

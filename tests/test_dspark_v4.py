@@ -1,7 +1,7 @@
 """The speculative method ``dspark`` on DeepSeek-V4 targets: the checkpoint's own DSpark
-module under ``mtp.*`` (common/model/dspark_v4.py, common/engine/spec_decode/dspark_v4.py),
+module under ``mtp.*`` (common/model/draft/dspark_v4.py, common/engine/spec_decode/dspark_v4.py),
 on a random V4 (tests/test_dsv4.py's: sliding, CSA and HCA layers, a window of 16) given a
-random module of 3 stages (common/model/random_dspark.py add_random_v4_dspark), CPU, fp32.
+random module of 3 stages (common/model/fixtures/random_dspark.py add_random_v4_dspark), CPU, fp32.
 
 * the target's features: the streams after the layers the module names, averaged over the
   hyper-connection streams, against transformers' own layer outputs;
@@ -36,11 +36,11 @@ from pdserve.common.engine.spec_decode.dspark_v4 import DSparkV4Proposer
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.step_plan import ScheduledSeq
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.dspark_v4 import V4DSparkDraft
-from pdserve.common.model.dsv4 import hyper_weights
-from pdserve.common.model.dsv4_attention import Rope, rms
-from pdserve.common.model.random import save_random_v4
-from pdserve.common.model.random_dspark import add_random_v4_dspark
+from pdserve.common.model.deepseek.dsv4 import hyper_weights
+from pdserve.common.model.deepseek.dsv4_attention import Rope, rms
+from pdserve.common.model.draft.dspark_v4 import V4DSparkDraft
+from pdserve.common.model.fixtures.random import save_random_v4
+from pdserve.common.model.fixtures.random_dspark import add_random_v4_dspark
 from tests.test_dspark import PROMPTS, engine_of, greedy
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from tests.test_dsa import build_v32
 from tests.test_families import engine_greedy, hf_greedy, sentence_prompts
 

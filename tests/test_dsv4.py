@@ -28,8 +28,8 @@ from pdserve.common.engine.latent_format import cache_head
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.random import RANDOM_V4, save_random_v4
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.fixtures.random import RANDOM_V4, save_random_v4
 from tests.test_families import (
     NUM_TOKENS,
     engine_greedy,
@@ -230,7 +230,7 @@ def test_disaggregated_through_the_openai_api(
     zigzag pieces rebuild entries and windows that straddle them) to decode TP 1 over NIXL;
     the pulled blocks carry every row a decode step rebuilds windows and entries from.
     HF's text, pools full after."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from tests.e2e import deployment
     from tests.test_serving import assert_pools_full, post
 
@@ -250,7 +250,7 @@ def test_tp2_rank_group_matches_transformers(
     v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     """Two TP rank processes prefill and decode: heads, output groups and experts split
-    (common/model/dsv4_tp.py), HF's tokens."""
+    (common/model/deepseek/dsv4_tp.py), HF's tokens."""
     from pdserve.services.ranks.group import RankGroup
 
     cfg = EngineConfig(model=str(v4_model), kv_cache_memory_gb=0.02)

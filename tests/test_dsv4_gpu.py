@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.random import save_random_v4
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.fixtures.random import save_random_v4
 from tests.test_families import engine_greedy, hf_greedy, sentence_prompts
 
 transformers = pytest.importorskip("transformers")

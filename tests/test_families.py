@@ -3,7 +3,7 @@
 Each checkpoint is built by transformers' own config and model classes (random weights,
 float32, the embedded model's tokenizer), saved with save_pretrained, then run greedily by
 our engine and by HF ``generate`` on prompts of ~6 to ~900 tokens. The families differ in
-the switches ModelConfig reads (common/model/config.py): rope scaling and a head_dim of
+the switches ModelConfig reads (common/model/checkpoint/config.py): rope scaling and a head_dim of
 128, q/k/v bias with tied embeddings, a window on every layer, a window on some layers
 only (Qwen2's use_sliding_window + max_window_layers), and Qwen3's per-head q/k RMSNorm
 with a head_dim independent of hidden/heads.
@@ -23,7 +23,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_groups import page_groups, page_layers
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.config import SLIDING_ATTENTION, ModelConfig
+from pdserve.common.model.checkpoint.config import SLIDING_ATTENTION, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,7 +85,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def build(root: Path, family: str) -> Path:
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     model_type, config = FAMILIES[family]
     return save_random_model(
@@ -101,7 +101,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def sentence_prompts(model_dir: Path, lengths: tuple[int, ...], repeats: int) -> list[list[int]]:
     """Prompts of ``lengths`` tokens cut from one sentence said ``repeats`` times."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * repeats
     ids = Tokenizer.from_dir(model_dir).encode(text)
@@ -196,7 +196,7 @@ def test_windows_across_small_blocks_and_chunked_prefill(
 
 @pytest.mark.slow
 def test_pdserve_generate_raw_on_qwen3(checkpoints: dict[str, Path], model_dir: Path) -> None:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog."
     tok = Tokenizer.from_dir(model_dir)
@@ -232,7 +232,7 @@ def test_disaggregated_pcp_and_tp_through_the_openai_api(
     flags: dict[str, int],
 ) -> None:
     """`pdserve up` with --pcp 2, or --prefill-tp 2 --decode-tp 1: HF's tokens."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from tests.e2e import deployment
     from tests.test_serving import assert_pools_full, metrics, post, total
 
@@ -281,7 +281,7 @@ def test_gguf_of_each_family_runs_as_its_checkpoint(
     The vocabulary is the embedded tokenizer's first GGUF_VOCAB ids (a full one costs
     transformers seconds to parse, three times a load)."""
     pytest.importorskip("gguf")
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
     from tests.gguf_writer import write_gguf
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))

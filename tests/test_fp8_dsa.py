@@ -37,7 +37,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.latent_format import LatentFormat, cache_head
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.kernels import fp8_ds_mla
 from tests.test_dsa import build_v32
 from tests.test_fp8_kv import COSINE_MIN, TOP1_MIN, _runner, _step_logits, agreement

@@ -32,8 +32,8 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.random import RANDOM_V4, save_random_v4
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.fixtures.random import RANDOM_V4, save_random_v4
 from pdserve.kernels import fp8_ds_v4
 from tests.test_fp8_kv import agreement
 

@@ -30,8 +30,8 @@ from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.fixtures.random import save_random_llama
 from pdserve.common.runtime.service_config import load_config
 
 COSINE_MIN = 0.999

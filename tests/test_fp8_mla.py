@@ -27,8 +27,8 @@ import torch
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import LatentFormat, cache_head
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.random import save_random_model
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.fixtures.random import save_random_model
 from tests.test_fp8_kv import CLEAR_MARGIN, COSINE_MIN, CUDA, TOP1_MIN, _runner, _step_logits
 from tests.test_mla import YARN
 

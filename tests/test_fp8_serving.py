@@ -14,7 +14,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.fixtures.random import save_random_llama
 from tests.e2e import deployment
 from tests.fault_tools import service_metrics
 from tests.test_serving import post

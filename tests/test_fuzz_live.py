@@ -138,7 +138,7 @@ def ask(sock: zmq.Socket[Any], msg: p.Message | None, decoder: p.Decoder[Any],
 @pytest.fixture(scope="module")
 def http_server(model_dir: Path) -> Iterator[Any]:
     """The real aiohttp app over tests/http_fakes.py's FakeCore: the HTTP layer alone."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from tests.http_fakes import FakeCore, Server
 
     server = Server(FakeCore(Tokenizer.from_dir(model_dir)))

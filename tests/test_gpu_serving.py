@@ -60,7 +60,7 @@ def test_cuda_graph_decode_matches_eager(gpu_llama: Path) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
     config = EngineConfig(
         model=str(gpu_llama),
@@ -110,7 +110,7 @@ def test_8b_shape_graphs_match_eager(model_dir: Path) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random_shapes import random_shape_model
+    from pdserve.common.model.fixtures.random_shapes import random_shape_model
 
     path = random_shape_model("8b", num_layers=4, device="cuda", tokenizer_from=model_dir)
     lens = [1, 5, 63, 64, 65, 100, 130, 200, 257, 300, 511, 512, 600, 700, 900, 1000, 1500]
@@ -146,7 +146,7 @@ def test_sliding_window_graphs_match_eager(
     behind the window return to the pool and their table entries are NULL_BLOCK) decodes
     the same greedy tokens with CUDA graphs as kernel by kernel, and as the torch reference
     kernels do in float32."""
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
 
     path = save_random_llama(
         tmp_path / "mistral",
@@ -169,7 +169,7 @@ def test_mixed_full_and_sliding_groups_graphs_match_eager(
     """Qwen2 with 2 full and 2 sliding layers (W = 48, 16-token blocks): two KV cache
     groups, each with its own block table (the sliding one holding NULL_BLOCK entries) and
     static graph buffers; graphs, eager Triton and the torch kernels give the same tokens."""
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     path = save_random_model(
         tmp_path / "qwen2-mix",

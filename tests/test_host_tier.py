@@ -15,7 +15,7 @@ from pdserve.common.engine.host_tier import HostTier
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.fixtures.random import save_random_llama
 
 B = 4
 

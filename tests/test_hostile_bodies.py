@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.services.router.chat_prompts import chat_prompt
 from pdserve.services.router.input_limits import MAX_JSON_DEPTH
 from pdserve.services.router.openai_schema import ChatCompletionRequest, CompletionRequest

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.services.router import openapi
 from tests import http_fakes
 from tests.http_fakes import (

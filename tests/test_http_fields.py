@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from tests import http_fakes
 from tests.http_fakes import (
     CHAT,

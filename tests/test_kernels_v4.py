@@ -288,7 +288,7 @@ def test_v4_engine_through_the_triton_kernels_equals_transformers(tmp_path, mode
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random import save_random_v4
+    from pdserve.common.model.fixtures.random import save_random_v4
     from tests.test_families import hf_greedy, sentence_prompts
     from tests.test_mla_kernels import _fix_interpreter_index
 
@@ -318,7 +318,7 @@ def test_v4_decode_steps_need_no_host_spans(tmp_path, model_dir, monkeypatch):  
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random import save_random_v4
+    from pdserve.common.model.fixtures.random import save_random_v4
     from tests.test_families import hf_greedy, sentence_prompts
 
     with_seqs = group_meta._with_seqs

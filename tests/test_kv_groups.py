@@ -149,7 +149,7 @@ def test_a_mixed_prefix_hit_needs_the_full_group_and_the_window() -> None:
 
 def _mixed_model(tmp_path: Path, window: int, layers: int = 2) -> Path:
     """Qwen2 with ``max_window_layers = layers // 2``: the first half full, the rest sliding."""
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     return save_random_model(
         tmp_path / "qwen2-mix",
@@ -241,7 +241,7 @@ def test_uneven_mixes_give_transformers_tokens(tmp_path: Path, model_dir: Path, 
 
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     types = LAYER_MIXES[mix]
     path = save_random_model(
@@ -335,7 +335,7 @@ def test_the_boundary_counts_every_groups_blocks() -> None:
 def test_a_decode_refuses_a_handle_of_another_group_count(tmp_path: Path, model_dir: Path) -> None:
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.errors import RequestError
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
     from pdserve.services.decode.decode_engine import DecodeEngine
 
     path = save_random_llama(tmp_path / "llama", hidden_size=64, num_heads=4, num_kv_heads=2,

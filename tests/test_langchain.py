@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.cli.deployment import Deployment
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from tests.e2e import deployment
 from tests.test_openai_real import hf_logprobs
 

@@ -1,4 +1,4 @@
-"""common/model/linear.py: a GEMM on oneDNN-reordered weights (CPU, float32) equals
+"""common/model/layers/linear.py: a GEMM on oneDNN-reordered weights (CPU, float32) equals
 F.linear's to float32 rounding, for any leading shape, with and without bias; other dtypes
 and a build without oneDNN keep F.linear."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.common.model.linear import Linear, can_prepack
+from pdserve.common.model.layers.linear import Linear, can_prepack
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])

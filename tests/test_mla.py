@@ -5,7 +5,7 @@ the embedded model's tokenizer, first_k_dense_replace = num_hidden_layers): q lo
 not, several kv_lora / rope / nope / v sizes, yarn rope with mscale != mscale_all_dim, rope
 interleaved and not, attention bias. Our engine caches one latent row per token and layer,
 prefills by expanding it into per-head K/V and decodes in the absorbed form
-(common/model/mla.py); greedy output must equal HF ``generate``'s.
+(common/model/layers/mla.py); greedy output must equal HF ``generate``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from pdserve.common.engine.kv_layout import KVLayout
 from pdserve.common.engine.latent_format import LatentFormat, cache_head
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.kernels import mla_reference
 from tests.test_families import PROMPT_LENGTHS, engine_greedy, hf_greedy
 
@@ -87,7 +87,7 @@ MLA_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def build_mla(
     root: Path, name: str, num_layers: int = 2, tokenizer_from: Path | None = None
 ) -> Path:
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     model_type, config = MLA_MODELS[name]
     return save_random_model(
@@ -111,7 +111,7 @@ def mla_checkpoints(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 120
     ids = Tokenizer.from_dir(model_dir).encode(text)
@@ -217,12 +217,12 @@ def test_absorbed_decode_reference_equals_expanded_attention() -> None:
 def test_prefill_equals_attention_of_each_sequence(
     monkeypatch: pytest.MonkeyPatch, v_dim: int, expand_tokens: int, pad: bool
 ) -> None:
-    """common/model/mla_prefill.py: sequences without a cached prefix (two of one length,
+    """common/model/layers/mla_prefill.py: sequences without a cached prefix (two of one length,
     attended in one batched call), one whose queries follow a cached prefix, one alone, with
     v padded to the q/k width, q/k to v's or neither, in one or several expansion groups,
     against causal attention over per-head K/V expanded by kv_b_proj, sequence by sequence."""
-    from pdserve.common.model import mla_prefill
-    from pdserve.common.model.attention import AttentionMetadata
+    from pdserve.common.model.layers import mla_prefill
+    from pdserve.common.model.layers.attention import AttentionMetadata
 
     monkeypatch.setattr(mla_prefill, "EXPAND_TOKENS", expand_tokens)
     monkeypatch.setattr(mla_prefill, "pads_value", lambda q: pad)  # unpadded: CUDA fp32's
@@ -285,7 +285,7 @@ def test_small_blocks_and_chunked_prefill(
 def test_pdserve_generate_raw_on_deepseek_v3(
     mla_checkpoints: dict[str, Path], model_dir: Path
 ) -> None:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog."
     tok = Tokenizer.from_dir(model_dir)
@@ -327,7 +327,7 @@ def test_bench_shape_writer_gives_a_checkpoint_transformers_reads(
     """``write_random_deepseek`` (bench engine --shape dsv3) at a tiny size: transformers
     loads its config.json and weights, and our engine gives HF's tokens on it (yarn rope,
     interleaved, q low-rank: DeepSeek-V3's switches)."""
-    from pdserve.common.model.random_shapes import SHAPES, write_random_deepseek
+    from pdserve.common.model.fixtures.random_shapes import SHAPES, write_random_deepseek
 
     assert SHAPES["dsv3"]["kv_lora_rank"] == 512 and SHAPES["dsv3"]["num_heads"] == 128
     path = write_random_deepseek(

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.engine.latent_format import cache_head
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.services.router.client import Result
 from tests.test_families import hf_greedy
 from tests.test_mla import build_mla
@@ -42,7 +42,7 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(mla_model: Path, model_dir: Path) -> dict[str, list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     want = hf_greedy(mla_model, [tok.encode(t) for t in TEXTS], NUM_TOKENS)

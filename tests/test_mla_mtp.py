@@ -1,6 +1,6 @@
 """DeepSeek checkpoints with multi-token-prediction (MTP) layer weights
 (``num_nextn_predict_layers`` > 0, tensors of layer index ``num_hidden_layers``): the model
-loads without them (common/model/mtp.py: not read, one ``mtp_layers_skipped`` note) and
+loads without them (common/model/draft/mtp.py: not read, one ``mtp_layers_skipped`` note) and
 generates exactly what it does on the checkpoint without them; weights of any other extra
 layer are still refused. The speculative method ``mtp``, which loads them: tests/test_mtp_spec.py.
 
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.random import save_random_model
+from pdserve.common.model.fixtures.random import save_random_model
 from tests.test_families import engine_greedy
 from tests.test_mla import build_mla
 from tests.test_moe_deepseek import DEEPSEEK_MODEL

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model import families
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.registry import FAMILIES
 
 

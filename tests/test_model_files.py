@@ -11,11 +11,15 @@ import pytest
 from safetensors import safe_open
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model import files as model_files
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import default_model_path, gguf_architecture, resolve_model
-from pdserve.common.model.random import save_random_llama
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint import files as model_files
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.files import (
+    default_model_path,
+    gguf_architecture,
+    resolve_model,
+)
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
+from pdserve.common.model.fixtures.random import save_random_llama
 
 
 def _write_gguf(path: Path, arch: str, heads: int = 2) -> Path:
@@ -90,7 +94,7 @@ def test_converted_dir_gives_the_gguf_logits(
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
     from tests.gguf_writer import write_gguf
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))

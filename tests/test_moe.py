@@ -21,9 +21,9 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.moe import SparseMoeBlock, fuse_expert_weights, route
-from pdserve.common.model.moe_config import MoEConfig, check_ep
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.moe_config import MoEConfig, check_ep
+from pdserve.common.model.layers.moe import SparseMoeBlock, fuse_expert_weights, route
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.kernels import moe_ref
 from tests.test_families import engine_greedy, hf_greedy
@@ -48,7 +48,7 @@ QWEN3_MOE: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     root = tmp_path_factory.mktemp("qwen3-moe")
     return save_random_model(
@@ -58,7 +58,7 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 120
     ids = Tokenizer.from_dir(model_dir).encode(text)
@@ -114,7 +114,7 @@ def test_a_rank_reads_only_its_experts(tmp_path: Path, qwen3_moe: Path) -> None:
     reads just those, and fuses them as a cut of the whole checkpoint would."""
     from safetensors.torch import load_file, save_file
 
-    from pdserve.common.model.moe import read_local_experts
+    from pdserve.common.model.layers.moe import read_local_experts
 
     moe = ModelConfig.from_dir(qwen3_moe).moe
     assert moe is not None
@@ -200,7 +200,7 @@ def test_pdserve_generate_raw_on_qwen3_moe(qwen3_moe: Path, model_dir: Path) -> 
     import subprocess
     import sys
 
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog."
     tok = Tokenizer.from_dir(model_dir)
@@ -305,7 +305,7 @@ def test_benchmark_writer_moe_checkpoint_runs_as_transformers_does(
     tmp_path: Path, prompts: list[list[int]]
 ) -> None:
     """write_random_llama with experts (the 30b-a3b bench shape, tiny): HF's tokens."""
-    from pdserve.common.model.random_shapes import SHAPES, write_random_llama
+    from pdserve.common.model.fixtures.random_shapes import SHAPES, write_random_llama
 
     assert SHAPES["30b-a3b"]["num_experts"] == 128
     model = write_random_llama(
@@ -340,7 +340,7 @@ def test_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
 def check_disaggregated_tp2_pcp2(tmp_path: Path, model: Path, model_dir: Path) -> None:
     import asyncio
 
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from pdserve.services.router.client import AsyncClient
     from tests.e2e import deployment
     from tests.test_serving import assert_pools_full, metrics

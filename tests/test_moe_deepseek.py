@@ -21,9 +21,9 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.moe import SparseMoeBlock
-from pdserve.common.model.moe_config import MoEConfig, deepseek_v3_experts
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.moe_config import MoEConfig, deepseek_v3_experts
+from pdserve.common.model.layers.moe import SparseMoeBlock
 from pdserve.common.parallel.context import ParallelContext
 from tests.test_families import engine_greedy, hf_greedy
 
@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 120
     ids = Tokenizer.from_dir(model_dir).encode(text)
@@ -127,7 +127,7 @@ def test_deepseek_v3_greedy_tokens_identical_to_transformers(
 ) -> None:
     """Skipped while ModelConfig refuses deepseek_v3 (MLA attention is another branch's);
     once it reads it, the MoE layers here must give HF's tokens at TP 1 and 2."""
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     hf_cfg = transformers.DeepseekV3Config(**DEEPSEEK_MODEL)
     try:
@@ -163,7 +163,7 @@ def test_deepseek_v3_disaggregated_prefill_tp2_pcp2_to_decode_tp1_and_tp2(
     """DeepSeek-V3 with MoE layers (MLA latent replicas, experts split over each TP pair)
     through `pdserve up`: prefill TP 2 x PCP 2, decode instances of TP 1 and TP 2, HF's
     tokens from both and every pool full after."""
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
     from tests.test_moe import check_disaggregated_tp2_pcp2
 
     model = save_random_model(

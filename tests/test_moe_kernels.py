@@ -138,7 +138,7 @@ def test_qwen3_moe_on_cuda_graphs_eager_and_torch_give_hf_tokens(
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
     from tests.test_families import hf_greedy
 
     path = save_random_model(
@@ -208,7 +208,7 @@ def _v4_moe(hash_layer: bool, tp_size: int = 1, tp_rank: int = 0):  # noqa: ANN2
     weights, and its experts as the per-expert modules they are loaded as."""
     from types import SimpleNamespace
 
-    from pdserve.common.model.dsv4 import V4MoE
+    from pdserve.common.model.deepseek.dsv4 import V4MoE
 
     v4 = SimpleNamespace(
         num_experts=16, top_k=3, routed_scaling_factor=1.5, moe_intermediate_size=24,
@@ -270,7 +270,7 @@ def test_v4_moe_marks_the_experts_it_reads() -> None:
     """record_expert_usage finds V4MoE blocks (benchmarks' experts-read column)."""
     from torch import nn
 
-    from pdserve.common.model.moe import record_expert_usage
+    from pdserve.common.model.layers.moe import record_expert_usage
 
     moe = _v4_moe(hash_layer=True)
     blocks = record_expert_usage(nn.Sequential(moe))
@@ -342,10 +342,10 @@ def route_device(request: pytest.FixtureRequest) -> str:
 def test_route_kernel_chooses_the_references_experts_and_weights(
     route_device: str, name: str
 ) -> None:
-    """The kernel against common/model/moe.py's torch route (transformers' arithmetic):
+    """The kernel against common/model/layers/moe.py's torch route (transformers' arithmetic):
     per token the same experts, the same weights (its k in descending order)."""
-    from pdserve.common.model.moe import route
-    from pdserve.common.model.moe_config import MoEConfig
+    from pdserve.common.model.checkpoint.moe_config import MoEConfig
+    from pdserve.common.model.layers.moe import route
     from pdserve.kernels import triton_route
 
     moe = MoEConfig(intermediate_size=8, **ROUTERS[name])  # type: ignore[arg-type]
@@ -403,8 +403,8 @@ def test_route_kernel_compiles_for_hopper() -> None:
 def test_route_kernel_replays_in_a_cuda_graph() -> None:
     """DeepSeek-V3's grouped sigmoid router at batch 64 on CUDA: the kernel through
     route's dispatch, eager = CUDA-graph replay, the same experts as the CPU reference."""
-    from pdserve.common.model.moe import route
-    from pdserve.common.model.moe_config import MoEConfig
+    from pdserve.common.model.checkpoint.moe_config import MoEConfig
+    from pdserve.common.model.layers.moe import route
 
     moe = MoEConfig(intermediate_size=8, **ROUTERS["v3-grouped"])  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """The speculative method ``mtp``: DeepSeek's multi-token-prediction layer drafting
-(common/model/mtp_layer.py, common/engine/spec_decode/mtp.py), on random DeepSeek-V3
+(common/model/draft/mtp_layer.py, common/engine/spec_decode/mtp.py), on random DeepSeek-V3
 checkpoints of transformers' classes with an MTP layer written in (tests/test_mla_mtp.py).
 
 * the layer's arithmetic against a reference composed of transformers' own classes
@@ -32,7 +32,7 @@ from pdserve.common.engine.spec_decode.mtp import MTPProposer
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.step_plan import ScheduledSeq
 from pdserve.common.errors import ModelLoadError, PdserveError
-from pdserve.common.model.random import save_random_llama, save_random_model
+from pdserve.common.model.fixtures.random import save_random_llama, save_random_model
 from tests.test_mla import build_mla
 from tests.test_mla_mtp import add_extra_layer
 from tests.test_moe_deepseek import DEEPSEEK_MODEL
@@ -347,11 +347,11 @@ def test_sampled_requests_run_and_repeat_with_their_seed(checkpoints: dict[str, 
 
 
 def test_the_benchmarks_random_mtp_layer_loads_and_drafts(tmp_path: Path, model_dir: Path) -> None:
-    """``bench engine --shape dsv3`` with method mtp: common/model/random_mtp.py adds the
+    """``bench engine --shape dsv3`` with method mtp: common/model/fixtures/random_mtp.py adds the
     layer (without its own embedding and head: the target's serve) to a checkpoint of
     write_random_deepseek's; here at a tiny size, greedy output unchanged."""
-    from pdserve.common.model.random_mtp import add_random_mtp_layer
-    from pdserve.common.model.random_shapes import write_random_deepseek
+    from pdserve.common.model.fixtures.random_mtp import add_random_mtp_layer
+    from pdserve.common.model.fixtures.random_shapes import write_random_deepseek
 
     model = write_random_deepseek(
         tmp_path / "dsv3", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128,

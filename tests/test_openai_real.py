@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.cli.deployment import Deployment
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from tests.e2e import deployment
 
 pytestmark = pytest.mark.slow

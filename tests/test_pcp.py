@@ -21,7 +21,7 @@ from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.services.ranks.group import RankGroup
 from tests.e2e import deployment
 from tests.test_serving import assert_pools_full, metrics, total

@@ -128,7 +128,7 @@ V32_MATRIX = [v32_case(i) for i in range(V32_CASES)]
 def test_v4_pcp_prefill_then_decode_equals_transformers(
     tmp_path: Path, model_dir: Path, case: dict[str, Any]
 ) -> None:
-    from pdserve.common.model.random import save_random_v4
+    from pdserve.common.model.fixtures.random import save_random_v4
 
     model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir, **case["model"])
     check_pcp_equals_transformers(model, model_dir, case)
@@ -151,7 +151,7 @@ def test_v4_deployment_pcp2_to_decode_equals_transformers(tmp_path: Path, model_
     prompts of several hundred tokens: HF's tokens (before the fix: not the 419-token one)."""
     import asyncio
 
-    from pdserve.common.model.random import save_random_v4
+    from pdserve.common.model.fixtures.random import save_random_v4
     from pdserve.services.router.client import AsyncClient
     from tests.e2e import deployment
 

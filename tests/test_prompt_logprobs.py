@@ -18,7 +18,7 @@ from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from tests.e2e import deployment
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_engine_prompt_logprobs_over_chunks_equal_transformers(
 @pytest.mark.parametrize("num_ranks", [2])
 def test_pcp_ranks_score_their_positions_as_one_rank(model_dir: Path, num_ranks: int) -> None:
     from pdserve.common.engine.model_runner import ModelRunner
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
     from pdserve.services.ranks.group import RankGroup
 
     cfg = EngineConfig(model=str(model_dir), num_kv_blocks=12)

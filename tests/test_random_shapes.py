@@ -1,4 +1,4 @@
-"""The benchmark shapes written from their config alone (common/model/random_shapes.py
+"""The benchmark shapes written from their config alone (common/model/fixtures/random_shapes.py
 ``CONFIG_SHAPES``: Qwen3-30B-A3B and DeepSeek-V2-Lite at full depth, DeepSeek-V3.2's and
 V4-Flash's layers): at a tiny scale on CPU, config.json reads as transformers' config class
 of the family, both transformers and the engine load every tensor (no key missing or left
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.common.model import random_shapes as rs
-from pdserve.common.model.random import RANDOM_V4
+from pdserve.common.model.fixtures import random_shapes as rs
+from pdserve.common.model.fixtures.random import RANDOM_V4
 
 _MLA = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
             kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
@@ -123,7 +123,7 @@ def test_full_shape_fits_one_80gb_gpu_in_bf16_and_one_layer_more_would_not(
 ) -> None:
     """V4's first forward stacks one layer's experts beside the loaded ones (V4MoE): that
     peak counts. The full-depth shapes are whole models: no layer to add."""
-    from pdserve.common.model.random import tokenizer_vocab_size
+    from pdserve.common.model.fixtures.random import tokenizer_vocab_size
 
     vocab = tokenizer_vocab_size(model_dir)
 
@@ -180,7 +180,7 @@ def test_bench_refuses_a_shape_its_device_cannot_run_before_writing_it(
 
 
 def _cfg(shape: str):  # noqa: ANN202
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
     return ModelConfig.from_dict({**rs.shape_config(shape), "vocab_size": 1000})
 

@@ -32,7 +32,7 @@ if __name__ == "__main__":
 ROUTER = f"""
 import asyncio, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-from pdserve.common.model.files import resolve_model
+from pdserve.common.model.checkpoint.files import resolve_model
 from pdserve.services.router.tokenize_pool import TokenizePool
 if __name__ == "__main__":
     pool = TokenizePool(resolve_model(None))

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.common.engine.sampling_params import StructuredOutput
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.services.router.reasoning import (
     THINKS_UNPROMPTED,
     ReasoningParser,

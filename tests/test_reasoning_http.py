@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from tests.http_fakes import FakeCore, Server, error_of, request
 from tests.reasoning_model import thinking_tokenizer
 from tests.test_tool_calls import TOOLS

@@ -17,7 +17,7 @@ import pytest
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.fixtures.random import save_random_llama
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.engine_commands import Abort, Connected, Decode, Prefill, SideRelease
 from pdserve.common.runtime.metrics import Metrics

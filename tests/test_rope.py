@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.model.layers.rope import inv_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402

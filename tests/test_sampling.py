@@ -165,7 +165,7 @@ def test_structured_output_constrains_every_token(model_dir: Any) -> None:
 
     from pdserve.common.engine.sampling_params import StructuredOutput
     from pdserve.common.engine.structured import GrammarTable
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     vocab = 49152
@@ -201,7 +201,7 @@ def test_structured_output_holds_after_the_thinking(model_dir: Any) -> None:
 
     from pdserve.common.engine.sampling_params import StructuredOutput
     from pdserve.common.engine.structured import GrammarTable
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     vocab = 49152

@@ -97,7 +97,7 @@ def test_a_4k_token_generation_on_a_window_64_model_stays_in_its_bound(
     pytest.importorskip("transformers")
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     path = save_random_model(
         tmp_path / "mistral",
@@ -166,7 +166,7 @@ def test_bounded_replay_gives_the_same_tokens(tmp_path: Path, model_dir: Path) -
     pytest.importorskip("transformers")
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
 
     path = save_random_model(
         tmp_path / "mistral",

@@ -26,7 +26,7 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pdserve.common.engine.spec_decode.ngram import ngram_propose
 from pdserve.common.errors import ModelLoadError, PdserveError, RequestError
-from pdserve.common.model.random import save_random_llama
+from pdserve.common.model.fixtures.random import save_random_llama
 from pdserve.common.runtime.service_config import load_config
 
 SHAPE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)

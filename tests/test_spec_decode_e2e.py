@@ -19,7 +19,7 @@ import pytest
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
-from pdserve.common.model.random import save_random_llama, save_random_model
+from pdserve.common.model.fixtures.random import save_random_llama, save_random_model
 from tests.e2e import deployment
 from tests.test_dspark import TARGET as DSPARK_TARGET
 from tests.test_dspark import bigram_draft

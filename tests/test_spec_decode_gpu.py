@@ -153,7 +153,7 @@ def test_cuda_dspark_greedy_identical(
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
     from pdserve.common.engine.spec_decode.config import SpeculativeConfig
-    from pdserve.common.model.random import save_random_model
+    from pdserve.common.model.fixtures.random import save_random_model
     from tests.test_dspark import PROMPTS, TARGET, bigram_draft
 
     root = tmp_path_factory.mktemp("dspark-gpu")

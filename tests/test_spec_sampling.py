@@ -14,8 +14,8 @@ import torch
 from pdserve.common.engine.sampling import SamplingParams
 from pdserve.common.engine.spec_decode.config import SpeculativeConfig
 from pdserve.common.engine.spec_decode.rejection import rejection_sample
-from pdserve.common.model.random import save_random_model
-from pdserve.common.model.random_dspark import save_random_dspark
+from pdserve.common.model.fixtures.random import save_random_model
+from pdserve.common.model.fixtures.random_dspark import save_random_dspark
 from tests.test_spec_decode import draft, engine_of, ngram, perturbed_copy
 
 ALPHA = 1e-3  # significance of every chi-square test here
@@ -119,10 +119,10 @@ def exact_marginals(model: Path, prompt: list[int], temperature: float) -> torch
 
 
 def small_v4_dspark(root: Path) -> Path:
-    """A 16-token DeepSeek-V4 (common/model/random.py's layers, weights at 10x scale) with
+    """A 16-token DeepSeek-V4 (common/model/fixtures/random.py's layers, weights at 10x scale) with
     its own random DSpark module (blocks of 3; confidence cutting some at 0.5)."""
-    from pdserve.common.model.random import RANDOM_V4
-    from pdserve.common.model.random_dspark import add_random_v4_dspark
+    from pdserve.common.model.fixtures.random import RANDOM_V4
+    from pdserve.common.model.fixtures.random_dspark import add_random_v4_dspark
 
     v4 = save_random_model(root / "small_v4", "deepseek_v4", seed=3, vocab_size=16,
                            initializer_range=0.2, **RANDOM_V4)  # fmt: skip

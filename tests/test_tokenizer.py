@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.errors import ModelLoadError, PdserveError
-from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "",

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.chat_prompts import chat_prompt
 from pdserve.services.router.tool_calls import (

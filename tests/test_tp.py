@@ -129,7 +129,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tp_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
     pytest.importorskip("transformers")
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
 
     return save_random_llama(
         tmp_path_factory.mktemp("tp-model"),
@@ -218,7 +218,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path: Path, model_dir: Pat
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.common.engine.sampling import SamplingParams
-    from pdserve.common.model.random import save_random_llama
+    from pdserve.common.model.fixtures.random import save_random_llama
     from pdserve.services.ranks.group import RankGroup
 
     model = save_random_llama(

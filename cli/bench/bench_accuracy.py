@@ -12,7 +12,7 @@ loglikelihood difference).
 
 ``--pcp N`` gives the disaggregated deployment's prefill N context-parallel ranks;
 ``--random deepseek_v4`` evaluates a random DeepSeek-V4 checkpoint written into the work
-directory (common/model/random.py ``save_random_v4``: every kind of attention layer,
+directory (common/model/fixtures/random.py ``save_random_v4``: every kind of attention layer,
 hash_moe and moe layers, 4 hyper-connection streams) instead of ``--model``.
 
 lm-eval is not a dependency of pdserve: install it (``pip install 'pdserve[accuracy]'``)
@@ -169,7 +169,7 @@ def through_router(args: argparse.Namespace, colocated: bool, tasks: list[str],
 
 
 def model_dir(model: str | None) -> str:
-    from pdserve.common.model.files import resolve_model
+    from pdserve.common.model.checkpoint.files import resolve_model
 
     return str(resolve_model(model))
 
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-accuracy-"))
     if args.random:
-        from pdserve.common.model.random import save_random_v4
+        from pdserve.common.model.fixtures.random import save_random_v4
 
         print(f"accuracy: a random {args.random} checkpoint ...", file=sys.stderr, flush=True)
         args.model = str(save_random_v4(work / f"random-{args.random}", tokenizer_from=args.model))

@@ -88,7 +88,7 @@ def add_parser(sub: Any) -> None:
         "4 layers; 30b-a3b-full: all its 48 layers, v2-lite: DeepSeek-V2-Lite's 27 layers, "
         "dsv32: DeepSeek-V3.2's layers (1 dense, 3 MoE), dsv4-flash: DeepSeek-V4-Flash's "
         "first 4 layers (window, window, CSA, HCA; 3 hash-routed), these four with their "
-        "routed experts zeros (common/model/random_shapes.py)), written once into the model "
+        "routed experts zeros (common/model/fixtures/random_shapes.py)), written once into the model "
         "cache, instead of --model",
     )
     p.add_argument(
@@ -168,7 +168,7 @@ def group_blocks(model: str | None, tokens: int, chunk: int, block_size: int) ->
     checkpoint's config cannot be read here (a GGUF file, the embedded default)."""
     from pdserve.common.engine.kv_groups import cache_groups
     from pdserve.common.errors import ModelLoadError
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
     if model is None or not (Path(model) / "config.json").is_file():
         return 0
@@ -259,14 +259,14 @@ def refuse_unsupported_shape(args: argparse.Namespace) -> None:
     """A ModelLoadError (``pdserve: error: ...``, exit 2) when the device cannot run the
     shape's model (DeepSeek-V3.2 and V4 on CUDA need kernels), before its checkpoint is
     written."""
-    from pdserve.common.model.random_shapes import CONFIG_SHAPES, shape_config
+    from pdserve.common.model.fixtures.random_shapes import CONFIG_SHAPES, shape_config
 
     if args.shape not in CONFIG_SHAPES:
         return
     import torch
 
     from pdserve.common.engine.model_loader import check_device_supports
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
     raw = {**shape_config(args.shape, args.layers), "vocab_size": 1}
     check_device_supports(ModelConfig.from_dict(raw), torch.device(args.device))
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shape is not None:
         if args.model is not None:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
-        from pdserve.common.model.random_shapes import random_shape_model
+        from pdserve.common.model.fixtures.random_shapes import random_shape_model
 
         refuse_unsupported_shape(args)  # before writing tens of GB
         progress(f"random {args.shape} checkpoint")
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         if args.shape == "dsv3" and '"mtp"' in (args.speculative_config or ""):
-            from pdserve.common.model.random_mtp import add_random_mtp_layer
+            from pdserve.common.model.fixtures.random_mtp import add_random_mtp_layer
 
             add_random_mtp_layer(Path(args.model), args.device)  # random drafts: the cost
     elif args.layers is not None:

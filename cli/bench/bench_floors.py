@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
 
 @dataclass
@@ -131,9 +131,9 @@ def measure(engine: LLMEngine) -> Ceilings:
 def routed_experts(model: Any) -> tuple[int, int, int]:
     """(bytes of every routed expert of every sparse block, bytes of one expert of one
     block, parameters of the routed experts held as 2-D matrices) of ``model``: the blocks
-    common/model/moe.py ``sparse_blocks`` finds (Qwen3-MoE's and DeepSeek's stacked
+    common/model/layers/moe.py ``sparse_blocks`` finds (Qwen3-MoE's and DeepSeek's stacked
     experts, DeepSeek-V4's per-expert modules)."""
-    from pdserve.common.model.moe import sparse_blocks
+    from pdserve.common.model.layers.moe import sparse_blocks
 
     routed = per_expert = matrices = 0
     for block in sparse_blocks(model):
@@ -164,7 +164,7 @@ def context_terms(cfg: ModelConfig, bytes_per_token: int) -> list[tuple[int, int
     layers = cfg.num_hidden_layers
     v4 = cfg.v4
     if v4 is not None:
-        from pdserve.common.model.dsv4_config import CSA, HCA
+        from pdserve.common.model.deepseek.dsv4_config import CSA, HCA
 
         width = v4.row_width(cfg.head_dim)
         per_value = bytes_per_token / (layers * width)

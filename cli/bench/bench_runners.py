@@ -68,7 +68,7 @@ class EngineBench:
         self.engine = engine
         self.sync = sync
         self._ids = itertools.count()
-        from pdserve.common.model.moe import record_expert_usage
+        from pdserve.common.model.layers.moe import record_expert_usage
 
         runner = engine.runner
         self.moe_blocks = record_expert_usage(runner.model)

@@ -23,7 +23,7 @@ def hf_runs(args: argparse.Namespace, loads: list[int | None], id_range: tuple[i
     import transformers
 
     from pdserve.cli.bench.serve_load import make_prompts, stats
-    from pdserve.common.model.files import resolve_model
+    from pdserve.common.model.checkpoint.files import resolve_model
 
     transformers.logging.set_verbosity_error()
     device = args.device or "cpu"

@@ -46,7 +46,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 64
     # CPU, float32: every GEMM of the GQA layers and the LM head runs on a copy of its weight
-    # that oneDNN reordered at load (common/model/linear.py): 1.2-1.7x faster GEMMs at decode
+    # that oneDNN reordered at load (common/model/layers/linear.py): 1.2-1.7x faster GEMMs at decode
     # batch sizes, twice the memory of those weights; false keeps plain F.linear
     cpu_weight_prepack: bool = True
     # Schedule and launch each step before the last one's tokens reach the host

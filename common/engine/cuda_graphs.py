@@ -28,8 +28,8 @@ import torch
 
 from pdserve.common.engine.async_steps import Carry
 from pdserve.common.engine.step_plan import StepPlan
-from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.decoder import CausalLM
+from pdserve.common.model.layers.attention import AttentionMetadata
 
 log = structlog.get_logger("pdserve.cuda_graphs")
 

@@ -30,9 +30,9 @@ from pdserve.common.engine.step_plan import StepPlan
 from pdserve.common.engine.structured import GrammarTable
 from pdserve.common.engine.tier_buffer import TierBuffer, num_tier_slots
 from pdserve.common.errors import PdserveError, RequestError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import resolve_model
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.files import resolve_model
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
 log = structlog.get_logger("pdserve.engine")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.common.engine.step_plan import StepPlan
-from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.layers.attention import AttentionMetadata
 from pdserve.common.parallel.zigzag import rank_pieces
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.family_api import family_for
 
 # A table entry whose block left the sliding window and went back to the pool.

@@ -20,7 +20,7 @@ The model and the kernels see the logical view ``[num_blocks, num_layers, 2, num
 block_size, head_dim]`` (``shape``), a permutation of the storage; kernels take strides.
 Descriptors for transfers and the kernels' indexing both derive from this class.
 
-An MLA model's cache (common/model/mla.py) is this layout with one "KV head" holding the
+An MLA model's cache (common/model/layers/mla.py) is this layout with one "KV head" holding the
 latent, ``num_kv_parts = 1`` (the latent is both key and value) and ``head_dim`` the
 latent's width in elements of ``dtype``: ``[N, L, 1, 1, B, kv_lora_rank + rope]``. How the
 bytes of one token's latent are laid out is ``LatentFormat`` (common/engine/latent_format.py);

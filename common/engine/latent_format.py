@@ -29,8 +29,8 @@ from typing import NamedTuple
 import msgspec
 
 from pdserve.common.engine.kv_layout import DTYPE_SIZES
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4_config import CSA
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.deepseek.dsv4_config import CSA
 from pdserve.common.model.family_api import family_for
 
 KINDS = ("auto", "fp8_ds_mla")
@@ -150,7 +150,7 @@ def cache_head(
     which of them the family says (common/model/family_api.py ``row_kind``). The one
     definition of a cache slot's width."""
     kind = family_for(cfg).row_kind(cfg)
-    if kind == "v4":  # one row per token and layer (common/model/dsv4_config.py)
+    if kind == "v4":  # one row per token and layer (common/model/deepseek/dsv4_config.py)
         assert cfg.v4 is not None
         if kv_cache_dtype in (None, dtype):
             return cfg.v4.row_width(cfg.head_dim), 1, dtype

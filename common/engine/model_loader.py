@@ -10,12 +10,12 @@ import torch
 
 from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.decoder import CausalLM
+from pdserve.common.model.draft.mtp import read_weights
 from pdserve.common.model.family_api import family_for
-from pdserve.common.model.meta import meta_modules
-from pdserve.common.model.moe import fuse_expert_weights
-from pdserve.common.model.mtp import read_weights
+from pdserve.common.model.layers.meta import meta_modules
+from pdserve.common.model.layers.moe import fuse_expert_weights
 from pdserve.common.model.registry import family_named
 from pdserve.common.parallel.context import ParallelContext
 
@@ -54,7 +54,7 @@ def load_model(
     with meta_modules():
         model = build(cfg, par)
     model.place_kv([(g.layers, g.rate) for g in cache_groups(cfg)])
-    # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/mtp.py)
+    # MoE: only this rank's experts; DeepSeek's MTP layers not at all (common/model/draft/mtp.py)
     state = read_weights(files, cfg, model_dir, par.tp_size, par.tp_rank)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -89,6 +89,6 @@ def load_model(
     model = model.to(device).eval()
     if device.type == "cuda":
         model.pack_weights()
-    elif cpu_weight_prepack:  # float32 GEMMs on oneDNN-reordered weights (model/linear.py)
+    elif cpu_weight_prepack:  # float32 GEMMs on oneDNN-reordered weights (model/layers/linear.py)
         model.pack_weights(prepack=True)
     return model

@@ -27,9 +27,9 @@ from pdserve.common.engine.prompt_logprobs import PromptScores, ScoreRow, rows_o
 from pdserve.common.engine.spec_decode.verify_rows import as_decode_rows
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.moe_config import check_ep
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.moe_config import check_ep
+from pdserve.common.model.layers.attention import AttentionMetadata
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import check_tp, kv_heads_of
 from pdserve.common.parallel.zigzag import rank_pieces

@@ -6,7 +6,7 @@ import msgspec
 
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import TokenLogprobs
-from pdserve.common.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):

@@ -3,8 +3,8 @@
 Every family runs this one stack: embeddings, decoder layers (pre-norm attention, then a
 pre-norm MLP, each added to the residual stream), a final norm and the LM head. A family's
 module (common/model/families/) chooses each layer's parts, the attention
-(``GQAAttention`` in common/model/gqa.py, ``MLAAttention`` in common/model/mla.py) and the
-MLP (``MLP`` or a ``SparseMoeBlock``, common/model/mlp.py), and builds the model.
+(``GQAAttention`` in common/model/layers/gqa.py, ``MLAAttention`` in common/model/layers/mla.py) and the
+MLP (``MLP`` or a ``SparseMoeBlock``, common/model/layers/mlp.py), and builds the model.
 Module and parameter names follow Hugging Face's ``*ForCausalLM`` (``model.embed_tokens``,
 ``model.layers.N.self_attn``/``mlp``/``input_layernorm``/``post_attention_layernorm``,
 ``model.norm``, ``lm_head``), so a safetensors checkpoint loads by name. Tokens arrive as
@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from pdserve import kernels
-from pdserve.common.model import gqa, mla
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.linear import Linear
-from pdserve.common.model.norm import RMSNorm
-from pdserve.common.model.rope import RotaryEmbedding
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers import gqa, mla
+from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.linear import Linear
+from pdserve.common.model.layers.norm import RMSNorm
+from pdserve.common.model.layers.rope import RotaryEmbedding
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import q_heads_of
 
@@ -48,7 +48,7 @@ LayerPart = Callable[[ModelConfig, ParallelContext, int], nn.Module]
 class Packs(Protocol):
     def pack(self, prepack: bool = False) -> None:
         """Fewer, larger GEMMs (q/k/v, gate/up as one matrix); with ``prepack`` over
-        oneDNN-reordered weights (common/model/linear.py). A no-op where nothing packs (MLA,
+        oneDNN-reordered weights (common/model/layers/linear.py). A no-op where nothing packs (MLA,
         the experts)."""
 
 
@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         # the parts every layer is built of: an MTP layer of this model is built of them too
-        # (common/model/mtp_layer.py)
+        # (common/model/draft/mtp_layer.py)
         self.layer_parts = (attention, mlp)
         self.model = Backbone(cfg, parallel or ParallelContext(), attention, mlp)
         # per layer: (KV cache group, slot in its blocks); the engine sets them for a cache
@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
     def pack_weights(self, prepack: bool = False) -> None:
         """Pack q/k/v and gate/up of every layer: fewer, larger GEMMs. ``prepack`` (CPU,
         float32): every GEMM of the GQA layers and the LM head over oneDNN-reordered copies
-        of its weights (common/model/linear.py)."""
+        of its weights (common/model/layers/linear.py)."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             pack_part(layer.self_attn, prepack)

@@ -25,14 +25,14 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.registry import family_named
 
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.common.model.attention import AttentionMetadata
     from pdserve.common.model.decoder import CausalLM
+    from pdserve.common.model.layers.attention import AttentionMetadata
     from pdserve.common.parallel.context import ParallelContext
 
 # (layers, sliding window or None, tokens per slot) of one kind of KV cache group

@@ -52,7 +52,7 @@ RANK_PRELOAD = [
     "pdserve.common.transfer.nixl_libs",
     "pdserve.services.ranks.process",
     "pdserve.common.engine.model_runner",
-    "pdserve.common.model.files",
+    "pdserve.common.model.checkpoint.files",
     "pdserve.common.parallel.context",
 ]
 

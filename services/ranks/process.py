@@ -60,8 +60,8 @@ def _serve(
 
     from pdserve.common.engine.config import EngineConfig
     from pdserve.common.engine.model_runner import ModelRunner
-    from pdserve.common.model.config import ModelConfig
-    from pdserve.common.model.files import resolve_model
+    from pdserve.common.model.checkpoint.config import ModelConfig
+    from pdserve.common.model.checkpoint.files import resolve_model
     from pdserve.common.parallel.context import init_grid
 
     spec = msgspec.json.decode(setup)

@@ -10,7 +10,7 @@ import secrets
 from typing import Any
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.tokenizer import SPECIAL_TOKEN_NAMES
+from pdserve.common.model.checkpoint.tokenizer import SPECIAL_TOKEN_NAMES
 from pdserve.services.router import openai_schema as oa
 from pdserve.services.router.core_api import RouterCore
 from pdserve.services.router.http_errors import ApiError

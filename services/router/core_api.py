@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeAlias
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.common.runtime.protocol import Failed, Finished, Generate, TokenChunk
 
 Event: TypeAlias = TokenChunk | Finished | Failed

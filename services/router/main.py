@@ -26,9 +26,9 @@ log = structlog.get_logger("pdserve.router")
 async def serve(cfg: DeploymentConfig) -> None:
     from aiohttp import web
 
-    from pdserve.common.model.config import ModelConfig
-    from pdserve.common.model.files import resolve_model
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.config import ModelConfig
+    from pdserve.common.model.checkpoint.files import resolve_model
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from pdserve.services.router.front import FrontDoor
     from pdserve.services.router.http_api import make_app
     from pdserve.services.router.http_front import ConnectionLimits, GuardedSite

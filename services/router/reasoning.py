@@ -34,7 +34,7 @@ import msgspec
 
 from pdserve.common.engine.sampling_params import StructuredOutput
 from pdserve.common.errors import PdserveError
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.common.runtime.service_config import REASONING_PARSERS
 
 # name (the config's, checked there) -> whether the model thinks from its first token when

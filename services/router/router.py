@@ -20,7 +20,7 @@ import structlog
 
 from pdserve.common.engine.block_pool import BlockHash, hash_blocks
 from pdserve.common.errors import RequestError
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.common.runtime import protocol as p
 from pdserve.common.runtime.service_config import DeploymentConfig
 from pdserve.common.runtime.ttft import ttft_parts

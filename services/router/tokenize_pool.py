@@ -63,7 +63,7 @@ class _WorkerCore:
 
 def _worker_main(model_dir: str, conn: Connection) -> None:
     """A worker: load the tokenizer, then answer jobs until the pipe closes."""
-    from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.model.checkpoint.tokenizer import Tokenizer
     from pdserve.common.runtime.parent_watch import exit_with_parent
 
     exit_with_parent()  # a killed router's worker would wait on its pipe forever

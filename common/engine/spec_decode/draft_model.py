@@ -20,9 +20,9 @@ from pdserve.common.engine.sampling import row_probs, token_generator
 from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.files import resolve_model
-from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.files import resolve_model
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 
 DRAFT_STREAM = 1 << 40  # seeded draws of the draft: a stream apart from the target's
 

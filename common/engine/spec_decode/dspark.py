@@ -1,4 +1,4 @@
-"""DSpark proposer: a DeepSpec draft (common/model/dspark.py) drafts a block of tokens in one
+"""DSpark proposer: a DeepSpec draft (common/model/draft/dspark.py) drafts a block of tokens in one
 forward from the target's hidden states of chosen layers, and its confidence head may
 shorten what the target verifies.
 
@@ -43,8 +43,8 @@ from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.common.engine.spec_decode.target_hidden import TargetHidden
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dspark import DSparkDraft, load_dspark
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.draft.dspark import DSparkDraft, load_dspark
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [n, H_kv, D]
 

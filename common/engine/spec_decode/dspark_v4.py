@@ -1,5 +1,5 @@
 """DSpark proposer for DeepSeek-V4 targets: the checkpoint's own DSpark module
-(common/model/dspark_v4.py) drafts a block of tokens a step from the target's streams after
+(common/model/draft/dspark_v4.py) drafts a block of tokens a step from the target's streams after
 the layers it names, and its confidence head may shorten what the target verifies.
 
 State: a private rolling window per request, as the reference keeps its ring: each draft
@@ -11,7 +11,7 @@ a prompt chunk, the one row of a plain decode, the accepted rows of a verify (re
 drafts are never written, so nothing rolls back).
 
 They cannot be recomputed later: the target's KV keeps only a window of per-token rows
-(common/model/dsv4_config.py), too short to run the target again over the W positions
+(common/model/deepseek/dsv4_config.py), too short to run the target again over the W positions
 before s. So a window with a gap -- after a prefix-cache hit (the cached prompt was never
 through this request's forward), a pull on the decode side of a disaggregated deployment
 (prefill never runs the draft), a step the request sat out -- fills again from fresh
@@ -36,9 +36,9 @@ from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dspark_v4 import V4DSparkDraft, load_v4_dspark
-from pdserve.common.model.dsv4 import DeepseekV4Model
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.deepseek.dsv4 import DeepseekV4Model
+from pdserve.common.model.draft.dspark_v4 import V4DSparkDraft, load_v4_dspark
 
 
 class Window:

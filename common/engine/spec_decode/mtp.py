@@ -1,5 +1,5 @@
 """MTP proposer: DeepSeek's multi-token-prediction layer drafts from the target's own hidden
-states (common/model/mtp_layer.py for the layer's arithmetic).
+states (common/model/draft/mtp_layer.py for the layer's arithmetic).
 
 The layer's entry at position i is made of ``h_i`` (the target's final hidden state before
 its final norm) and the token ``t_{i+1}``; it guesses ``t_{i+2}``. A verify step feeding
@@ -42,8 +42,8 @@ from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.spec_decode.target_hidden import TargetHidden
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.mtp_layer import MTPLayer, load_mtp_layer
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.draft.mtp_layer import MTPLayer, load_mtp_layer
 
 
 class MTPProposer:

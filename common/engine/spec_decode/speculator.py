@@ -35,9 +35,9 @@ from pdserve.common.engine.spec_decode.proposal import Draft
 from pdserve.common.engine.spec_decode.rejection import rejection_sample
 from pdserve.common.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.common.engine.step_plan import StepPlan
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.tokenizer import Tokenizer
 from pdserve.common.model.family_api import family_for
-from pdserve.common.model.tokenizer import Tokenizer
 
 # (request, tokens to append: accepted drafts + one, their logprobs or None, drafts rejected)
 Verified = tuple[Request, list[int], list[TokenLogprobs | None], int]

@@ -1,7 +1,7 @@
 """DeepSeek V2 and V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): multi-head
-latent attention on every layer (common/model/mla.py) and, V3 only, a mixture of experts from
-``first_k_dense_replace`` on (common/model/moe_config.py: ``deepseek_v3_experts``; grouped
-sigmoid routing and shared experts, common/model/moe.py).
+latent attention on every layer (common/model/layers/mla.py) and, V3 only, a mixture of experts from
+``first_k_dense_replace`` on (common/model/checkpoint/moe_config.py: ``deepseek_v3_experts``; grouped
+sigmoid routing and shared experts, common/model/layers/moe.py).
 
 As transformers' ``DeepseekV2Config``/``DeepseekV3Config`` read config.json: the KV cache is
 one latent per token, so ``num_key_value_heads`` is 1 (every query head attends the one
@@ -9,7 +9,7 @@ latent, replicated on every TP rank) and ``head_dim`` is the rope part ``qk_rope
 (as transformers sets it); a cache slot is the latent (``row_kind``). Rope
 rotates interleaved pairs (V2 always, V3 with ``rope_interleave``). V2's experts are not
 routed: a V2 config with a sparse layer is refused. The checkpoint's multi-token-prediction
-layers (``num_nextn_predict_layers``) are not part of the model (common/model/mtp.py).
+layers (``num_nextn_predict_layers``) are not part of the model (common/model/draft/mtp.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import (
+from pdserve.common.model.checkpoint.config import (
     FULL_ATTENTION,
     ModelConfig,
     eos_token_ids,
     rope_parameters,
 )
+from pdserve.common.model.checkpoint.moe_config import deepseek_v3_experts
 from pdserve.common.model.family_api import mla_unsupported
-from pdserve.common.model.moe_config import deepseek_v3_experts
 
 if TYPE_CHECKING:
     from pdserve.common.model.decoder import CausalLM
@@ -41,7 +41,7 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(
             f"{model_type}: layers {dense}..{num_layers - 1} are mixture-of-experts "
             f"(first_k_dense_replace={dense} < num_hidden_layers={num_layers}); pdserve "
-            "routes DeepSeek-V3's experts (common/model/moe_config.py), not V2's"
+            "routes DeepSeek-V3's experts (common/model/checkpoint/moe_config.py), not V2's"
         )
     rope_dim = raw.get("qk_rope_head_dim", 64)
     rope = rope_parameters(raw)
@@ -84,8 +84,8 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
 def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     # torch only here: reading a config (the router does) imports none
     from pdserve.common.model.decoder import CausalLM
-    from pdserve.common.model.mla import MLAAttention
-    from pdserve.common.model.mlp import sparse_or_dense_mlp
+    from pdserve.common.model.layers.mla import MLAAttention
+    from pdserve.common.model.layers.mlp import sparse_or_dense_mlp
 
     return CausalLM(cfg, parallel, MLAAttention, sparse_or_dense_mlp)
 

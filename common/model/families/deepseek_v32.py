@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): DeepSeek-V3 (common/model/families/deepseek.py:
 MLA, sigmoid-routed experts with shared ones) whose attention is DeepSeek sparse attention
-(common/model/dsa.py): a lightning indexer per layer selects the ``index_topk`` cached
+(common/model/deepseek/dsa.py): a lightning indexer per layer selects the ``index_topk`` cached
 tokens each query attends.
 
 As transformers' ``DeepseekV32Config`` reads config.json: V3's fields, with q always
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.families import deepseek
 from pdserve.common.model.family_api import mla_unsupported
 
@@ -64,8 +64,8 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
 def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     # torch only here: reading a config (the router does) imports none
     from pdserve.common.model.decoder import CausalLM
-    from pdserve.common.model.dsa import IndexedMLAAttention
-    from pdserve.common.model.mlp import sparse_or_dense_mlp
+    from pdserve.common.model.deepseek.dsa import IndexedMLAAttention
+    from pdserve.common.model.layers.mlp import sparse_or_dense_mlp
 
     return CausalLM(cfg, parallel, IndexedMLAAttention, sparse_or_dense_mlp)
 

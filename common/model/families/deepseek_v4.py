@@ -5,11 +5,11 @@ sinks, a grouped low-rank output projection) over a sliding window plus compress
 indexer's top-k; ``heavily_compressed_attention``: entries of 128 tokens; or
 ``sliding_attention``: the window only), residual streams mixed by hyper-connections, and
 mixtures of experts routed by a token-id table (``hash_moe``) or by sqrtsoftplus top-k.
-The layers: common/model/dsv4.py and common/model/dsv4_attention.py.
+The layers: common/model/deepseek/dsv4.py and common/model/deepseek/dsv4_attention.py.
 
 As transformers' ``DeepseekV4Config`` reads config.json (its legacy keys ``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim`` folded in as it folds them). What runs: CPU at
-any TP that splits its heads, output groups and experts (common/model/dsv4_tp.py),
+any TP that splits its heads, output groups and experts (common/model/deepseek/dsv4_tp.py),
 monolithic, chunked, preempted, prefix-cached, disaggregated and with a PCP prefill: a
 window of per-token rows and the compressed entries are KV cache groups
 (common/engine/kv_groups.py cache_groups), which pulls and PCP replicas carry like any
@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import SLIDING_ATTENTION, ModelConfig, eos_token_ids
-from pdserve.common.model.dsv4_config import CSA, HASH_MOE, HCA, LAYER_KINDS, MOE, V4Config
+from pdserve.common.model.checkpoint.config import SLIDING_ATTENTION, ModelConfig, eos_token_ids
+from pdserve.common.model.deepseek.dsv4_config import CSA, HASH_MOE, HCA, LAYER_KINDS, MOE, V4Config
 
 if TYPE_CHECKING:
     import torch
@@ -131,8 +131,8 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
 
 def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     # torch only here: reading a config (the router does) imports none
-    from pdserve.common.model.dsv4 import DeepseekV4Model
-    from pdserve.common.model.dsv4_tp import check_v4_tp
+    from pdserve.common.model.deepseek.dsv4 import DeepseekV4Model
+    from pdserve.common.model.deepseek.dsv4_tp import check_v4_tp
     from pdserve.common.parallel.context import ParallelContext
 
     par = parallel or ParallelContext()
@@ -144,20 +144,20 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
 
 def cache_kinds(cfg: ModelConfig) -> list[CacheKind]:
     """Every layer's per-token rows over a window, then the compressed entries of the CSA
-    and HCA layers (common/model/dsv4_config.py ``cache_kinds``)."""
+    and HCA layers (common/model/deepseek/dsv4_config.py ``cache_kinds``)."""
     assert cfg.v4 is not None
     return cfg.v4.cache_kinds(cfg.sliding_window or 128)
 
 
 def row_kind(cfg: ModelConfig) -> str:
-    return "v4"  # one row a token and layer (common/model/dsv4_config.py row_width)
+    return "v4"  # one row a token and layer (common/model/deepseek/dsv4_config.py row_width)
 
 
 def shard_state(
     state: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int
 ) -> dict[str, torch.Tensor]:
     """Its own TP cut: a rank's heads, sinks, output groups, experts, shared-expert slice
-    (common/model/dsv4_tp.py)."""
-    from pdserve.common.model.dsv4_tp import shard_v4_state
+    (common/model/deepseek/dsv4_tp.py)."""
+    from pdserve.common.model.deepseek.dsv4_tp import shard_v4_state
 
     return shard_v4_state(state, cfg, tp_size, tp_rank)

@@ -5,7 +5,7 @@ Llama's switches, as transformers' Llama reads them: ``attention_bias`` on q/k/v
 
 :func:`read_llama_shaped` reads what the Llama-shaped config.json files share (sizes,
 heads, rope, token ids) with the switches a family passes; :func:`build_model` builds them
-all: grouped-query attention (common/model/gqa.py) and the gated MLP (common/model/mlp.py).
+all: grouped-query attention (common/model/layers/gqa.py) and the gated MLP (common/model/layers/mlp.py).
 Mistral, Qwen2 and Qwen3 are this model with other switches: their modules import
 ``build_model`` from here.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdserve.common.model.config import (
+from pdserve.common.model.checkpoint.config import (
     FULL_ATTENTION,
     ModelConfig,
     eos_token_ids,
     rope_parameters,
 )
-from pdserve.common.model.moe_config import MoEConfig
+from pdserve.common.model.checkpoint.moe_config import MoEConfig
 
 if TYPE_CHECKING:
     from pdserve.common.model.decoder import CausalLM
@@ -84,7 +84,7 @@ def read_llama_shaped(
 def build_model(cfg: ModelConfig, parallel: ParallelContext | None) -> CausalLM:
     # torch only here: reading a config (the router does) imports none
     from pdserve.common.model.decoder import CausalLM
-    from pdserve.common.model.gqa import GQAAttention
-    from pdserve.common.model.mlp import MLP
+    from pdserve.common.model.layers.gqa import GQAAttention
+    from pdserve.common.model.layers.mlp import MLP
 
     return CausalLM(cfg, parallel, GQAAttention, MLP)

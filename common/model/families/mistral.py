@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.common.model.config import SLIDING_ATTENTION, ModelConfig
+from pdserve.common.model.checkpoint.config import SLIDING_ATTENTION, ModelConfig
 from pdserve.common.model.families.llama import build_model as build_model
 from pdserve.common.model.families.llama import read_llama_shaped
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pdserve.common.model.checkpoint.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from pdserve.common.model.families.llama import LayerKinds, read_llama_shaped
 from pdserve.common.model.families.llama import build_model as build_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.families.llama import build_model as build_model
 from pdserve.common.model.families.llama import read_llama_shaped
 from pdserve.common.model.families.qwen2 import qwen2_layer_kinds

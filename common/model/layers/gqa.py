@@ -18,10 +18,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.model.attention import AttentionMetadata, paged_attention
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.linear import Linear, pack_linears
-from pdserve.common.model.norm import RMSNorm
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.attention import AttentionMetadata, paged_attention
+from pdserve.common.model.layers.linear import Linear, pack_linears
+from pdserve.common.model.layers.norm import RMSNorm
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import kv_heads_of, q_heads_of
 

@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.linear import Linear, pack_linears
-from pdserve.common.model.moe import SparseMoeBlock
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.linear import Linear, pack_linears
+from pdserve.common.model.layers.moe import SparseMoeBlock
 from pdserve.common.parallel.context import ParallelContext
 
 
@@ -52,7 +52,7 @@ class MLP(nn.Module):
 
 
 def sparse_or_dense_mlp(cfg: ModelConfig, par: ParallelContext, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: the experts of a sparse layer (common/model/moe.py), else the
+    """Layer ``layer``'s MLP: the experts of a sparse layer (common/model/layers/moe.py), else the
     dense one (a mixture-of-experts model's first layers, or its ``mlp_only_layers``)."""
     if cfg.moe is not None and cfg.is_moe_layer(layer):
         return SparseMoeBlock(cfg.hidden_size, cfg.moe, par)

@@ -7,7 +7,7 @@ an embedding and a whole decoder layer with its experts), used only to draft tok
 speculative decoding. The model itself never runs them (transformers ignores them at load).
 The model itself is served without them: the target's load does not read their tensors and
 logs which layers it skipped. The speculative method ``mtp`` loads the first of them on its
-own (common/model/mtp_layer.py, common/engine/spec_decode/mtp.py).
+own (common/model/draft/mtp_layer.py, common/engine/spec_decode/mtp.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.moe import read_local_experts
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.moe import read_local_experts
 
 log = structlog.get_logger("pdserve.model_runner")
 

@@ -25,7 +25,7 @@ kernels/fp8_ds_v4.py lays them out (the K=V row and entry in vLLM's fp8 form, th
 key in fp8, the compressors' projections unquantized): quantized as written, dequantized
 as read, so the arithmetic after a read is the auto cache's.
 
-Tensor parallel (common/model/dsv4_tp.py): a rank holds ``H / N`` query heads, their sinks
+Tensor parallel (common/model/deepseek/dsv4_tp.py): a rank holds ``H / N`` query heads, their sinks
 and their ``o_groups / N`` output groups; ``wo_b`` is row-parallel (all-reduced). The K=V
 row, the compressors and the indexer are replicated: every rank writes the same cache.
 """
@@ -39,10 +39,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4_config import CSA, SLIDING
-from pdserve.common.model.rope import inv_frequencies
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.deepseek.dsv4_config import CSA, SLIDING
+from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.kernels import fp8_ds_v4, v4_ops
 from pdserve.kernels.indexer_ref import KeyFormat
@@ -116,7 +116,7 @@ def slots_of(
 
 
 class V4Step:
-    """A step's index metadata, built once for every layer (common/model/dsv4.py): which
+    """A step's index metadata, built once for every layer (common/model/deepseek/dsv4.py): which
     sequence each query belongs to, its position, and, per KV cache group, its block table;
     the windows the step closes. Kept per (group, ...) so layers sharing a group share them.
 
@@ -312,7 +312,7 @@ class V4Attention(nn.Module):
         assert v4 is not None
         self.par = par
         self.kind = v4.layer_kinds[layer]
-        # this rank's heads and output groups (whole groups: common/model/dsv4_tp.py)
+        # this rank's heads and output groups (whole groups: common/model/deepseek/dsv4_tp.py)
         self.num_heads, self.head_dim = cfg.num_attention_heads // par.tp_size, cfg.head_dim
         self.window = 0  # set by the model: transformers' sliding_window
         self.rope_dim = v4.rope_dim  # fp8 rows keep these last values in bf16

@@ -13,7 +13,7 @@ fp32 scale per 128 values, bf16 rope), quantized by the write and dequantized by
 reads. Attention:
 
 * prefill expands the cached latent of the sequences into per-head K and V with
-  ``kv_b_proj`` (as transformers does) and runs causal SDPA (common/model/mla_prefill.py:
+  ``kv_b_proj`` (as transformers does) and runs causal SDPA (common/model/layers/mla_prefill.py:
   batched expansion, v padded to the q/k width for flash attention): cheap at long prompts;
 * decode uses the absorbed form: each query head's nope part goes into latent space
   through its slice of ``kv_b_proj`` (``W_UK``), attends the latent rows directly
@@ -39,10 +39,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.mla_prefill import mla_prefill
-from pdserve.common.model.norm import RMSNorm
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.mla_prefill import mla_prefill
+from pdserve.common.model.layers.norm import RMSNorm
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.common.parallel.tp import q_heads_of
 
@@ -161,7 +161,7 @@ class MLAAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T_p, H, v]
         """The cached latent expanded into per-head K and V, causal SDPA
-        (common/model/mla_prefill.py)."""
+        (common/model/layers/mla_prefill.py)."""
         return mla_prefill(
             q_nope, q_rope, layer_cache, meta, self.kv_b_proj, self.latent, self.v_dim, self.scale
         )

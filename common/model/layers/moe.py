@@ -7,7 +7,7 @@ Parameter names are those of transformers' ``Qwen3MoeSparseMoeBlock`` / ``Deepse
 (``experts.{e}.gate_proj.weight`` ...) into the 3-D ones, keeping only this rank's experts.
 
 Expert parallelism over the TP group: rank r of N holds whole experts
-``[r * E / N, (r + 1) * E / N)`` (common/model/moe_config.py: ``local_experts``); attention stays
+``[r * E / N, (r + 1) * E / N)`` (common/model/checkpoint/moe_config.py: ``local_experts``); attention stays
 tensor-parallel. TP attention ends in an all-reduce, so every rank already holds every
 token's hidden state: that all-reduce is the all-gather half of the all-gather /
 reduce-scatter exchange. Each rank routes all tokens (the router is replicated, so every
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from pdserve import kernels
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.moe_config import SIGMOID, MoEConfig, local_experts
+from pdserve.common.model.checkpoint.moe_config import SIGMOID, MoEConfig, local_experts
 from pdserve.common.parallel.context import ParallelContext
 
 

@@ -2,7 +2,7 @@
 tokens a lightning indexer selects.
 
 Parameter names are transformers' ``DeepseekV32Attention``'s: the MLA projections of
-common/model/mla.py (q always low-rank) plus ``indexer.wq_b`` (the indexer's queries from
+common/model/layers/mla.py (q always low-rank) plus ``indexer.wq_b`` (the indexer's queries from
 the MLA's normed ``q_a`` output), ``indexer.wk`` and ``indexer.k_norm`` (a LayerNorm: its
 one key per token), ``indexer.weights_proj`` (a weight per indexer head and token).
 
@@ -27,7 +27,7 @@ ops, so CUDA graphs capture a decode step): ``kernels.indexer_topk`` picks each 
 through ``W_UK`` into latent space with q_rope; the latent rows as values, out through
 ``W_UV``), prefill and decode alike (kernels/sparse_mla_ref.py, triton_sparse_mla.py).
 
-Tensor parallel: the MLA heads split as in common/model/mla.py; the indexer is replicated,
+Tensor parallel: the MLA heads split as in common/model/layers/mla.py; the indexer is replicated,
 so every rank selects the same keys.
 """
 
@@ -41,9 +41,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve import kernels
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.mla import MLAAttention
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.mla import MLAAttention
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.kernels import KeyFormat, fp8_ds_mla
 

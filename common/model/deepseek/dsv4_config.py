@@ -2,7 +2,7 @@
 common/model/families/deepseek_v4.py into ``ModelConfig.v4``; torch-free (the router reads
 configs).
 
-The cache row of a token and layer (common/model/dsv4_attention.py) holds what a later step
+The cache row of a token and layer (common/model/deepseek/dsv4_attention.py) holds what a later step
 needs to rebuild that layer's attention state from the paged cache alone: the shared K=V
 row (``head_dim``), and for a compressed layer the compressor's per-token projections (kv
 and gate: ``head_dim`` each for HCA, two series of ``head_dim`` each for CSA) plus, CSA

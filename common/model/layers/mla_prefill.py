@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.layers.attention import AttentionMetadata
 from pdserve.kernels import fp8_ds_mla
 
 EXPAND_TOKENS = 8192  # context tokens expanded into per-head K/V by one matmul

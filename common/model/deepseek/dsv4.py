@@ -1,5 +1,5 @@
 """DeepSeek-V4's model: hyper-connected residual streams around V4 attention
-(common/model/dsv4_attention.py) and its mixtures of experts; the CPU reference.
+(common/model/deepseek/dsv4_attention.py) and its mixtures of experts; the CPU reference.
 
 Parameter names are the checkpoint's: ``model.embed_tokens``, ``model.layers.N.{attn_norm,
 attn, ffn_norm, ffn, hc_attn_*, hc_ffn_*}``, ``model.norm``, ``model.hc_head``, ``head``.
@@ -18,7 +18,7 @@ attn, ffn_norm, ffn, hc_attn_*, hc_ffn_*}``, ``model.norm``, ``model.hc_head``, 
 The engine drives it as it drives ``CausalLM`` (common/model/decoder.py): the same
 ``forward`` over a flat batch and paged cache, on CPU (a PCP rank too: its attention
 gathers every rank's new rows). Under TP a rank holds its heads and output groups, its
-experts and a slice of the shared expert (common/model/dsv4_tp.py); attention and the
+experts and a slice of the shared expert (common/model/deepseek/dsv4_tp.py); attention and the
 experts each end in one all-reduce.
 """
 
@@ -30,11 +30,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step
-from pdserve.common.model.dsv4_config import HASH_MOE, SLIDING, V4Config
-from pdserve.common.model.moe_config import local_experts
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.checkpoint.moe_config import local_experts
+from pdserve.common.model.deepseek.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step
+from pdserve.common.model.deepseek.dsv4_config import HASH_MOE, SLIDING, V4Config
+from pdserve.common.model.layers.attention import AttentionMetadata
 from pdserve.common.parallel.context import ParallelContext
 
 
@@ -144,7 +144,7 @@ class V4MoE(nn.Module):
         self.shared_experts = Expert(hidden, inter // par.tp_size, v4.swiglu_limit)
         self.limit = v4.swiglu_limit
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-        # [E] bool, set by common/model/moe.py record_expert_usage (benchmarks)
+        # [E] bool, set by common/model/layers/moe.py record_expert_usage (benchmarks)
         self.touched: torch.Tensor | None = None
 
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,10 +41,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.dsv4 import Expert, Gate, hyper_weights
-from pdserve.common.model.dsv4_attention import RMSNorm, Rope, rms
-from pdserve.common.model.dsv4_config import V4Config
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.deepseek.dsv4 import Expert, Gate, hyper_weights
+from pdserve.common.model.deepseek.dsv4_attention import RMSNorm, Rope, rms
+from pdserve.common.model.deepseek.dsv4_config import V4Config
 from pdserve.kernels import v4_ops
 
 KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids")

@@ -36,10 +36,10 @@ from torch.nn import functional as F
 
 from pdserve import kernels
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import ModelConfig
-from pdserve.common.model.mlp import MLP
-from pdserve.common.model.norm import RMSNorm
-from pdserve.common.model.rope import RotaryEmbedding
+from pdserve.common.model.checkpoint.config import ModelConfig
+from pdserve.common.model.layers.mlp import MLP
+from pdserve.common.model.layers.norm import RMSNorm
+from pdserve.common.model.layers.rope import RotaryEmbedding
 from pdserve.common.parallel.context import ParallelContext
 
 ARCHITECTURE = "Qwen3DSparkModel"

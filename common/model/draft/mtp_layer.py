@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.attention import AttentionMetadata
-from pdserve.common.model.config import ModelConfig
+from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.decoder import CausalLM, DecoderLayer, LayerPart, pack_part
-from pdserve.common.model.meta import meta_modules
-from pdserve.common.model.moe import fuse_expert_weights
-from pdserve.common.model.norm import RMSNorm
+from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.meta import meta_modules
+from pdserve.common.model.layers.moe import fuse_expert_weights
+from pdserve.common.model.layers.norm import RMSNorm
 from pdserve.common.parallel.context import ParallelContext
 
 OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")

@@ -7,9 +7,9 @@ apart from the tensors it cuts).
   is row-parallel (its columns of those groups; the partial sums all-reduced). The query's
   low-rank projection, the one K=V row, the compressors and CSA's indexer stay replicated:
   every rank writes the same cache rows and entries and its indexer keeps the same entries,
-  as MLA's latent (common/model/mla.py), so a decode rank reads the whole row from any
+  as MLA's latent (common/model/layers/mla.py), so a decode rank reads the whole row from any
   producer copy (one "KV head": common/parallel/tp.py ``pull_plan``).
-* Experts: expert parallel, as common/model/moe.py: rank r holds the routed experts
+* Experts: expert parallel, as common/model/layers/moe.py: rank r holds the routed experts
   ``[r E / N, (r + 1) E / N)`` (the others' tensors dropped at load) and a 1/N slice of the
   shared expert's intermediate (its gate clamp and the up clamp are per value, so the
   slices compute what the whole does); the gate is replicated, so every rank routes alike,
@@ -22,12 +22,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from pdserve.common.model.moe_config import local_experts
+from pdserve.common.model.checkpoint.moe_config import local_experts
 
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.common.model.config import ModelConfig
+    from pdserve.common.model.checkpoint.config import ModelConfig
 
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
 

@@ -7,7 +7,7 @@ mean for a family, and how transformers reads them for it, is told in that famil
 module: the q/k/v and o_proj biases, Qwen3's per-head q/k norm, which layers slide a window
 (``layer_types``), multi-head latent attention (``kv_lora_rank`` > 0: DeepSeek V2/V3, whose
 KV cache is one latent per token, so ``num_key_value_heads`` is 1 and ``head_dim`` the rope
-part), and the mixture-of-experts switches (common/model/moe_config.py, ``moe``).
+part), and the mixture-of-experts switches (common/model/checkpoint/moe_config.py, ``moe``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.dsv4_config import V4Config
-from pdserve.common.model.moe_config import MoEConfig
+from pdserve.common.model.checkpoint.moe_config import MoEConfig
+from pdserve.common.model.deepseek.dsv4_config import V4Config
 from pdserve.common.model.registry import family_of
 
 FULL_ATTENTION = "full_attention"
@@ -69,16 +69,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     v_head_dim: int = 0
     # rope over interleaved pairs (x0, x1), (x2, x3)... (V3's rope_interleave; V2 always)
     rope_interleave: bool = False
-    # DeepSeek's MTP layers after the model's own: not part of the model (model/mtp.py);
-    # the speculative method mtp loads the first (model/mtp_layer.py)
+    # DeepSeek's MTP layers after the model's own: not part of the model (model/draft/mtp.py);
+    # the speculative method mtp loads the first (model/draft/mtp_layer.py)
     num_nextn_predict_layers: int = 0
-    # DeepSeek-V3.2's lightning indexer (common/model/dsa.py): each query attends the
+    # DeepSeek-V3.2's lightning indexer (common/model/deepseek/dsa.py): each query attends the
     # index_topk cached tokens its index_n_heads heads of index_head_dim score highest; its
     # key (index_head_dim values a token) is cached after the latent. 0: no indexer.
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
-    # DeepSeek-V4's own switches (common/model/dsv4_config.py); None: not a V4 model
+    # DeepSeek-V4's own switches (common/model/deepseek/dsv4_config.py); None: not a V4 model
     v4: V4Config | None = None
 
     @property
