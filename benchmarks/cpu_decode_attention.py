@@ -20,36 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
+
+# run as a script, benchmarks/ is on sys.path: the paired timing of the prefill benchmark
+from cpu_prefill_attention import paired_ms
 
 from pdserve.cli.provenance import provenance
 from pdserve.common.engine.host_malloc import keep_freed_buffers
 from pdserve.kernels import cpu_native, reference
-
-
-def paired_ms(
-    ref: Callable[[int], object],
-    native: Callable[[int], object],
-    repeats: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, float, float]:
-    """Median ms of each path and the median of the per-pair ratios, the two timed
-    alternately (ref, native, ref, ...) so that a shared machine's busy moments fall on both."""
-    for i in range(3):
-        ref(i)
-        native(i)
-    ref_t, native_t = [], []
-    for i in range(repeats):
-        for fn, times in ((ref, ref_t), (native, native_t)):
-            start = clock()
-            fn(i)
-            times.append(clock() - start)
-    ratio = statistics.median(r / n for r, n in zip(ref_t, native_t, strict=True))
-    return statistics.median(ref_t) * 1e3, statistics.median(native_t) * 1e3, ratio
 
 
 def main() -> None:
