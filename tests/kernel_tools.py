@@ -111,3 +111,24 @@ def random_q(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
     """q as the leading heads of a packed qkv row, so its token stride is not H_q * D."""
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     return qkv.to(dtype).to(device)[:, :num_heads]
+
+
+def triton_engine_greedy_equals_hf(model, model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The whole ``model`` on the Triton path (PDSERVE_KERNELS=triton; on CPU through the
+    interpreter): two prompts batched, 50-token chunks across 16-token blocks, 4 decode
+    steps, greedy tokens = transformers'."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from tests.test_families import hf_greedy, sentence_prompts
+
+    prompts = sentence_prompts(model_dir, (40, 70), 20)
+    reference = hf_greedy(model, prompts, 4)
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model), kv_cache_memory_gb=0.05, block_size=16, max_num_batched_tokens=50
+        )
+    )
+    got = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in got] == reference

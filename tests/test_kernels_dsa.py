@@ -282,23 +282,11 @@ def test_v32_engine_through_the_triton_kernels_equals_transformers(
     """The whole model on the Triton path (PDSERVE_KERNELS=triton under the interpreter):
     two prompts batched, 50-token chunks across 16-token blocks, decode steps: HF's tokens."""
     pytest.importorskip("transformers")
-    from pdserve.common.engine.config import EngineConfig
-    from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.engine.sampling import SamplingParams
+    from tests.kernel_tools import triton_engine_greedy_equals_hf
     from tests.test_dsa import build_v32
-    from tests.test_families import hf_greedy, sentence_prompts
 
     model = build_v32(tmp_path / "v32", tokenizer_from=model_dir)
-    prompts = sentence_prompts(model_dir, (40, 70), 20)
-    reference = hf_greedy(model, prompts, 4)
-    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model), kv_cache_memory_gb=0.05, block_size=16, max_num_batched_tokens=50
-        )
-    )
-    got = engine.generate(prompts, SamplingParams(max_tokens=4))
-    assert [o.token_ids for o in got] == reference
+    triton_engine_greedy_equals_hf(model, model_dir, monkeypatch)
 
 
 def test_top_lowest_ties_keeps_the_same_keys_at_any_width(gen):

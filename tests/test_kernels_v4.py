@@ -285,25 +285,13 @@ def test_v4_engine_through_the_triton_kernels_equals_transformers(tmp_path, mode
     blocks (neither a multiple of 4 nor of 16), decode steps (the device-only path): HF's
     tokens."""
     pytest.importorskip("transformers")
-    from pdserve.common.engine.config import EngineConfig
-    from pdserve.common.engine.llm_engine import LLMEngine
-    from pdserve.common.engine.sampling import SamplingParams
     from pdserve.common.model.fixtures.random import save_random_v4
-    from tests.test_families import hf_greedy, sentence_prompts
+    from tests.kernel_tools import triton_engine_greedy_equals_hf
     from tests.test_mla_kernels import _fix_interpreter_index
 
     _fix_interpreter_index(monkeypatch)
     model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir)
-    prompts = sentence_prompts(model_dir, (40, 70), 20)
-    reference = hf_greedy(model, prompts, 4)
-    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model), kv_cache_memory_gb=0.05, block_size=16, max_num_batched_tokens=50
-        )
-    )
-    got = engine.generate(prompts, SamplingParams(max_tokens=4))
-    assert [o.token_ids for o in got] == reference
+    triton_engine_greedy_equals_hf(model, model_dir, monkeypatch)
 
 
 def test_v4_decode_steps_need_no_host_spans(tmp_path, model_dir, monkeypatch):  # type: ignore[no-untyped-def]
