@@ -240,20 +240,37 @@ suite_pcp() {
         --lengths 1024,4096,8192 --pcp 1,2,4 --chunk 8192 --repeats 3 --json "$OUT/pcp_h200.json" \
         2>&1 | grep -E "^pcp|Error|error" | tail -20
 }
-suite_gpu-tests() {  # every gpu-marked test of the tree in one pytest run (kernels, fp8, MLA, MoE, serving)
-    # the log is named by commit and card: copy it from $OUT into benchmarks/results/
-    local card log
+suite_gpu-tests() {  # every gpu-marked test of the tree (kernels, fp8, MLA, MoE, V4/V3.2, serving)
+    # Two pytest runs side by side: the kernel files (small tensors, Triton compiles bound by
+    # the host's cores) spread over $GPU_TEST_WORKERS xdist workers, and the files that start
+    # whole engines (each takes a share of the card) one after another. The log is named by
+    # commit and card: copy it from $OUT into benchmarks/results/.
+    local card log kernel_files=(tests/test_kernels.py tests/test_kernels_fp8.py
+        tests/test_kernels_pointwise.py tests/test_kernels_v4.py tests/test_kernels_dsa.py
+        tests/test_mla_kernels.py tests/test_moe_kernels.py tests/test_split_reduce.py
+        tests/test_hyper_kernels.py tests/test_bench_cli.py)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H100|H200|A100|L40S|B200' || echo gpu)
     log="$OUT/gpu_tests_${PDSERVE_GIT_COMMIT:0:7}_$(echo "$card" | tr 'A-Z' 'a-z').txt"
-    timeout 540 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=15 -rfEs \
-        > "$log" 2>&1
-    local rc=$?; tail -40 "$log"
-    local summary passed failed
-    summary=$(grep -E '^=* ?[0-9]+ (passed|failed|error)' "$log" | tail -1)
-    passed=$(grep -oE '[0-9]+ passed' <<< "$summary" | grep -oE '[0-9]+' || echo 0)
-    failed=$(( $(grep -oE '[0-9]+ failed' <<< "$summary" | grep -oE '[0-9]+' || echo 0) \
-        + $(grep -oE '[0-9]+ errors?' <<< "$summary" | grep -oE '[0-9]+' || echo 0) ))
-    [ "$rc" -eq 124 ] && failed="$failed (+ timed out)"
+    local xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_TEST_WORKERS:-4}")
+    local ignore=(); for f in "${kernel_files[@]}"; do ignore+=(--ignore "$f"); done
+    timeout 540 python3 -m pytest -q -m gpu "${xdist[@]}" "${kernel_files[@]}" -p no:cacheprovider \
+        --durations=10 -rfEs > "$log.kernels" 2>&1 &
+    local pk=$!
+    timeout 540 python3 -m pytest -q -m gpu tests/ "${ignore[@]}" -p no:cacheprovider \
+        --durations=10 -rfEs > "$log.engines" 2>&1 &
+    local pe=$!
+    local rk=0 re=0; wait $pk || rk=$?; wait $pe || re=$?
+    { echo "## kernel files (${xdist[*]:-serial})"; cat "$log.kernels"
+      echo "## engine files"; cat "$log.engines"; } > "$log"; rm -f "$log.kernels" "$log.engines"
+    grep -E "^(FAILED|ERROR) " "$log" | head -40; grep -E '^=* ?[0-9]+ (passed|failed|error)|in [0-9.]+s' "$log" | tail -4
+    local passed=0 failed=0 summary
+    while read -r summary; do
+        passed=$(( passed + $(grep -oE '[0-9]+ passed' <<< "$summary" | grep -oE '[0-9]+' || echo 0) ))
+        failed=$(( failed + $(grep -oE '[0-9]+ failed' <<< "$summary" | grep -oE '[0-9]+' || echo 0) \
+            + $(grep -oE '[0-9]+ errors?' <<< "$summary" | grep -oE '[0-9]+' || echo 0) ))
+    done < <(grep -E '^=* ?[0-9]+ (passed|failed|errors?|skipped|deselected)' "$log")
+    local rc=$(( rk > re ? rk : re ))
+    [ "$rk" -eq 124 ] || [ "$re" -eq 124 ] && failed="$failed (+ timed out)"
     echo "GPU tests: $passed passed, $failed failed on $card at ${PDSERVE_GIT_COMMIT:-unknown}" | tee -a "$log"
     return $rc
 }
