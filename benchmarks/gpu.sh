@@ -45,7 +45,8 @@
 #                 hyper-connections, split reduce with sinks, MLA), the MLA decode kernel alone,
 #                 bench engine step/floor at 30b-a3b full depth (b1/16/64), dsv3 MLA auto and
 #                 fp8 (b64), dsv4-flash and dsv32 (skipped where main lacks their CUDA
-#                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py)
+#                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py);
+#                 $DEEPSEEK_ONLY=dsv4-flash,dsv32: only those bench runs
 #   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
 #                 by kernel of one decode step): 30b-a3b's layer at batch 1 and 64, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
@@ -335,10 +336,11 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
         -p no:cacheprovider --durations=5 > "$OUT/deepseek_gpu_tests.txt" 2>&1 || rc=1
     tail -6 "$OUT/deepseek_gpu_tests.txt"
     # the MLA decode kernel alone, 128 heads, context 2048 (auto and fp8 caches)
-    timeout 40 python3 benchmarks/mla_decode.py --batch-sizes 1,64 > "$OUT/mla_decode.txt" 2>&1
+    timeout 40 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/mla_decode.py --batch-sizes 1,64 > "$OUT/mla_decode.txt" 2>&1
     tail -8 "$OUT/mla_decode.txt"
     bench() {  # NAME SECONDS ARGS...: one bench engine run, skipped when the budget is spent
         local name=$1 limit=$2; shift 2
+        if [ -n "${DEEPSEEK_ONLY:-}" ] && [[ ",$DEEPSEEK_ONLY," != *",$name,"* ]]; then return 0; fi
         local room; room=$(left)
         [ "$room" -lt 40 ] && { stamp "$name: skipped, ${room} s left"; return 0; }
         [ "$room" -lt "$limit" ] && limit=$room
@@ -358,7 +360,9 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     bench dsv3_auto 80 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype auto
     bench dsv3_fp8 60 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype fp8
     bench dsv4-flash 120 --shape dsv4-flash --prompt-len 2048 --batch-sizes 1,64
-    bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64
+    # V3.2's prefill of 64 x 2,048 tokens in one forward needs ~6 GB a projection beside ~65 GB
+    # of weights (out of memory at 0f7e44c on an H100): 16,384-token steps
+    bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64 --max-num-batched-tokens 16384
     bench v2-lite 90 --shape v2-lite --prompt-len 512 --batch-sizes 1,64
     python3 benchmarks/floor_table.py "$OUT"/engine_30b-a3b-full.json "$OUT"/engine_dsv3_*.json \
         "$OUT"/engine_dsv4-flash.json "$OUT"/engine_dsv32.json "$OUT"/engine_v2-lite.json \

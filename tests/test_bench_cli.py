@@ -141,7 +141,9 @@ def test_bench_engine_rejects_a_one_token_generation() -> None:
         ),
     ],
 )
-def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path, device: str) -> None:
+def test_bench_engine_moe_floor_reads_only_the_touched_experts(
+    tmp_path: Path, device: str, model_dir: Path
+) -> None:
     """A Qwen3-MoE (8 experts, 2 a token, 2 layers): the decode floor counts the routed
     experts each step read (batch 1: exactly 2 per layer), not all 8. On CUDA (CUDA graphs,
     asynchronous scheduling) the count was never added: the column printed 0."""
@@ -159,6 +161,7 @@ def test_bench_engine_moe_floor_reads_only_the_touched_experts(tmp_path: Path, d
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         dtype="float32",
+        tokenizer_from=model_dir,  # the GPU machine has no embedded model package
     )
     out = tmp_path / "engine.json"
     args = ["bench", "engine", "--model", str(model), "--prompt-len", "16", "--gen-len", "4"]

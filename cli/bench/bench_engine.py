@@ -133,6 +133,13 @@ def add_parser(sub: Any) -> None:
         help="decode steps launch kernel by kernel (the before of common/engine/cuda_graphs.py)",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens a prefill step may take (default: the largest batch's prompts, one "
+        "forward); smaller where a shape's prefill activations would not fit beside its weights",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="each step waits for the last one's tokens (the before of "
@@ -205,8 +212,9 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         # Exactly the blocks the largest batch needs: no preemption, no oversized cache.
         num_kv_blocks=max_batch * blocks_per_seq,
         max_num_seqs=max_batch,
-        # The whole batch's prompts fit in one step, so prefill is a single forward.
-        max_num_batched_tokens=max_batch * (args.prompt_len + extra),
+        # The whole batch's prompts fit in one step, so prefill is a single forward (unless
+        # --max-num-batched-tokens chunks it).
+        max_num_batched_tokens=args.max_num_batched_tokens or max_batch * (args.prompt_len + extra),
         enable_prefix_caching=False,
         cuda_graphs=not args.no_cuda_graphs,
         async_scheduling=False if args.no_async_scheduling else None,

@@ -62,6 +62,7 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 caches: (k_scale, v_scale)
+        rates: tuple[int, ...] = (),  # each group's tokens per slot (kv_groups.py); none: all 1
     ) -> None:
         started = time.perf_counter()
         device = kv_cache.device
@@ -73,6 +74,9 @@ class DecodeGraphs:
         self._tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
         # groups 1..: their slots and block tables (group 0's are the rows above)
         self.num_groups = 1 + max((g for g, _ in model.kv_slots), default=0)
+        # a compressed group (rate > 1, DeepSeek-V4's entries) has no per-token slot: the
+        # model writes its entries itself (common/engine/group_meta.py); its slots stay -1
+        self._rates = tuple(rates) or (1,) * self.num_groups
         extra = self.num_groups - 1
         self._group_slots = torch.full((extra, max_batch), -1, dtype=torch.int64, device=device)
         self._group_tables = torch.zeros(
@@ -158,7 +162,12 @@ class DecodeGraphs:
             carry.apply(self._inputs[0], list(range(n)))
         for g in range(1, self.num_groups):
             rows = [s.table(g) for s in plan.seqs]
-            group_slots = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions, strict=True)]
+            if self._rates[g] == 1:
+                group_slots = [
+                    t[p // bs] * bs + p % bs for t, p in zip(rows, positions, strict=True)
+                ]
+            else:
+                group_slots = [-1] * n
             self._group_slots[g - 1, :size].copy_(
                 torch.tensor(group_slots + [-1] * pad, dtype=torch.int64), non_blocking=True
             )

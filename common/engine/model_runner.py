@@ -163,6 +163,7 @@ class ModelRunner:
             self._graph_max_batch,
             max_blocks,
             kv_scales=(self.layout.k_scale, self.layout.v_scale),
+            rates=tuple(self.group_rates),
         )
 
     def kv_compat(self) -> dict[str, str | int]:
