@@ -127,3 +127,48 @@ def test_the_scheduler_owns_remote_kv_blocks_and_pins() -> None:
     assert s.pin(b) == (b.held_block_ids, []) and s.pool.num_free_blocks == 2
     assert s.unpin("b") and not s.unpin("b")  # freed once
     assert s.pool.num_free_blocks == 6
+
+
+def test_long_prefills_never_take_the_budget_from_decodes_or_pulled_requests() -> None:
+    """A long prompt prefilled here (arrived first, budget 8 a step) beside a request
+    already decoding and one whose prompt KV was pulled: every step carries the decode's
+    token, the pulled request starts decoding at once, and the long prompt gets the rest
+    of the budget (before: running requests in arrival order, the long prompt's chunks
+    took all 8 tokens until it was done; the others' token gaps grew with its length)."""
+    from pdserve.common.engine.request import RemoteKV
+
+    s = make(num_blocks=64, budget=8)
+    long = Request("long", list(range(40)), SamplingParams(), 0)
+    s.add(long)
+    plan, _ = s.schedule()
+    assert [len(x.token_ids) for x in plan.seqs] == [8]
+    s.on_step_done([long], plan)
+    short = Request("short", list(range(3)), SamplingParams(), 1)
+    pulled = Request("pulled", list(range(6)), SamplingParams(), 2)
+    pulled.remote = RemoteKV(num_tokens=6, first_blocks=(0,), first_token=7)
+    s.add(short)
+    s.add_remote(pulled)
+    # short: admitted after long's chunk took the budget only once long is done, unless
+    # decodes go first; here it waits one step, then decodes every step
+    plan, chosen = s.schedule()
+    s.on_step_done(chosen, plan)
+    assert s.reserve_remote(pulled)
+    s.remote_kv_arrived(pulled)
+    pulled.output_token_ids.append(7)
+    for seq, req in zip(plan.seqs, chosen, strict=True):
+        if seq.sample:
+            req.output_token_ids.append(1)
+    seen: dict[str, int] = {"long": 0, "short": 0, "pulled": 0}
+    for _ in range(3):
+        plan, chosen = s.schedule()
+        ids = [x.request_id for x in plan.seqs]
+        assert "pulled" in ids and "long" in ids
+        if short.output_token_ids:
+            assert "short" in ids  # decoding: its token every step
+        assert plan.num_tokens <= 8
+        s.on_step_done(chosen, plan)
+        for seq, req in zip(plan.seqs, chosen, strict=True):
+            seen[req.request_id] += len(seq.token_ids)
+            if seq.sample:
+                req.output_token_ids.append(1)
+    assert seen["pulled"] == 3 and seen["long"] >= 3 * (8 - 2)

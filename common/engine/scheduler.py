@@ -1,7 +1,8 @@
 """Scheduler (pure): continuous batching with chunked prefill and prefix caching.
 
-Each step it takes running requests first (decodes and unfinished prefill chunks), then
-admits waiting requests while token budget, sequence slots and blocks allow. When the pool
+Each step it takes running decodes first, then waiting requests whose prompt KV was pulled
+(one token each), then running prefill chunks (each group in arrival order), then admits
+waiting requests while token budget, sequence slots and blocks allow. When the pool
 runs dry mid-decode, the latest arrival is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back from the prefix cache). With a host
 tier under the pool (common/engine/host_tier.py) a prompt's prefix may also come back from
@@ -115,22 +116,19 @@ class Scheduler:
         floor = min((self.served.get(c, 0) for c in active), default=0)
         self.served[req.client] = max(self.served.get(req.client, 0), floor)
 
-    def _next_waiting(self) -> Request:
-        """The waiting request to admit next: lowest priority, then the client served
-        fewest tokens, then the first in line."""
-        first = self.waiting[0]
-        if all(r.client == first.client and r.priority == first.priority for r in self.waiting):
+    def _next_waiting(self, line: Sequence[Request] | None = None) -> Request:
+        """The waiting request (of ``line``, default: all) to admit next: lowest priority,
+        then the client served fewest tokens, then the first in line."""
+        line = self.waiting if line is None else line
+        first = line[0]
+        if all(r.client == first.client and r.priority == first.priority for r in line):
             return first
         served = self.served
         best = min(
-            range(len(self.waiting)),
-            key=lambda i: (
-                self.waiting[i].priority,
-                served.get(self.waiting[i].client, 0),
-                i,
-            ),
+            range(len(line)),
+            key=lambda i: (line[i].priority, served.get(line[i].client, 0), i),
         )
-        return self.waiting[best]
+        return line[best]
 
     def max_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` (prompt included) holds at once."""
@@ -138,51 +136,84 @@ class Scheduler:
         return self.tables.max_blocks(num_tokens, chunk)
 
     def schedule(self) -> tuple[StepPlan, list[Request]]:
+        """The next step: running decodes, then waiting requests whose prompt is computed
+        (a pulled KV cache: one token each), then running prefill chunks, then waiting
+        requests while token budget, sequence slots and blocks allow. Long prompts being
+        prefilled here (or recomputed) thus never take the whole budget from streams that
+        generate, so their token gaps stay one step long (before, running requests went in
+        arrival order: a 4,000-token prompt on 2 CPU cores took each step's 2,048 tokens for
+        a minute, past the router's token gap, and pulled requests waited behind it)."""
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        for req in sorted(self.running, key=lambda r: r.arrival_order):
-            if budget == 0:
+        running = sorted(self.running, key=lambda r: r.arrival_order)
+        decodes = [r for r in running if self._decoding(r)]
+        for req in decodes:
+            budget = self._take_running(req, budget, chosen)
+        ready = [r for r in self.waiting if self._decoding(r) and not r.has_pending_token]
+        while ready and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._next_waiting(ready)  # fair among them too
+            if not self._admit(req, budget, chosen):
                 break
-            if req.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            if req.has_pending_token and self._ends_at_pending(req):
-                continue  # its token on the device is its last (async_steps.py)
-            req.num_drafts = self._num_drafts(req, budget)
-            num = min(req.num_pending_tokens + req.num_drafts, budget)
-            if not self._grow(req, num, chosen):
-                req.num_drafts = 0
-                continue
-            chosen.append((req, num))
-            budget -= num
+            ready.remove(req)
+            budget -= chosen[-1][1]
+        for req in running:
+            if req not in decodes:
+                budget = self._take_running(req, budget, chosen)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
             if req.has_pending_token:
                 break  # preempted while its newest token was on the device: not yet known
-            req.num_drafts = 0
-            if not req.block_ids:
-                self._take_cached_prefix(req)
-            num = min(req.num_pending_tokens, budget)
-            needed = self._blocks_needed(req, num)
-            if needed > self.pool.num_free_blocks and self.pool.num_fenced:
-                self.pool.settle()
-            if needed > self.pool.num_free_blocks:
-                # A waiting request holds no blocks, so running ones can always grow.
-                self._release_blocks(req)
+            if not self._admit(req, budget, chosen):
                 break
-            self.tables.allocate(req, num)
-            self.num_replayed_tokens += req.num_replayed_tokens
-            if req is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(req)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            chosen.append((req, num))
-            budget -= num
+            budget -= chosen[-1][1]
         # Single-token steps (decodes) first: the model runs them as one batched call.
         chosen.sort(key=lambda item: item[1] != 1)
         plan = StepPlan([self._scheduled(req, num) for req, num in chosen])
         return plan, [req for req, _ in chosen]
+
+    def _take_running(self, req: Request, budget: int, chosen: list[tuple[Request, int]]) -> int:
+        """Schedule running ``req``'s next tokens within ``budget``; the budget left."""
+        if budget == 0 or req.status is not Status.RUNNING:  # preempted earlier this step
+            return budget
+        if req.has_pending_token and self._ends_at_pending(req):
+            return budget  # its token on the device is its last (async_steps.py)
+        req.num_drafts = self._num_drafts(req, budget)
+        num = min(req.num_pending_tokens + req.num_drafts, budget)
+        if not self._grow(req, num, chosen):
+            req.num_drafts = 0
+            return budget
+        chosen.append((req, num))
+        return budget - num
+
+    def _admit(self, req: Request, budget: int, chosen: list[tuple[Request, int]]) -> bool:
+        """Move waiting ``req`` into the running set with its first ``budget`` tokens (at
+        most); False, and nothing changed, when the pool cannot hold them."""
+        req.num_drafts = 0
+        if not req.block_ids:
+            self._take_cached_prefix(req)
+        num = min(req.num_pending_tokens, budget)
+        needed = self._blocks_needed(req, num)
+        if needed > self.pool.num_free_blocks and self.pool.num_fenced:
+            self.pool.settle()
+        if needed > self.pool.num_free_blocks:
+            # A waiting request holds no blocks, so running ones can always grow.
+            self._release_blocks(req)
+            return False
+        self.tables.allocate(req, num)
+        self.num_replayed_tokens += req.num_replayed_tokens
+        if req is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        chosen.append((req, num))
+        return True
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """Whether ``req`` is past its prompt: one token (and its drafts) a step."""
+        return req.num_pending_tokens <= 1 and bool(req.output_token_ids)
 
     def _ends_at_pending(self, req: Request) -> bool:
         """Whether the token still on the device ends ``req`` by length: computing after
