@@ -359,10 +359,10 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     bench 30b-a3b-full 160 --shape 30b-a3b-full --prompt-len 512 --batch-sizes 1,16,64
     bench dsv3_auto 80 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype auto
     bench dsv3_fp8 60 --shape dsv3 --prompt-len 2048 --batch-sizes 64 --kv-cache-dtype fp8
-    bench dsv4-flash 120 --shape dsv4-flash --prompt-len 2048 --batch-sizes 1,64
-    # V3.2's prefill of 64 x 2,048 tokens in one forward needs ~6 GB a projection beside ~65 GB
-    # of weights (out of memory at 0f7e44c on an H100): 16,384-token steps
-    bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64 --max-num-batched-tokens 16384
+    # prefill in 8,192-token steps: 64 x 2,048 in one forward needs 16 GB of activations
+    # beside V4-Flash's weights (out of memory at f372bf7 on an H100); V3.2 likewise
+    bench dsv4-flash 120 --shape dsv4-flash --prompt-len 2048 --batch-sizes 1,64 --max-num-batched-tokens 8192
+    bench dsv32 120 --shape dsv32 --prompt-len 2048 --batch-sizes 1,64 --max-num-batched-tokens 8192
     bench v2-lite 90 --shape v2-lite --prompt-len 512 --batch-sizes 1,64
     python3 benchmarks/floor_table.py "$OUT"/engine_30b-a3b-full.json "$OUT"/engine_dsv3_*.json \
         "$OUT"/engine_dsv4-flash.json "$OUT"/engine_dsv32.json "$OUT"/engine_v2-lite.json \

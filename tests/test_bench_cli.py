@@ -165,7 +165,7 @@ def test_bench_engine_moe_floor_reads_only_the_touched_experts(
     )
     out = tmp_path / "engine.json"
     args = ["bench", "engine", "--model", str(model), "--prompt-len", "16", "--gen-len", "4"]
-    args += ["--device", device]
+    args += ["--device", device, "--dtype", "float32"]  # CUDA's default is bfloat16
     assert main([*args, "--batch-sizes", "1,4", "--no-hf", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     c = payload["config"]["ceilings"]
