@@ -48,7 +48,7 @@
 #                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py);
 #                 $DEEPSEEK_ONLY=dsv4-flash,dsv32: only those bench runs
 #   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
-#                 by kernel of one decode step): 30b-a3b's layer at batch 1 and 64, dsv3 at 64
+#                 by kernel of one decode step): dsv4-flash and 30b-a3b-full at batch 1, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
 #
 # Models: a tiny random model carrying the embedded model's tokenizer (.gpu/tok/) for the
@@ -371,7 +371,8 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
 }
 
 suite_deepseek-profile() {  # issue #47: where the decode step's time goes, kernel by kernel
-    for args in "--shape 30b-a3b --batch 1 --context 512" "--shape 30b-a3b --batch 64 --context 512" \
+    # the rows furthest from their goals at 1f75c90 (H100): V4-Flash and 30b-a3b at batch 1
+    for args in "--shape dsv4-flash --batch 1 --context 2048" "--shape 30b-a3b-full --batch 1 --context 512" \
         "--shape dsv3 --batch 64 --context 2048"; do
         # shellcheck disable=SC2086
         timeout 150 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/profile_step.py $args \
