@@ -51,8 +51,14 @@ def test_torch_threads_split_per_role(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (torch_threads_for(cfg, "decode"), torch_threads_for(cfg, "prefill")) == (3, 2)
     monkeypatch.delenv("PDSERVE_DECODE_TORCH_THREADS")
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    split = local_config(colocated=False)  # one prefill + one decode: half the cores each
-    assert (torch_threads_for(split, "prefill"), torch_threads_for(split, "decode")) == (4, 4)
+    split = local_config(colocated=False)  # decode half the cores, the bursty prefill all
+    assert (torch_threads_for(split, "prefill"), torch_threads_for(split, "decode")) == (8, 4)
+    two = local_config(colocated=False, prefill_instances=2)  # each prefill: its share
+    assert (torch_threads_for(two, "prefill"), torch_threads_for(two, "decode")) == (4, 2)
+    pcp = local_config(colocated=False, pcp=2)  # ranks: the services' split, as before
+    assert torch_threads_for(pcp, "prefill") == 4
+    mine = local_config(colocated=False, prefill_torch_threads=1)  # a setting wins
+    assert torch_threads_for(mine, "prefill") == 1
     alone = local_config(colocated=True)  # decode computes the prompts too: every core
     assert torch_threads_for(alone, "decode") == 8
     with pytest.raises(PdserveError, match="prefill_torch_threads must be 0"):

@@ -174,9 +174,18 @@ def test_preemption_and_resume(
 def test_prefix_cache_hit_restores_the_indexer_keys(
     v32_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
+    prefix_hit_restores_the_indexer_keys(v32_model, prompts, reference)
+
+
+def prefix_hit_restores_the_indexer_keys(
+    v32_model: Path, prompts: list[list[int]], reference: list[list[int]], **engine_fields: Any
+) -> None:
     """The 300-token prompt again: its cached blocks (latent and indexer keys) serve the
-    second request, which computes only the tail, and answers the same."""
-    engine = LLMEngine(EngineConfig(model=str(v32_model), block_size=16, num_kv_blocks=64))
+    second request, which computes only the tail, and answers the same. ``engine_fields``:
+    more EngineConfig fields (tests/test_dsv32_gpu.py: CUDA)."""
+    engine = LLMEngine(
+        EngineConfig(model=str(v32_model), block_size=16, num_kv_blocks=64, **engine_fields)
+    )
     sampling = SamplingParams(max_tokens=NUM_TOKENS)
     assert engine.generate([prompts[1]], sampling)[0].token_ids == reference[1]
     before = engine.scheduler.num_computed_tokens

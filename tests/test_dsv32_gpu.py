@@ -7,7 +7,9 @@ The model is tests/test_dsa.py's random checkpoint (index_topk 24, far below the
 greedy tokens on CUDA = HF's = the CPU engine's; chunked prefill in 98-token chunks (not a
 multiple of the 16-token blocks); CUDA graphs (decode steps captured) = eager; the fp8 cache
 (kernels read the 656-byte records and 132-byte keys themselves) within
-tests/test_fp8_dsa.py's documented agreement against the auto cache, on CUDA.
+tests/test_fp8_dsa.py's documented agreement against the auto cache, on CUDA; preemption;
+a prefix hit (the indexer keys restored); prefill PCP 2 -> decode over NIXL VRAM = the
+monolithic engine, auto and fp8 caches.
 """
 
 from __future__ import annotations
@@ -108,3 +110,52 @@ def test_cuda_fp8_cache_within_the_documented_agreement(tmp_path: Path, model_di
     assert cosine.mean().item() >= 0.99
     assert agree.float().mean().item() >= 0.75
     assert agree[clear].float().mean().item() >= 0.90
+
+
+def test_cuda_preemption_and_resume(
+    v32_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The CPU test's pool of 28 blocks of 16 on CUDA: sequences are preempted and their
+    rows recomputed on resume; HF's tokens, every block back."""
+    from tests.test_families import greedy_under_preemption
+
+    batch = [prompts[0], prompts[1], prompts[1]]
+    engine, got = greedy_under_preemption(v32_model, batch, 28, device="cuda", dtype="float32")
+    assert got == [reference[0], reference[1], reference[1]]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_cuda_prefix_hit(
+    v32_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """tests.test_dsa's prefix-cache hit, on CUDA."""
+    from tests.test_dsa import prefix_hit_restores_the_indexer_keys
+
+    prefix_hit_restores_the_indexer_keys(
+        v32_model, prompts, reference, device="cuda", dtype="float32"
+    )
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_pcp2_prefill_to_decode_over_vram(
+    tmp_path: Path,
+    model_dir: Path,
+    v32_model: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    kv_cache_dtype: str,
+) -> None:
+    """Prefill PCP 2 -> decode over NIXL VRAM on one GPU = the monolithic engine (auto:
+    = HF's tokens too; fp8: the fp8 tests' checkpoint, whose sizes the fp8 rows take)."""
+    from tests.gpu_tools import pcp2_over_vram_equals_the_monolithic_engine
+    from tests.test_fp8_dsa import FP8_V32
+
+    model = v32_model
+    if kv_cache_dtype == "fp8":
+        model = build_v32(tmp_path / "v32fp8", tokenizer_from=model_dir, **FP8_V32)
+    got = pcp2_over_vram_equals_the_monolithic_engine(
+        tmp_path / "pd", model, prompts, kv_cache_dtype
+    )
+    if kv_cache_dtype == "auto":
+        assert got == reference

@@ -141,18 +141,29 @@ def test_preemption_and_resume(
 def test_prefix_cache_hit_replays_at_most_a_window_and_a_stride(
     v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
+    prefix_hit_replays_a_window_and_a_stride(v4_model, prompts, reference)
+
+
+def prefix_hit_replays_a_window_and_a_stride(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]], **engine_fields: Any
+) -> None:
     """The 1,500-token prompt after a request sharing its first 1,000 tokens: the hit takes
     the window's blocks and the entries' (the open CSA and HCA blocks copied on write),
     computes only the tail; then with a block inside the window of the hit lost, the hit
     is cut back and at most the window plus a stride (16 + 16) is replayed, as the counter
-    says. Blocks of 8, so that the window spans two of them."""
+    says. Blocks of 8, so that the window spans two of them. ``engine_fields``: more
+    EngineConfig fields (tests/test_dsv4_gpu.py: CUDA)."""
     from pdserve.common.engine.block_pool import hash_blocks
     from pdserve.common.runtime.engine_thread import report_engine
     from pdserve.common.runtime.metrics import Metrics
 
     engine = LLMEngine(
         EngineConfig(
-            model=str(v4_model), block_size=8, num_kv_blocks=1024, max_num_batched_tokens=256
+            model=str(v4_model),
+            block_size=8,
+            num_kv_blocks=1024,
+            max_num_batched_tokens=256,
+            **engine_fields,
         )
     )
     sampling = SamplingParams(max_tokens=NUM_TOKENS)

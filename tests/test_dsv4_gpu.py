@@ -6,8 +6,10 @@ The model is tests/test_dsv4.py's random checkpoint (sliding, CSA with its index
 6, HCA, CSA; hash_moe and moe; hc_mult 4; window 16; head_dim 32), in float32 on both
 devices; prompts of 40, 300 and 1,500 tokens. Must hold: greedy tokens on CUDA = HF's =
 the CPU engine's; chunked prefill with 98-token chunks (a multiple of neither 4 nor 16);
-CUDA graphs captured and replayed, tokens as eager; the fp8 cache within
-tests/test_fp8_kv.py's documented agreement against the auto cache, on CUDA.
+preemption; a prefix hit with bounded replay; CUDA graphs captured and replayed, tokens as
+eager; the fp8 cache within tests/test_fp8_kv.py's documented agreement against the auto
+cache, on CUDA; prefill PCP 2 -> decode over NIXL VRAM = the monolithic engine, auto and
+fp8 caches.
 """
 
 from __future__ import annotations
@@ -102,3 +104,54 @@ def test_cuda_fp8_cache_within_the_documented_agreement(tmp_path: Path, model_di
     assert cosine.mean().item() >= 0.995 and cosine.min().item() >= 0.95
     assert agree.float().mean().item() >= 0.85
     assert agree[clear].all()
+
+
+def test_cuda_preemption_and_resume(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The CPU test's pool of 40 blocks of 16 on CUDA: sequences are preempted and their
+    rows recomputed on resume; HF's tokens, every block back."""
+    from tests.test_families import greedy_under_preemption
+
+    batch = [prompts[0], prompts[1], prompts[1]]
+    engine, got = greedy_under_preemption(v4_model, batch, 40, device="cuda", dtype="float32")
+    assert got == [reference[0], reference[1], reference[1]]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_cuda_prefix_hit(
+    v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """tests.test_dsv4's prefix-cache hit, on CUDA."""
+    from tests.test_dsv4 import prefix_hit_replays_a_window_and_a_stride
+
+    prefix_hit_replays_a_window_and_a_stride(
+        v4_model, prompts, reference, device="cuda", dtype="float32"
+    )
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_pcp2_prefill_to_decode_over_vram(
+    tmp_path: Path,
+    model_dir: Path,
+    v4_model: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    kv_cache_dtype: str,
+) -> None:
+    """Prefill PCP 2 -> decode over NIXL VRAM on one GPU = the monolithic engine (auto:
+    = HF's tokens too; fp8: the fp8 tests' checkpoint, whose sizes the fp8 rows take)."""
+    from tests.gpu_tools import pcp2_over_vram_equals_the_monolithic_engine
+    from tests.test_fp8_dsv4 import FP8_V4
+
+    model = v4_model
+    if kv_cache_dtype == "fp8":
+        model = save_random_v4(
+            tmp_path / "v4fp8", tokenizer_from=model_dir, **FP8_V4, index_topk=4096
+        )
+    got = pcp2_over_vram_equals_the_monolithic_engine(
+        tmp_path / "pd", model, prompts, kv_cache_dtype
+    )
+    if kv_cache_dtype == "auto":
+        assert got == reference

@@ -134,21 +134,23 @@ def engine_greedy(model_dir: Path, prompts: list[list[int]], **engine: Any) -> l
 
 
 def greedy_under_preemption(
-    model_dir: Path, batch: list[list[int]], num_kv_blocks: int
+    model_dir: Path, batch: list[list[int]], num_kv_blocks: int, **engine: Any
 ) -> tuple[LLMEngine, list[list[int]]]:
     """Greedy tokens of ``batch`` in blocks of 16 too few for it at once (no prefix cache
-    to share them): some sequences are preempted and their rows recomputed on resume."""
-    engine = LLMEngine(
+    to share them): some sequences are preempted and their rows recomputed on resume.
+    ``engine``: more EngineConfig fields (device, dtype)."""
+    engine_ = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             block_size=16,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=64,
             enable_prefix_caching=False,
+            **engine,
         )
     )
-    got = engine.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
-    return engine, [o.token_ids for o in got]
+    got = engine_.generate(batch, SamplingParams(max_tokens=NUM_TOKENS))
+    return engine_, [o.token_ids for o in got]
 
 
 def test_config_reads_each_family_as_transformers_does(checkpoints: dict[str, Path]) -> None:
