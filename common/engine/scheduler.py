@@ -145,20 +145,23 @@ class Scheduler:
         a minute, past the router's token gap, and pulled requests waited behind it)."""
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        running = sorted(self.running, key=lambda r: r.arrival_order)
-        decodes = [r for r in running if self._decoding(r)]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for req in sorted(self.running, key=lambda r: r.arrival_order):
+            (decodes if self._decoding(req) else prefills).append(req)
         for req in decodes:
             budget = self._take_running(req, budget, chosen)
-        ready = [r for r in self.waiting if self._decoding(r) and not r.has_pending_token]
+        ready = []
+        if budget > 0 and len(self.running) < self.max_num_seqs:
+            ready = [r for r in self.waiting if self._decoding(r) and not r.has_pending_token]
         while ready and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._next_waiting(ready)  # fair among them too
             if not self._admit(req, budget, chosen):
                 break
             ready.remove(req)
             budget -= chosen[-1][1]
-        for req in running:
-            if req not in decodes:
-                budget = self._take_running(req, budget, chosen)
+        for req in prefills:
+            budget = self._take_running(req, budget, chosen)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
             if req.has_pending_token:
@@ -275,7 +278,8 @@ class Scheduler:
             self._preempt(victim)
             if victim is req:
                 return False
-        self.tables.allocate(req, num)
+        if needed:  # none: every table covers the tokens already (most decode steps)
+            self.tables.allocate(req, num)
         return True
 
     def _take_cached_prefix(self, req: Request) -> None:
