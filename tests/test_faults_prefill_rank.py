@@ -42,14 +42,16 @@ pytestmark = pytest.mark.slow
 def test_a_dead_prefill_rank_fails_its_instance_fast(
     tmp_path: Path, model_dir: Path, fault_report: FaultReport
 ) -> None:
-    long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]  # 16 chunks of 128 tokens
+    # 63 chunks of 32 tokens: long enough that the rank dies mid-prefill (with 16 chunks of
+    # 128 the prefill once ended, and the answer came, before the kill landed)
+    long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]
     with (
         deployment(
             tmp_path,
             model_dir,
             prefill_instances=2,
             pcp=2,
-            prefill_engine={"max_num_batched_tokens": 128},
+            prefill_engine={"max_num_batched_tokens": 32},
             **FAST,
         ) as dep,
         concurrent.futures.ThreadPoolExecutor(2) as pool,
