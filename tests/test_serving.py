@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -88,14 +89,25 @@ def post(url: str, path: str, body: Any, raw: bytes | None = None) -> tuple[int,
         return err.code, json.loads(err.read())
 
 
-def assert_pools_full(url: str) -> None:
-    snap = metrics(url)
-    for service in ("prefill", "decode"):
-        assert (
-            total(snap, "pdserve:kv_blocks_free", service)
-            == total(snap, "pdserve:kv_blocks_total", service)
-            > 0
-        )
+def assert_pools_full(url: str, within: float = 10.0) -> None:
+    """Every prefill and decode pool has all its blocks free, within ``within`` seconds:
+    a producer frees its blocks when the consumer's release reaches it, which follows the
+    answer (an immediate scrape once found the prefill's last 4 blocks still held)."""
+    deadline = time.monotonic() + within
+    while True:
+        snap = metrics(url)
+        pools = [
+            (
+                total(snap, "pdserve:kv_blocks_free", service),
+                total(snap, "pdserve:kv_blocks_total", service),
+            )
+            for service in ("prefill", "decode")
+        ]
+        if all(free == size > 0 for free, size in pools) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for free, size in pools:
+        assert free == size > 0, pools
 
 
 def test_openai_sdk_matches_the_monolithic_engine(dep: Deployment, mono: LLMEngine) -> None:
