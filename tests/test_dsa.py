@@ -34,8 +34,8 @@ from pdserve.common.model.checkpoint.config import ModelConfig
 from tests.test_families import (
     NUM_TOKENS,
     engine_greedy,
-    greedy_under_preemption,
     hf_greedy,
+    preemption_gives_the_reference,
     sentence_prompts,
 )
 
@@ -164,11 +164,7 @@ def test_preemption_and_resume(
 ) -> None:
     """28 blocks of 16 tokens for three sequences of up to 316 (no prefix cache to share
     blocks): the pool runs dry, some are preempted, their rows recomputed on resume."""
-    batch = [prompts[0], prompts[1], prompts[1]]
-    engine, got = greedy_under_preemption(v32_model, batch, num_kv_blocks=28)
-    assert got == [reference[0], reference[1], reference[1]]
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    preemption_gives_the_reference(v32_model, prompts, reference, num_kv_blocks=28)
 
 
 def test_prefix_cache_hit_restores_the_indexer_keys(

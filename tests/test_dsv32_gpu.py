@@ -117,13 +117,11 @@ def test_cuda_preemption_and_resume(
 ) -> None:
     """The CPU test's pool of 28 blocks of 16 on CUDA: sequences are preempted and their
     rows recomputed on resume; HF's tokens, every block back."""
-    from tests.test_families import greedy_under_preemption
+    from tests.test_families import preemption_gives_the_reference
 
-    batch = [prompts[0], prompts[1], prompts[1]]
-    engine, got = greedy_under_preemption(v32_model, batch, 28, device="cuda", dtype="float32")
-    assert got == [reference[0], reference[1], reference[1]]
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    preemption_gives_the_reference(
+        v32_model, prompts, reference, 28, device="cuda", dtype="float32"
+    )
 
 
 def test_cuda_prefix_hit(

@@ -33,8 +33,8 @@ from pdserve.common.model.fixtures.random import RANDOM_V4, save_random_v4
 from tests.test_families import (
     NUM_TOKENS,
     engine_greedy,
-    greedy_under_preemption,
     hf_greedy,
+    preemption_gives_the_reference,
     sentence_prompts,
 )
 
@@ -129,13 +129,8 @@ def test_chunks_not_aligned_to_entries_or_blocks(
 def test_preemption_and_resume(
     v4_model: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    batch = [prompts[0], prompts[1], prompts[1]]
-    engine, got = greedy_under_preemption(
-        v4_model, batch, num_kv_blocks=40
-    )  # blocks of one layer: 7 groups (see the config test)
-    assert got == [reference[0], reference[1], reference[1]]
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    # blocks of one layer: 7 groups (see the config test)
+    preemption_gives_the_reference(v4_model, prompts, reference, num_kv_blocks=40)
 
 
 def test_prefix_cache_hit_replays_at_most_a_window_and_a_stride(

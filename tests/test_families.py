@@ -153,6 +153,22 @@ def greedy_under_preemption(
     return engine_, [o.token_ids for o in got]
 
 
+def preemption_gives_the_reference(
+    model_dir: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    num_kv_blocks: int,
+    **engine: Any,
+) -> None:
+    """The first prompt and the second twice under ``greedy_under_preemption``: some
+    sequence is preempted, the tokens are ``reference``'s, every block comes back."""
+    batch = [prompts[0], prompts[1], prompts[1]]
+    engine_, got = greedy_under_preemption(model_dir, batch, num_kv_blocks, **engine)
+    assert got == [reference[0], reference[1], reference[1]]
+    assert engine_.scheduler.num_preemptions > 0
+    assert engine_.pool.num_free_blocks == engine_.pool.num_blocks
+
+
 def test_config_reads_each_family_as_transformers_does(checkpoints: dict[str, Path]) -> None:
     for family, path in checkpoints.items():
         cfg = ModelConfig.from_dir(path)
