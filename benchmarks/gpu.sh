@@ -26,7 +26,8 @@
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
 #   async         bench engine at the 1B and 8B shapes, asynchronous scheduling off then on
-#   gpu-tests     every gpu-marked test of tests/ in one pytest run
+#   gpu-tests     every gpu-marked test of tests/: kernel files over xdist beside the engine files
+#                 (about 400 s on an H100 at 1682072: the engine files set the pace; give it 450)
 #   pick          the gpu-marked tests of the files named in GPU_TEST_FILES (GPU_TEST_TIMEOUT, s)
 #   spec          speculative decoding: its GPU test, then decode tok/s with and without it
 #                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
@@ -260,7 +261,12 @@ suite_gpu-tests() {  # every gpu-marked test of the tree (kernels, fp8, MLA, MoE
     timeout 540 python3 -m pytest -q -m gpu tests/ "${ignore[@]}" -p no:cacheprovider \
         --durations=10 -rfEs > "$log.engines" 2>&1 &
     local pe=$!
+    # a TERM to this script (an outer `timeout`) ends both runs: each inner `timeout` is a
+    # process group of its own, which the outer one's signal would not reach (at 1682072 a
+    # cut gpu.sh left the engine files running into the next suite's memory)
+    trap 'kill $pk $pe 2>/dev/null' TERM INT
     local rk=0 re=0; wait $pk || rk=$?; wait $pe || re=$?
+    trap - TERM INT
     { echo "## kernel files (${xdist[*]:-serial})"; cat "$log.kernels"
       echo "## engine files"; cat "$log.engines"; } > "$log"; rm -f "$log.kernels" "$log.engines"
     grep -E "^(FAILED|ERROR) " "$log" | head -40; grep -E '^=* ?[0-9]+ (passed|failed|error)|in [0-9.]+s' "$log" | tail -4

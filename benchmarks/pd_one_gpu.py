@@ -23,6 +23,33 @@ def _fmt(value: float | None, spec: str = "{:.2f}") -> str:
     return "-" if value is None else spec.format(value)
 
 
+def _interval(rps: float | None, bound: str | None) -> tuple[float, float] | None:
+    """What a goodput figure says: below the lowest rate measured is (0, rate), above the
+    highest is (rate, inf), otherwise the value itself."""
+    if rps is None:
+        return None
+    if bound == "below_lowest":
+        return (0.0, rps)
+    if bound == "above_highest":
+        return (rps, float("inf"))
+    return (rps, rps)
+
+
+def _ratio(num: tuple[float, float] | None, den: tuple[float, float] | None) -> str:
+    """num / den where either may be a bound: '1.40', '< 1.00', '> 1.20' or '?' (unknown)."""
+    if num is None or den is None or den[1] == 0:
+        return "-"
+    lo = num[0] / den[1] if den[1] != float("inf") else 0.0
+    hi = num[1] / den[0] if den[0] > 0 else float("inf")
+    if lo == hi:
+        return f"{lo:.2f}"
+    if hi != float("inf") and lo == 0.0:
+        return f"< {hi:.2f}"
+    if hi == float("inf") and lo > 0.0:
+        return f"> {lo:.2f}"
+    return "?" if hi == float("inf") else f"{lo:.2f}-{hi:.2f}"
+
+
 def goodput_rows(path: Path) -> tuple[str, dict[str, Any]]:
     payload = json.loads(path.read_text())
     config = payload["config"]
@@ -44,14 +71,15 @@ def print_goodput(paths: list[Path]) -> None:
         label, data = goodput_rows(path)
         rps = {m: (data["series"].get(m) or {}).get("goodput_rps") for m in MODES}
         bound = {m: (data["series"].get(m) or {}).get("bound") for m in MODES}
-        col, dis, con = (rps[m] for m in MODES)
-        ratio = dis / col if dis is not None and col else None
-        best = max((v for v in (col, dis) if v is not None), default=None)
-        cond = con / best if con is not None and best else None
+        col, dis, con = (_interval(rps[m], bound[m]) for m in MODES)
+        ratio = _ratio(dis, col)  # a run with one rate gives bounds, not values
+        known = [v for v in (col, dis) if v is not None]
+        best = (max(v[0] for v in known), max(v[1] for v in known)) if known else None
+        cond = _ratio(con, best)
         cells = [f"{_fmt(rps[m])}{'' if bound[m] in (None, 'interpolated') else ' (' + bound[m] + ')'}"
                  for m in MODES]  # fmt: skip
         warm = " ".join(f"{m[:3]}:{w['duration_s']:.0f}" for m, w in data["warm"].items())
-        rows.append([label, *cells, _fmt(ratio), _fmt(cond), warm])
+        rows.append([label, *cells, ratio, cond, warm])
         print(f"{path.name}: commit {data['commit']}\n  {data['command']}")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print("\ngoodput (req/s, >= 90% of requests within every SLO; issue #48's must-hold: "

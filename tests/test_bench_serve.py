@@ -413,3 +413,14 @@ def test_a_multi_turn_warm_up_reaches_the_last_turns_length_in_bursts_of_the_use
     assert [len(b["prompt"]) for b in bodies[:4]] == [16, 28, 18, 18]
     warm = json.loads(out.read_text())["runs"][0]["warmup"]
     assert (warm["num_requests"], warm["bursts"]) == (4, [1, 2])
+
+
+def test_pd_one_gpu_ratios_respect_goodput_bounds() -> None:
+    """A run with one rate gives a goodput bound, not a value: its ratio is a bound too."""
+    from benchmarks.pd_one_gpu import _interval, _ratio
+
+    assert _ratio(_interval(11.2, "interpolated"), _interval(8.0, "below_lowest")) == "> 1.40"
+    assert _ratio(_interval(12.0, "below_lowest"), _interval(12.0, "above_highest")) == "< 1.00"
+    assert _ratio(_interval(13.0, None), _interval(10.0, None)) == "1.30"
+    assert _ratio(_interval(12.0, "above_highest"), _interval(12.0, "above_highest")) == "?"
+    assert _ratio(None, _interval(1.0, None)) == "-"
