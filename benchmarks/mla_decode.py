@@ -2,20 +2,25 @@
 shape, auto (bf16 latent) against fp8_ds_mla (656-byte records) caches, on one GPU.
 
     python benchmarks/mla_decode.py                       # batch 1,64, context 2048
-    python benchmarks/mla_decode.py --sweep               # also each (BLOCK_N, num_warps)
+    python benchmarks/mla_decode.py --sweep               # also triton_mla.SWEEP_TILES
     TRITON_INTERPRET=1 python benchmarks/mla_decode.py --device cpu --heads 4 --latent 128 \
         --rope 16 --context 40 --batch-sizes 2 --block-size 16     # a smoke run, no GPU
 
 Per (cache, batch): the kernel's time (triton.testing.do_bench, median), the bytes of
 latent it must read (batch x context x bytes a token) over that time, and the largest
 difference from the torch reference over the same cache (relative to its largest value).
-``--sweep`` overrides ``decode_launch`` and ``decode_heads`` to time every (BLOCK_H, BLOCK_N,
-num_warps) that compiles.
+``--sweep`` overrides ``triton_mla.decode_tile`` to time, beside the default, each candidate
+tile of ``triton_mla.SWEEP_TILES`` for the batch's regime (BLOCK_H heads a program, BLOCK_N
+keys a tile, warps, pipeline stages, and the splits that ``waves`` x SMs programs give),
+then prints the fastest of each (cache, regime) whose error is within 1e-2, as the
+``DECODE_TILES`` entries to set in kernels/triton_mla.py. On an H100 at the default shape
+(batch 1 and 64, 24 variants) it takes about a minute, most of it compiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -65,10 +70,12 @@ def main() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         interpreter._patch_lang_tensor = patched
-    launch, heads = triton_mla.decode_launch, triton_mla.decode_heads
+    tile_of = triton_mla.decode_tile
     print(f"heads {args.heads}  latent {args.latent}  rope {args.rope}  context {args.context}  "
           f"{args.dtype}  {args.device}")  # fmt: skip
-    print("cache  batch  BLOCK_H  BLOCK_N  warps  us  GB/s  max |diff| / max |ref|")
+    print("cache  batch  BLOCK_H  BLOCK_N  warps  stages  waves  splits  us  GB/s  "
+          "max |diff| / max |ref|")  # fmt: skip
+    best: dict[tuple[str, str], tuple[float, triton_mla.DecodeTile]] = {}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         per_seq = -(-args.context // block)
         tables = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, -1)
@@ -78,6 +85,7 @@ def main() -> None:
         rows = torch.randn(batch * args.context, width, device=dev, dtype=dtype)
         q = torch.randn(batch, args.heads, width, device=dev, dtype=dtype) * 0.1
         scale = (128 + args.rope) ** -0.5
+        regime = triton_mla.decode_regime(batch)
         for cache_dtype in ("auto", "fp8"):
             if cache_dtype == "fp8":
                 record = fp8_ds_mla.record_bytes(args.latent, args.rope)
@@ -93,15 +101,18 @@ def main() -> None:
                 scale, args.latent,
             )  # fmt: skip
             ds = cache_dtype == "fp8"
-            configs = [(heads(ds, dtype), *launch(ds, dtype, block))]
+            configs = [tile_of(ds, dtype, block, batch)]
             if args.sweep:
                 configs += [
-                    (h, n, w) for h in (16, 32) for n in (16, 32, 64) if n <= block for w in (4, 8)
+                    dataclasses.replace(t, block_n=min(t.block_n, block))
+                    for t in triton_mla.SWEEP_TILES[(cache_dtype, regime)]
                 ]
-            for block_h, block_n, warps in dict.fromkeys(configs):
-                triton_mla.decode_launch = lambda *_, c=(block_n, warps): c  # type: ignore[misc]
-                triton_mla.decode_heads = lambda *_, h=block_h: h  # type: ignore[misc]
+            for tile in dict.fromkeys(configs):
+                triton_mla.decode_tile = lambda *_, t=tile: t  # type: ignore[misc]
+                head = (f"{cache_dtype:5s}  {batch:5d}  {tile.block_h:7d}  {tile.block_n:7d}  "
+                        f"{tile.num_warps:5d}  {tile.num_stages:6d}  {tile.waves:5.1f}")  # fmt: skip
                 try:
+                    splits = triton_mla.mla_decode_splits(batch, args.heads, dev, ds)
                     out = triton_mla.mla_decode_attention(
                         q, cache, lens, tables, scale, args.latent
                     )
@@ -110,17 +121,24 @@ def main() -> None:
                     )
                     ms = _bench(run, dev)
                 except Exception as e:  # noqa: BLE001 - a config over the GPU's resources
-                    print(
-                        f"{cache_dtype:5s}  {batch:5d}  {block_h:7d}  {block_n:7d}  {warps:5d}  "
-                        f"{e!r:.80}"
-                    )
+                    print(f"{head}  {e!r:.80}")
                     continue
                 finally:
-                    triton_mla.decode_launch, triton_mla.decode_heads = launch, heads
+                    triton_mla.decode_tile = tile_of
                 diff = float((out.float() - want).abs().max() / want.abs().max())
                 gbps = batch * args.context * token_bytes / (ms * 1e-3) / 1e9
-                print(f"{cache_dtype:5s}  {batch:5d}  {block_h:7d}  {block_n:7d}  {warps:5d}  {ms * 1e3:8.1f}  "
-                      f"{gbps:6.0f}  {diff:.1e}")  # fmt: skip
+                print(f"{head}  {splits:6d}  {ms * 1e3:8.1f}  {gbps:6.0f}  {diff:.1e}")
+                key = (cache_dtype, regime)
+                if diff < 1e-2 and (key not in best or ms < best[key][0]):
+                    best[key] = (ms, tile)
+    if args.sweep:
+        print("fastest (set in kernels/triton_mla.py):")
+        print("DECODE_TILES = {")
+        for (cache_dtype, regime), (ms, tile) in sorted(best.items()):
+            t = tile
+            print(f'    ("{cache_dtype}", "{regime}"): DecodeTile({t.block_h}, {t.block_n}, '
+                  f"{t.num_warps}, {t.num_stages}, {t.waves}),  # {ms * 1e3:.1f} us")  # fmt: skip
+        print("}")
 
 
 if __name__ == "__main__":

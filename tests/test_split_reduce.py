@@ -87,7 +87,9 @@ def test_split_heuristic_fills_the_gpu_then_stops_splitting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two programs an SM (132 SMs: 264) at small batches, capped at 32; one split once the
-    tiles fill the GPU: DeepSeek-V3's 128 heads in tiles of 16 at batch 64 are 512."""
+    tiles fill the GPU. MLA: its tile's waves x SMs programs at most (DeepSeek-V3's 128 heads
+    at batch 1 in tiles of 16, 2 waves: 8 tiles, 32 splits; at batch 64 in tiles of 64, 1
+    wave: 128 tiles, 1 split, at batch 16 4 splits)."""
     from pdserve.kernels import triton_common, triton_decode, triton_mla
 
     monkeypatch.setattr(triton_common, "_num_sms", lambda index: 132)
@@ -97,6 +99,9 @@ def test_split_heuristic_fills_the_gpu_then_stops_splitting(
     assert triton_common.decode_splits_for(128, cuda) == 3
     assert triton_mla.mla_decode_splits(64, 128, cuda) == 1
     assert triton_mla.mla_decode_splits(1, 128, cuda) == 32
+    large = triton_mla.DECODE_TILES[("auto", "large")]
+    tiles16 = 16 * 128 // large.block_h
+    assert triton_mla.mla_decode_splits(16, 128, cuda) == int(large.waves * 132) // tiles16
     assert triton_decode.decode_splits(16, 8, cuda) == 3
     assert triton_common.decode_splits_for(8, SimpleNamespace(type="cpu", index=None)) == 1
 
