@@ -303,6 +303,7 @@ DECODE_TILES: dict[tuple[str, str], DecodeTile] = {
 # 221 KB of shared memory; fp8_ds_mla 32 keys 2 stages 4 bytes of spill.
 SWEEP_TILES: dict[tuple[str, str], tuple[DecodeTile, ...]] = {
     ("auto", "small"): (
+        DecodeTile(16, 64, 8, 3, 1.0),
         DecodeTile(16, 32, 4, 3),
         DecodeTile(32, 64, 8, 3),
         DecodeTile(64, 32, 8, 3),
@@ -316,7 +317,11 @@ SWEEP_TILES: dict[tuple[str, str], tuple[DecodeTile, ...]] = {
         DecodeTile(64, 32, 8, 3, 1.0, lazy=True),
         DecodeTile(64, 64, 8, 2, 1.0, lazy=True),
     ),
-    ("fp8", "small"): (DecodeTile(16, 64, 8, 3), DecodeTile(64, 32, 8, 3)),
+    ("fp8", "small"): (
+        DecodeTile(32, 64, 8, 3, 1.0),
+        DecodeTile(16, 64, 8, 3),
+        DecodeTile(64, 32, 8, 3),
+    ),
     ("fp8", "large"): (
         DecodeTile(32, 64, 8, 3, 2.0),  # the tile before issue #47
         DecodeTile(64, 32, 8, 3, 1.0),
@@ -366,6 +371,15 @@ def mla_decode_splits(
     index = device.index if device.index is not None else torch.cuda.current_device()
     tiles = num_seqs * triton.cdiv(num_heads, tile.block_h)
     return max(1, min(MAX_DECODE_SPLITS, int(tile.waves * triton_common._num_sms(index)) // tiles))
+
+
+def reduce_heads(splits: int) -> int:
+    """Heads a program of the splits' reduce takes, from the split count (which a step and
+    its CUDA-graph replay share, unlike their batch sizes: the summation's layout follows
+    it): 32 // splits as a power of two, 1 to 16. Many splits are a small batch, whose
+    partials then spread over more programs (a batch of 1 at 128 heads, 32 splits: 8 MB
+    over 128 programs, where at 16 heads a program 8 programs read 1 MB each)."""
+    return min(16, 1 << (max(1, 32 // splits).bit_length() - 1))
 
 
 def mla_decode_attention(
@@ -438,5 +452,5 @@ def mla_decode_attention(
             num_stages=tile.num_stages,
         )
     if splits > 1:
-        reduce_splits(out, part_acc, part_ml, sinks)
+        reduce_splits(out, part_acc, part_ml, sinks, block_h=reduce_heads(splits))
     return out
