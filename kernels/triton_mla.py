@@ -132,6 +132,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr,  # DS_MLA: latent values per scale
     HAS_SINK: tl.constexpr,
     LAZY: tl.constexpr,  # skip the accumulator's rescale while no row's max grew by 2^8
+    IDS: tl.constexpr,  # block ids loaded at once (a power of two)
 ):
     # grid (head tiles, splits, sequences): the tiles reading the same rows side by side
     heads = tl.program_id(0).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H_t]
@@ -149,61 +150,67 @@ def _mla_decode_kernel(
         q_lat = q_lat.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    # key tiles of BLOCK_N keys, SUBS a cache block: one flat loop (the pipeliner's), each
-    # tile's block id loaded from the table; a split takes a run of whole blocks
+    # key tiles of BLOCK_N keys, SUBS a cache block; a split takes a run of whole blocks.
+    # Their block ids are loaded IDS at a time, before the loop over those blocks' tiles:
+    # a tile's id taken from the table inside that loop was a load the next tile's rows
+    # depend on, which made Triton's pipeliner wait for every copy in flight at each tile
+    # (the rows then arrived one tile at a time, not overlapping the dots).
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
-    hi = tl.cdiv(ctx, BLOCK_SIZE)
-    lo = 0
+    b_hi = tl.cdiv(ctx, BLOCK_SIZE)
+    b_lo = 0
     if SPLITS > 1:
-        per_split = tl.cdiv(hi, SPLITS)
-        lo = split * per_split
-        hi = tl.minimum(hi, lo + per_split)
-    lo = lo * SUBS
-    hi = tl.minimum(hi * SUBS, tl.cdiv(ctx, BLOCK_N))  # no tile wholly past the context
+        per_split = tl.cdiv(b_hi, SPLITS)
+        b_lo = split * per_split
+        b_hi = tl.minimum(b_hi, b_lo + per_split)
+    t_end = tl.cdiv(ctx, BLOCK_N)  # no tile wholly past the context
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq * stride_bts
-    for t in range(lo, hi):
-        block_id = tl.load(table + (t // SUBS) * stride_btb).to(tl.int64)
-        offs = (t % SUBS) * BLOCK_N + offs_n  # [N] offsets in the block
-        k_ok = t * BLOCK_N + offs_n < ctx
-        rows = cache_ptr + block_id * stride_cn + offs[:, None] * stride_cb
-        if DS_MLA:  # dequantized once into q's dtype, used by both dots
-            c, r = load_ds_mla(cache_ptr + block_id * stride_cn + offs * stride_cb, k_ok, LATENT,
-                               ROPE, TILE, q_lat.dtype)  # fmt: skip
-        else:
-            c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
-            r = tl.load(
-                rows + (LATENT + dr)[None, :] * stride_cd, mask=k_ok[:, None], other=0.0
-            )  # c: [N, L], r: [N, R]
-        if UPCAST:
-            c = c.to(tl.float32)
-            r = r.to(tl.float32)
-        # ieee: float32 tiles would otherwise multiply in TF32 (10-bit mantissa), enough to flip
-        # a random model's near-tied argmax against transformers' float32
-        s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-        s += tl.dot(q_rope, tl.trans(r), input_precision="ieee")  # [H_t, N] fp32
-        visible = k_ok[None, :] & h_ok[:, None]
-        s = tl.where(visible, s * qk_scale, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if LAZY:  # rescale only once some row's max grew past 2^8: p <= 256 meanwhile
-            if tl.max(m_new - m_i, 0) > 8.0:
+    ib = tl.arange(0, IDS)
+    for b0 in range(b_lo, b_hi, IDS):
+        ids = tl.load(table + (b0 + ib) * stride_btb, mask=b0 + ib < b_hi, other=0)  # [IDS]
+        t_lo = b0 * SUBS
+        for t in range(t_lo, tl.minimum(tl.minimum(b0 + IDS, b_hi) * SUBS, t_end)):
+            block_id = tl.sum(tl.where(ib == (t - t_lo) // SUBS, ids, 0), 0).to(tl.int64)
+            offs = (t % SUBS) * BLOCK_N + offs_n  # [N] offsets in the block
+            k_ok = t * BLOCK_N + offs_n < ctx
+            rows = cache_ptr + block_id * stride_cn + offs[:, None] * stride_cb
+            if DS_MLA:  # dequantized once into q's dtype, used by both dots
+                c, r = load_ds_mla(cache_ptr + block_id * stride_cn + offs * stride_cb, k_ok, LATENT,
+                                   ROPE, TILE, q_lat.dtype)  # fmt: skip
+            else:
+                c = tl.load(rows + dl[None, :] * stride_cd, mask=k_ok[:, None], other=0.0)
+                r = tl.load(
+                    rows + (LATENT + dr)[None, :] * stride_cd, mask=k_ok[:, None], other=0.0
+                )  # c: [N, L], r: [N, R]
+            if UPCAST:
+                c = c.to(tl.float32)
+                r = r.to(tl.float32)
+            # ieee: float32 tiles would otherwise multiply in TF32 (10-bit mantissa), enough to flip
+            # a random model's near-tied argmax against transformers' float32
+            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            s += tl.dot(q_rope, tl.trans(r), input_precision="ieee")  # [H_t, N] fp32
+            visible = k_ok[None, :] & h_ok[:, None]
+            s = tl.where(visible, s * qk_scale, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if LAZY:  # rescale only once some row's max grew past 2^8: p <= 256 meanwhile
+                if tl.max(m_new - m_i, 0) > 8.0:
+                    alpha = tl.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+                p = tl.where(visible, tl.exp2(s - m_i[:, None]), 0.0)
+                l_i += tl.sum(p, 1)
+                acc = tl.dot(p.to(c.dtype), c, acc, input_precision="ieee")
+            else:
                 alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
+                p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
                 m_i = m_new
-            p = tl.where(visible, tl.exp2(s - m_i[:, None]), 0.0)
-            l_i += tl.sum(p, 1)
-            acc = tl.dot(p.to(c.dtype), c, acc, input_precision="ieee")
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-            m_i = m_new
 
     if SPLITS > 1:
         store_partials(part_acc_ptr, part_ml_ptr, seq, heads, split, dl, acc, m_i, l_i, h_ok,
@@ -281,6 +288,8 @@ class DecodeTile:
     # and 8 warps 128 multiplies a thread and tile saved, most tiles
 
 
+DECODE_IDS = 32  # block ids the decode kernel loads at once: its key loop's pipeline restarts
+# every DECODE_IDS blocks (2,048 keys at block 64)
 SMALL_BATCH = 8  # batches up to this many sequences are "small" (a CUDA-graph size: a
 # step and its padded replay fall on the same side, so they pick the same tile)
 
@@ -294,13 +303,17 @@ DECODE_TILES: dict[tuple[str, str], DecodeTile] = {
     ("auto", "small"): DecodeTile(16, 64, 8, 3),
     ("auto", "large"): DecodeTile(64, 32, 8, 3, 1.0),
     ("fp8", "small"): DecodeTile(32, 64, 8, 3),
-    ("fp8", "large"): DecodeTile(64, 32, 8, 2, 1.0),
+    ("fp8", "large"): DecodeTile(64, 32, 8, 3, 1.0),
 }
 # The candidates `benchmarks/mla_decode.py --sweep` times beside the defaults (batch 1 for
 # "small", 64 for "large"), all checked against the reference under Triton's interpreter
-# (tests/test_mla_kernels.py). ptxas for sm90 at the V3 shape, 64 heads a program, 8 warps:
-# auto 32 keys 3 stages 254 registers and no spill, 64 keys 2 stages 216 bytes of spill and
-# 221 KB of shared memory; fp8_ds_mla 32 keys 2 stages 4 bytes of spill.
+# (tests/test_mla_kernels.py). ptxas for sm90 at the V3 shape, 8 warps (registers, bytes
+# of spill, shared memory): the key loop pipelines only at 3 stages or more (at 2 each
+# tile's copies are issued after the previous tile's dots and waited for before its own).
+# auto 64 heads: 32 keys 3 stages 255 / 96 / 184 KB, 4 stages 112 / 221 KB; 16 keys 4
+# stages 44 / 147 KB; 64 keys 3 stages 295 KB (over sm90's 227), 2 stages unpipelined.
+# fp8_ds_mla 64 heads: 32 keys 3 stages 255 / 48 / 152 KB; 16 keys 4 stages 32 / 131 KB;
+# 64 keys 3 stages 176 / 231 KB. 16 heads 64 keys 3 stages: auto 217 registers, no spill.
 SWEEP_TILES: dict[tuple[str, str], tuple[DecodeTile, ...]] = {
     ("auto", "small"): (
         DecodeTile(16, 64, 8, 3, 1.0),
@@ -310,12 +323,12 @@ SWEEP_TILES: dict[tuple[str, str], tuple[DecodeTile, ...]] = {
     ),
     ("auto", "large"): (
         DecodeTile(16, 64, 8, 3, 2.0),  # the tile before issue #47
-        DecodeTile(64, 32, 8, 2, 1.0),
-        DecodeTile(64, 64, 8, 2, 1.0),
         DecodeTile(64, 16, 8, 4, 1.0),
+        DecodeTile(64, 32, 8, 4, 1.0),
+        DecodeTile(64, 16, 8, 6, 1.0),
         DecodeTile(64, 32, 8, 3, 2.0),
         DecodeTile(64, 32, 8, 3, 1.0, lazy=True),
-        DecodeTile(64, 64, 8, 2, 1.0, lazy=True),
+        DecodeTile(64, 64, 8, 2, 1.0),
     ),
     ("fp8", "small"): (
         DecodeTile(32, 64, 8, 3, 1.0),
@@ -324,11 +337,11 @@ SWEEP_TILES: dict[tuple[str, str], tuple[DecodeTile, ...]] = {
     ),
     ("fp8", "large"): (
         DecodeTile(32, 64, 8, 3, 2.0),  # the tile before issue #47
-        DecodeTile(64, 32, 8, 3, 1.0),
-        DecodeTile(64, 64, 8, 2, 1.0),
-        DecodeTile(64, 16, 8, 3, 1.0),
-        DecodeTile(64, 32, 8, 2, 2.0),
-        DecodeTile(64, 32, 8, 2, 1.0, lazy=True),
+        DecodeTile(64, 16, 8, 4, 1.0),
+        DecodeTile(64, 32, 8, 4, 1.0),
+        DecodeTile(64, 64, 8, 3, 1.0),
+        DecodeTile(64, 32, 8, 3, 2.0),
+        DecodeTile(64, 32, 8, 3, 1.0, lazy=True),
     ),
 }
 # float32 q (exact checks, not speed): within sm90's shared memory (tests/test_mla_kernels.py)
@@ -448,6 +461,7 @@ def mla_decode_attention(
             TILE=fp8_ds_mla.TILE,
             HAS_SINK=sinks is not None,
             LAZY=tile.lazy,
+            IDS=DECODE_IDS,
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         )

@@ -13,6 +13,7 @@ cache slots and table padding hold NaN, so reading a slot that should not be rea
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -209,7 +210,8 @@ def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() ->
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16.f32" in ptx
     decode = triton_mla._mla_decode_kernel
     consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=32, SPLITS=2,
-                  UPCAST=False, DS_MLA=True, TILE=128, HAS_SINK=False, LAZY=False)  # fmt: skip
+                  UPCAST=False, DS_MLA=True, TILE=128, HAS_SINK=False, LAZY=False,
+                  IDS=triton_mla.DECODE_IDS)  # fmt: skip
     ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": "*u8", "context_lens_ptr": "*i32",
             "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "qk_scale": "fp32"}  # fmt: skip
@@ -236,7 +238,8 @@ def _sm90_decode(dtype: str, ds_mla: bool, tile):  # type: ignore[no-untyped-def
     decode = triton_mla._mla_decode_kernel
     consts = dict(LATENT=512, ROPE=64, BLOCK_H=tile.block_h, BLOCK_SIZE=64, BLOCK_N=tile.block_n,
                   SPLITS=2, UPCAST=False, DS_MLA=ds_mla, TILE=128, HAS_SINK=False,
-                  LAZY=tile.lazy, stride_qd=1, stride_od=1, stride_cd=1)  # fmt: skip
+                  LAZY=tile.lazy, IDS=triton_mla.DECODE_IDS, stride_qd=1, stride_od=1,
+                  stride_cd=1)  # fmt: skip
     ptrs = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "cache_ptr": "*u8" if ds_mla else
             f"*{dtype}", "context_lens_ptr": "*i32", "block_tables_ptr": "*i32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
@@ -282,6 +285,13 @@ def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(
     assert "cp.async" in ptx
     if tile.block_h >= 64:
         assert "wgmma.mma_async" in ptx
+    # the key loop (the innermost) waits for a tile's copies with later tiles' still in
+    # flight: no wait there for every copy (``num = 0``), which a block id loaded in that
+    # loop had made Triton put at each tile
+    waits = [(len(line) - len(line.lstrip()), int(re.search(r"num = (\d+)", line)[1]))
+             for line in compiled.asm["ttgir"].splitlines() if "ttg.async_wait" in line]  # fmt: skip
+    deepest = max(indent for indent, _ in waits)
+    assert all(num >= 1 for indent, num in waits if indent == deepest), waits
 
 
 def _sweep_tiles() -> list:  # type: ignore[type-arg]
@@ -340,6 +350,39 @@ def test_every_decode_tile_matches_reference(ops, device, gen, monkeypatch, cach
     assert out.shape == (len(lens), heads, latent) and out.dtype == dtype
     err = (out.cpu().double() - want).norm() / want.norm()
     assert err < TOL[dtype], float(err)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one", "split3"])
+@pytest.mark.parametrize("cache_kind", ["auto", "fp8"])
+def test_decode_walks_the_block_ids_a_run_at_a_time(ops, device, gen, monkeypatch, cache_kind,
+                                                    splits) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """The kernel loads a sequence's block ids DECODE_IDS at a time (its key loop runs over
+    each run's tiles); at 2 ids a run and 2 tiles a block, contexts of up to 9 blocks take
+    several runs, a split's last one partial: the kernel still matches the reference."""
+    from pdserve.kernels.triton_mla import DecodeTile
+
+    monkeypatch.setattr(ops, "DECODE_IDS", 2)
+    monkeypatch.setattr(ops, "decode_tile", lambda *_: DecodeTile(16, 16, 4, 3))
+    heads, latent, rope, block = 4, 128, 16, 32
+    lens = [1, 40, 97, 270]
+    cache, tables, rows, slots = _filled_cache(gen, lens, latent + rope, block, torch.bfloat16)
+    if cache_kind == "fp8":
+        record = fp8_ds_mla.record_bytes(latent, rope)
+        cache = torch.full((*cache.shape[:-1], record), 255, dtype=torch.uint8)
+    dev_cache = cache.to(device)
+    ops.write_latent(dev_cache[:, LAYER], torch.cat(rows).to(device), slots.to(device), latent)
+    q = (torch.randn(len(lens), heads, latent + rope, generator=gen) * 0.5).bfloat16()
+    lens_t, scale = torch.tensor(lens, dtype=torch.int32), (latent + rope) ** -0.5
+    out = ops.mla_decode_attention(
+        q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale, latent,
+        splits,
+    )  # fmt: skip
+    ref_cache = dev_cache[:, LAYER] if cache_kind == "fp8" else dev_cache[:, LAYER].double()
+    want = mla_reference.mla_decode_attention(
+        q.double().to(device), ref_cache, lens_t.to(device), tables.to(device), scale, latent
+    ).cpu()
+    err = (out.cpu().double() - want).norm() / want.norm()
+    assert err < TOL[torch.bfloat16], float(err)
 
 
 @pytest.mark.gpu
