@@ -16,7 +16,7 @@ then prints the fastest of each (cache, regime) whose error is within 1e-2, as t
 ``DECODE_TILES`` entries to set in kernels/triton_mla.py. On CUDA ``--jobs`` processes first
 compile every variant (one launch each at a short context, into Triton's on-disk cache);
 sweep candidates past ``--budget-s`` (75) seconds are skipped (the defaults never are), so
-the default sweep (batch 1 and 64, 19 variants) stays within 90 s.
+the default sweep (batch 1 and 64, 24 variants) stays within 90 s.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main() -> None:
     tile_of = triton_mla.decode_tile
     print(f"heads {args.heads}  latent {args.latent}  rope {args.rope}  context {args.context}  "
           f"{args.dtype}  {args.device}")  # fmt: skip
-    print("cache  batch  BLOCK_H  BLOCK_N  warps  stages  waves  splits  us  GB/s  "
+    print("cache  batch  BLOCK_H  BLOCK_N  warps  stages  waves  lazy  splits  us  GB/s  "
           "max |diff| / max |ref|")  # fmt: skip
     best: dict[tuple[str, str], tuple[float, triton_mla.DecodeTile]] = {}
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -175,7 +175,8 @@ def main() -> None:
             for i, tile in enumerate(variants(batch, cache_dtype)):
                 triton_mla.decode_tile = lambda *_, t=tile: t  # type: ignore[misc]
                 head = (f"{cache_dtype:5s}  {batch:5d}  {tile.block_h:7d}  {tile.block_n:7d}  "
-                        f"{tile.num_warps:5d}  {tile.num_stages:6d}  {tile.waves:5.1f}")  # fmt: skip
+                        f"{tile.num_warps:5d}  {tile.num_stages:6d}  {tile.waves:5.1f}  "
+                        f"{'lazy' if tile.lazy else '-':4s}")  # fmt: skip
                 if i and time.perf_counter() - started > args.budget_s:
                     print(f"{head}  skipped: past --budget-s {args.budget_s:.0f}")
                     continue
@@ -205,7 +206,8 @@ def main() -> None:
         for (cache_dtype, regime), (ms, tile) in sorted(best.items()):
             t = tile
             print(f'    ("{cache_dtype}", "{regime}"): DecodeTile({t.block_h}, {t.block_n}, '
-                  f"{t.num_warps}, {t.num_stages}, {t.waves}),  # {ms * 1e3:.1f} us")  # fmt: skip
+                  f"{t.num_warps}, {t.num_stages}, {t.waves}{', lazy=True' if t.lazy else ''}),  "
+                  f"# {ms * 1e3:.1f} us")  # fmt: skip
         print("}")
     print(f"{time.perf_counter() - started:.0f} s")
 
