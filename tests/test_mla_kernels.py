@@ -324,6 +324,7 @@ def test_every_decode_tile_matches_reference(ops, device, gen, monkeypatch, cach
     stages), bf16 q over an auto and an fp8_ds_mla cache: the kernel matches the reference
     over the same cache (fp8: the records the kernel reads). Interpreter: small shapes; GPU:
     DeepSeek-V3's, 9 sequences."""
+    triton = pytest.importorskip("triton")
     heads, latent, rope, block, lens = TILE_CASES[device][cache_kind]
     dtype = torch.bfloat16
     monkeypatch.setattr(ops, "decode_tile", lambda *_: tile)
@@ -339,10 +340,16 @@ def test_every_decode_tile_matches_reference(ops, device, gen, monkeypatch, cach
     q = (torch.randn(len(lens), heads, latent + rope, generator=gen) * 0.5).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     scale = (latent + rope) ** -0.5
-    out = ops.mla_decode_attention(
-        q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale, latent,
-        splits,
-    )  # fmt: skip
+    try:
+        out = ops.mla_decode_attention(
+            q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale,
+            latent, splits,
+        )  # fmt: skip
+    except triton.runtime.errors.OutOfResources as e:  # a sweep candidate may not fit: the
+        defaults = {*ops.DECODE_TILES.values(), *ops.FP32_TILES.values()}  # sweep says so
+        if tile in defaults:
+            raise
+        pytest.skip(f"a sweep candidate over this GPU's resources: {e}")
     ref_cache = dev_cache[:, LAYER] if cache_kind == "fp8" else dev_cache[:, LAYER].double()
     want = mla_reference.mla_decode_attention(
         q.double().to(device), ref_cache, lens_t.to(device), tables.to(device), scale, latent
