@@ -172,3 +172,36 @@ def test_pdserve_generate_with_fp8_kv_on_an_mla_model(mla_dir: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout == engine.tokenizer.decode(out.token_ids) + "\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_cache_dtype", [None, "float8_e4m3fn"], ids=["auto", "fp8"])
+def test_cuda_batch_of_12_graph_replays_equal_eager_steps(
+    mla_dir: Path, kv_cache_dtype: str | None
+) -> None:
+    """Twelve sequences a decode step: the MLA decode kernel's large-batch tile (64 heads a
+    program, kernels/triton_mla.py DECODE_TILES) over the auto and the fp8_ds_mla cache,
+    bfloat16. Decode steps replayed from CUDA graphs (padded to 16) give the logits of the
+    same steps run eagerly, bit for bit."""
+    from pdserve.common.engine.model_runner import ModelRunner
+    from pdserve.kernels import triton_mla
+
+    assert triton_mla.decode_regime(12) == triton_mla.decode_regime(16) == "large"
+    gen = torch.Generator().manual_seed(16)
+    vocab = ModelConfig.from_dir(mla_dir).vocab_size
+    prompts = [torch.randint(vocab, (20 + 5 * i,), generator=gen).tolist() for i in range(12)]
+
+    def runner(graphs: bool) -> ModelRunner:
+        return ModelRunner(
+            ModelConfig.from_dir(mla_dir), mla_dir, device="cuda", dtype="bfloat16",
+            block_size=16, num_blocks=128, kv_cache_memory_gb=0.1, gpu_memory_utilization=0.5,
+            kv_cache_dtype=kv_cache_dtype, cuda_graph_max_batch=16, cuda_graphs=graphs,
+            max_model_len=512,
+        )  # fmt: skip
+
+    graphed = runner(True)
+    assert graphed.graphs is not None
+    eager, tokens = _step_logits(runner(False), prompts, None, 8)
+    replayed, _ = _step_logits(graphed, prompts, tokens, 8)
+    assert torch.equal(replayed[1:], eager[1:])  # every decode step (0: the prefill)

@@ -13,6 +13,7 @@ cache slots and table padding hold NaN, so reading a slot that should not be rea
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -209,7 +210,8 @@ def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() ->
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16.f32" in ptx
     decode = triton_mla._mla_decode_kernel
     consts = dict(LATENT=512, ROPE=64, BLOCK_H=16, BLOCK_SIZE=64, BLOCK_N=32, SPLITS=2,
-                  UPCAST=False, DS_MLA=True, TILE=128, HAS_SINK=False)  # fmt: skip
+                  UPCAST=False, DS_MLA=True, TILE=128, HAS_SINK=False, LAZY=False,
+                  IDS=triton_mla.DECODE_IDS)  # fmt: skip
     ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": "*u8", "context_lens_ptr": "*i32",
             "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "qk_scale": "fp32"}  # fmt: skip
@@ -221,15 +223,10 @@ def test_fp8_ds_mla_kernels_compile_for_hopper_with_the_references_rounding() ->
 SM90_SHARED = 232448  # bytes of shared memory one program may take on sm90 (227 KB)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "ds_mla"),
-    [("bf16", False), ("bf16", True), ("fp32", True)],  # fp32 auto: 182 KB, 30 s to compile
-    ids=["bf16-auto", "bf16-fp8", "fp32-fp8"],
-)
-def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(dtype: str, ds_mla: bool) -> None:
-    """Without a GPU: the decode kernel at DeepSeek-V3's shape (LATENT 512, ROPE 64, block
-    64) with the tile and warps ``decode_launch`` picks compiles for sm90 within its shared
-    memory; above it the launch fails (the fp8 fp32 GPU cases did, at 300 KB)."""
+def _sm90_decode(dtype: str, ds_mla: bool, tile):  # type: ignore[no-untyped-def]
+    """The decode kernel compiled for sm90 at DeepSeek-V3's shape (LATENT 512, ROPE 64, block
+    64) as a launch specializes it: unit strides constant, pointers and the other strides
+    16-aligned (so its loads pipeline into shared memory, as they do on the GPU)."""
     triton = pytest.importorskip("triton")
     if INTERPRET:
         pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
@@ -238,20 +235,195 @@ def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(dtype: str, ds_mla
 
     from pdserve.kernels import triton_mla
 
-    q_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    block_n, num_warps = triton_mla.decode_launch(ds_mla, q_dtype, 64)
-    block_h = triton_mla.decode_heads(ds_mla, q_dtype)
     decode = triton_mla._mla_decode_kernel
-    consts = dict(LATENT=512, ROPE=64, BLOCK_H=block_h, BLOCK_SIZE=64, BLOCK_N=block_n, SPLITS=2,
-                  UPCAST=False, DS_MLA=ds_mla, TILE=128, HAS_SINK=False)  # fmt: skip
+    consts = dict(LATENT=512, ROPE=64, BLOCK_H=tile.block_h, BLOCK_SIZE=64, BLOCK_N=tile.block_n,
+                  SPLITS=2, UPCAST=False, DS_MLA=ds_mla, TILE=128, HAS_SINK=False,
+                  LAZY=tile.lazy, IDS=triton_mla.DECODE_IDS, stride_qd=1, stride_od=1,
+                  stride_cd=1)  # fmt: skip
     ptrs = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "cache_ptr": "*u8" if ds_mla else
             f"*{dtype}", "context_lens_ptr": "*i32", "block_tables_ptr": "*i32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in decode.arg_names}
-    compiled = triton.compile(
-        ASTSource(decode, sig, consts),
+    aligned = {i for i, n in enumerate(decode.arg_names) if n.endswith("_ptr") or
+               n.startswith("stride_") and n not in consts and n not in ("stride_bts",
+               "stride_btb", "stride_ms", "stride_mh", "stride_mp")}  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if decode.arg_names[i] != "sinks_ptr"}
+    return triton.compile(
+        ASTSource(decode, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps},
+        options={"num_warps": tile.num_warps, "num_stages": tile.num_stages},
     )
-    assert compiled.metadata.num_warps == num_warps
+
+
+def _default_tiles() -> list:  # type: ignore[type-arg]
+    """(dtype, ds_mla, batch) of every default tile but float32 q over an auto cache (182 KB,
+    30 s to compile)."""
+    from pdserve.kernels import triton_mla
+
+    cases = [("bf16", cache == "fp8", 1 if regime == "small" else 64)
+             for cache, regime in triton_mla.DECODE_TILES]  # fmt: skip
+    return [pytest.param(*c, id=f"{c[0]}-{'fp8' if c[1] else 'auto'}-batch{c[2]}")
+            for c in cases + [("fp32", True, 1)]]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "ds_mla", "batch"), _default_tiles())
+def test_mla_decode_fits_hopper_shared_memory_at_the_v3_shape(
+    dtype: str, ds_mla: bool, batch: int
+) -> None:
+    """Without a GPU: the decode kernel at DeepSeek-V3's shape with each tile ``decode_tile``
+    picks compiles for sm90 within its shared memory (above it the launch fails: the fp8
+    fp32 GPU cases did, at 300 KB), with its warps; 64 heads a program take Hopper's
+    warpgroup MMA, and the cache loads are pipelined (asynchronous copies)."""
+    from pdserve.kernels import triton_mla
+
+    q_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    tile = triton_mla.decode_tile(ds_mla, q_dtype, 64, batch)
+    compiled = _sm90_decode(dtype, ds_mla, tile)
+    assert compiled.metadata.num_warps == tile.num_warps
     assert compiled.metadata.shared <= SM90_SHARED, compiled.metadata.shared
+    ptx = compiled.asm["ptx"]
+    assert "cp.async" in ptx
+    if tile.block_h >= 64:
+        assert "wgmma.mma_async" in ptx
+    # the key loop (the innermost) waits for a tile's copies with later tiles' still in
+    # flight: no wait there for every copy (``num = 0``), which a block id loaded in that
+    # loop had made Triton put at each tile
+    waits = [(len(line) - len(line.lstrip()), int(re.search(r"num = (\d+)", line)[1]))
+             for line in compiled.asm["ttgir"].splitlines() if "ttg.async_wait" in line]  # fmt: skip
+    deepest = max(indent for indent, _ in waits)
+    assert all(num >= 1 for indent, num in waits if indent == deepest), waits
+
+
+def _sweep_tiles() -> list:  # type: ignore[type-arg]
+    """Every distinct tile of DECODE_TILES, SWEEP_TILES and FP32_TILES, by cache."""
+    from pdserve.kernels import triton_mla
+
+    tiles = {(cache, t) for (cache, _), t in triton_mla.DECODE_TILES.items()}
+    tiles |= {(cache, t) for (cache, _), ts in triton_mla.SWEEP_TILES.items() for t in ts}
+    tiles |= set(triton_mla.FP32_TILES.items())
+    return [pytest.param(cache, t, id=f"{cache}-h{t.block_h}-n{t.block_n}-w{t.num_warps}-"
+                         f"s{t.num_stages}-x{t.waves:g}{'-lazy' if t.lazy else ''}")
+            for cache, t in sorted(tiles, key=str)]  # fmt: skip
+
+
+# (heads, kv_lora_rank, rope, block_size, context lengths): 20 heads (a partial head tile at
+# 16, 44 rows of padding at 64), blocks of 64 keys (BLOCK_N 16..64 a block)
+TILE_CASES = {
+    "cpu": {"auto": (20, 64, 16, 64, [1, 70, 130]), "fp8": (20, 128, 16, 64, [1, 70, 130])},
+    "cuda": {
+        c: (128, 512, 64, 64, [1, 700, 2048, 64, 129, 9, 1000, 300, 2000]) for c in ("auto", "fp8")
+    },  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one", "split3"])
+@pytest.mark.parametrize(("cache_kind", "tile"), _sweep_tiles())
+def test_every_decode_tile_matches_reference(ops, device, gen, monkeypatch, cache_kind, tile,
+                                             splits) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Each tile the defaults or the sweep may launch (heads a program, keys a tile, warps,
+    stages), bf16 q over an auto and an fp8_ds_mla cache: the kernel matches the reference
+    over the same cache (fp8: the records the kernel reads). Interpreter: small shapes; GPU:
+    DeepSeek-V3's, 9 sequences."""
+    triton = pytest.importorskip("triton")
+    heads, latent, rope, block, lens = TILE_CASES[device][cache_kind]
+    dtype = torch.bfloat16
+    monkeypatch.setattr(ops, "decode_tile", lambda *_: tile)
+    cache, tables, rows, slots = _filled_cache(gen, lens, latent + rope, block, dtype)
+    # the last sequence's last rows 20x larger: its running max jumps by far more than 2^8
+    # in its last tile (a lazy tile's rescale then runs mid-sequence)
+    rows[-1][-5:] *= 20
+    if cache_kind == "fp8":
+        record = fp8_ds_mla.record_bytes(latent, rope)
+        cache = torch.full((*cache.shape[:-1], record), 255, dtype=torch.uint8)
+    dev_cache = cache.to(device)
+    ops.write_latent(dev_cache[:, LAYER], torch.cat(rows).to(device), slots.to(device), latent)
+    q = (torch.randn(len(lens), heads, latent + rope, generator=gen) * 0.5).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    scale = (latent + rope) ** -0.5
+    try:
+        out = ops.mla_decode_attention(
+            q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale,
+            latent, splits,
+        )  # fmt: skip
+    except triton.runtime.errors.OutOfResources as e:  # a sweep candidate may not fit: the
+        defaults = {*ops.DECODE_TILES.values(), *ops.FP32_TILES.values()}  # sweep says so
+        if tile in defaults:
+            raise
+        pytest.skip(f"a sweep candidate over this GPU's resources: {e}")
+    ref_cache = dev_cache[:, LAYER] if cache_kind == "fp8" else dev_cache[:, LAYER].double()
+    want = mla_reference.mla_decode_attention(
+        q.double().to(device), ref_cache, lens_t.to(device), tables.to(device), scale, latent
+    ).cpu()  # in float64 where the kernel ran: the same records, faster on the GPU
+    assert out.shape == (len(lens), heads, latent) and out.dtype == dtype
+    err = (out.cpu().double() - want).norm() / want.norm()
+    assert err < TOL[dtype], float(err)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one", "split3"])
+@pytest.mark.parametrize("cache_kind", ["auto", "fp8"])
+def test_decode_walks_the_block_ids_a_run_at_a_time(ops, device, gen, monkeypatch, cache_kind,
+                                                    splits) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """The kernel loads a sequence's block ids DECODE_IDS at a time (its key loop runs over
+    each run's tiles); at 2 ids a run and 2 tiles a block, contexts of up to 9 blocks take
+    several runs, a split's last one partial: the kernel still matches the reference."""
+    from pdserve.kernels.triton_mla import DecodeTile
+
+    monkeypatch.setattr(ops, "DECODE_IDS", 2)
+    monkeypatch.setattr(ops, "decode_tile", lambda *_: DecodeTile(16, 16, 4, 3))
+    heads, latent, rope, block = 4, 128, 16, 32
+    lens = [1, 40, 97, 270]
+    cache, tables, rows, slots = _filled_cache(gen, lens, latent + rope, block, torch.bfloat16)
+    if cache_kind == "fp8":
+        record = fp8_ds_mla.record_bytes(latent, rope)
+        cache = torch.full((*cache.shape[:-1], record), 255, dtype=torch.uint8)
+    dev_cache = cache.to(device)
+    ops.write_latent(dev_cache[:, LAYER], torch.cat(rows).to(device), slots.to(device), latent)
+    q = (torch.randn(len(lens), heads, latent + rope, generator=gen) * 0.5).bfloat16()
+    lens_t, scale = torch.tensor(lens, dtype=torch.int32), (latent + rope) ** -0.5
+    out = ops.mla_decode_attention(
+        q.to(device), dev_cache[:, LAYER], lens_t.to(device), tables.to(device), scale, latent,
+        splits,
+    )  # fmt: skip
+    ref_cache = dev_cache[:, LAYER] if cache_kind == "fp8" else dev_cache[:, LAYER].double()
+    want = mla_reference.mla_decode_attention(
+        q.double().to(device), ref_cache, lens_t.to(device), tables.to(device), scale, latent
+    ).cpu()
+    err = (out.cpu().double() - want).norm() / want.norm()
+    assert err < TOL[torch.bfloat16], float(err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cache_kind", ["auto", "fp8"])
+@pytest.mark.parametrize("batch", [1, 12, 64])
+def test_cuda_graph_replay_equals_eager_decode(gen, cache_kind: str, batch: int) -> None:
+    """At DeepSeek-V3's shape, the defaults of each batch regime (1: small; 12, 64: large)
+    with the splits ``mla_decode_splits`` gives the batch: a CUDA-graph replay of the decode
+    equals the eager call bit for bit, and both the reference."""
+    from pdserve.kernels import triton_mla
+
+    heads, latent, rope, block = 128, 512, 64, 64
+    lens = [(i * 397) % 2048 + 1 for i in range(batch)]
+    cache, tables, rows, slots = _filled_cache(gen, lens, latent + rope, block, torch.bfloat16)
+    cache = cache[:, LAYER].contiguous()
+    if cache_kind == "fp8":
+        record = fp8_ds_mla.record_bytes(latent, rope)
+        cache = torch.full((*cache.shape[:-1], record), 255, dtype=torch.uint8)
+    cache, tables = cache.cuda(), tables.cuda()
+    triton_mla.write_latent(cache, torch.cat(rows).cuda(), slots.cuda(), latent)
+    q = (torch.randn(batch, heads, latent + rope, generator=gen) * 0.5).bfloat16().cuda()
+    lens_t = torch.tensor(lens, dtype=torch.int32).cuda()
+    scale = (latent + rope) ** -0.5
+    splits = triton_mla.mla_decode_splits(batch, heads, q.device)
+    args = (q, cache, lens_t, tables, scale, latent, splits)
+    eager = triton_mla.mla_decode_attention(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_mla.mla_decode_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    ref_cache = cache if cache_kind == "fp8" else cache.double()
+    want = mla_reference.mla_decode_attention(q.double(), ref_cache, lens_t, tables, scale, latent)
+    err = (eager.double() - want).norm() / want.norm()
+    assert err < TOL[torch.bfloat16], float(err)

@@ -87,7 +87,9 @@ def test_split_heuristic_fills_the_gpu_then_stops_splitting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two programs an SM (132 SMs: 264) at small batches, capped at 32; one split once the
-    tiles fill the GPU: DeepSeek-V3's 128 heads in tiles of 16 at batch 64 are 512."""
+    tiles fill the GPU. MLA: its tile's waves x SMs programs at most (DeepSeek-V3's 128 heads
+    at batch 1 in tiles of 16, 2 waves: 8 tiles, 32 splits; at batch 64 in tiles of 64, 1
+    wave: 128 tiles, 1 split, at batch 16 4 splits)."""
     from pdserve.kernels import triton_common, triton_decode, triton_mla
 
     monkeypatch.setattr(triton_common, "_num_sms", lambda index: 132)
@@ -97,15 +99,21 @@ def test_split_heuristic_fills_the_gpu_then_stops_splitting(
     assert triton_common.decode_splits_for(128, cuda) == 3
     assert triton_mla.mla_decode_splits(64, 128, cuda) == 1
     assert triton_mla.mla_decode_splits(1, 128, cuda) == 32
+    large = triton_mla.DECODE_TILES[("auto", "large")]
+    tiles16 = 16 * 128 // large.block_h
+    assert triton_mla.mla_decode_splits(16, 128, cuda) == int(large.waves * 132) // tiles16
     assert triton_decode.decode_splits(16, 8, cuda) == 3
     assert triton_common.decode_splits_for(8, SimpleNamespace(type="cpu", index=None)) == 1
+    # the MLA reduce's heads a program, from the splits (a step and its replay share them)
+    assert [triton_mla.reduce_heads(n) for n in (32, 16, 8, 3, 2)] == [1, 2, 4, 8, 16]
 
 
-@pytest.mark.parametrize("block_h", [1, 16])
-def test_reduce_kernel_compiles_for_hopper(block_h: int) -> None:
+@pytest.mark.parametrize(("block_h", "head_dim"), [(1, 128), (16, 512), (1, 512)])
+def test_reduce_kernel_compiles_for_hopper(block_h: int, head_dim: int) -> None:
     """Without a GPU: the splits' reduce at the GQA decode's (one head a program, head dim
-    128) and the MLA decode's (16 heads, latent 512) sizes, 32 splits, with a sink,
-    compiles for sm90 (Triton's ahead-of-time compiler)."""
+    128) and the MLA decode's (16 heads, or 1 at 32 splits: ``triton_mla.reduce_heads``;
+    latent 512) sizes, 32 splits, with a sink, compiles for sm90 (Triton's ahead-of-time
+    compiler)."""
     triton = pytest.importorskip("triton")
     if INTERPRET:
         pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
@@ -115,7 +123,7 @@ def test_reduce_kernel_compiles_for_hopper(block_h: int) -> None:
     from pdserve.kernels import triton_common
 
     kernel = triton_common._reduce_splits_kernel
-    consts = dict(HEAD_DIM=128 if block_h == 1 else 512, BLOCK_H=block_h, SPLITS=32,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, SPLITS=32,
                   BLOCK_P=32, HAS_SINK=True)  # fmt: skip
     ptrs = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "sinks_ptr": "*fp32"}  # fmt: skip
