@@ -14,9 +14,9 @@ k experts each (the T*k (token, slot) *pairs*, at most :data:`MAX_PAIRS`):
    ``h`` [T*k, I] float32 for each of those pairs. So experts shared by tokens of a batch
    are read once, without sorting the pairs.
 2. ``_down_kernel``, grid (token, tile of H): the token's weighted sum over its k slots of
-   ``down[expert] @ h[pair]`` in float32, slots in order (no atomics: the same sum every
-   run and every CUDA-graph replay), written [T, H] in x's dtype; non-local slots add
-   nothing.
+   ``down[expert] @ h[pair]`` in float32, one flat loop over (slot, chunk of I) in order
+   (no atomics: the same sum every run and every CUDA-graph replay), written [T, H] in
+   x's dtype; non-local slots load nothing and add nothing.
 
 Everything stays on the device with shapes fixed by T, k and the weights, so a decode
 step that takes this path captures in a CUDA graph. kernels/moe_ref.py is the reference;
@@ -144,20 +144,27 @@ def _down_kernel(
     t = tl.program_id(0)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     in_o = o < H
-    total = tl.zeros([BLOCK_O], tl.float32)
-    for j in range(K):  # the slots in order: a fixed summation order
+    rows = o[:, None].to(tl.int64) * stride_dr
+    acc = tl.zeros([BLOCK_O, BLOCK_K], tl.float32)
+    chunks = tl.cdiv(INTER, BLOCK_K)
+    # one flat loop over (slot, chunk of I), slots in order (a fixed summation order, and
+    # one loop the compiler pipelines across experts); another rank's slot loads nothing
+    for it in range(0, K * chunks):
+        j = it // chunks
+        kk = (it - j * chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
         p = t * K + j
         e = tl.load(ids_ptr + p) - first
-        if (e >= 0) & (e < num_local):
-            rows = d_ptr + e.to(tl.int64) * stride_de + o[:, None].to(tl.int64) * stride_dr
-            acc = tl.zeros([BLOCK_O, BLOCK_K], tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                in_k = kk < INTER
-                hv = tl.load(h_ptr + p.to(tl.int64) * stride_h + kk, mask=in_k, other=0.0)
-                wd = tl.load(rows + kk[None, :], mask=in_o[:, None] & in_k[None, :], other=0.0)
-                acc += wd.to(tl.float32) * hv[None, :]
-            total += tl.sum(acc, axis=1) * tl.load(weights_ptr + p).to(tl.float32)
+        # the slot's columns: I of them, none when its expert is another rank's
+        in_k = kk < tl.where((e >= 0) & (e < num_local), INTER, 0)
+        hv = tl.load(h_ptr + p.to(tl.int64) * stride_h + kk, mask=in_k, other=0.0)
+        hv = hv * tl.load(weights_ptr + p).to(tl.float32)
+        wd = tl.load(
+            d_ptr + e.to(tl.int64) * stride_de + rows + kk[None, :],
+            mask=in_o[:, None] & in_k[None, :],
+            other=0.0,
+        )
+        acc += wd.to(tl.float32) * hv[None, :]
+    total = tl.sum(acc, axis=1)
     tl.store(
         out_ptr + t.to(tl.int64) * stride_ot + o, total.to(out_ptr.dtype.element_ty), mask=in_o
     )
