@@ -175,15 +175,18 @@ _INTERPRETED = not isinstance(_gate_up_kernel, triton.runtime.JITFunction)
 
 
 def config(num_tokens: int, inter: int, hidden: int) -> dict[str, int]:
-    """Tile sizes: BLOCK_I 16 (the dot's least M; the most programs per expert at batch 1),
-    BLOCK_H a 2 x 16 x BLOCK_H weight tile of 16 KiB in bf16 beside the tokens' columns,
-    BLOCK_O 16 rows of down by BLOCK_K 128 per step."""
+    """Tile sizes (not yet swept on a GPU: benchmarks/moe_decode.py --sweep). Bytes in
+    flight per SM decide a GEMV's bandwidth: gate/up, BLOCK_I 16 (the dot's least M: the
+    most programs per expert at batch 1) by BLOCK_H 256, 16 KiB of bf16 weights a step;
+    down, whose programs number H / BLOCK_O for a token, moves about H x BLOCK_K x 6 /
+    #SMs bytes per SM over 3 stages whatever BLOCK_O is: BLOCK_K 256 (24 KiB at hidden
+    2048)."""
     block_t = max(16, triton.next_power_of_2(num_tokens))
     return {
         "block_i": 16,
         "block_h": 256 if block_t <= 16 else 128,
         "block_o": 16,
-        "block_k": min(128, triton.next_power_of_2(inter)),
+        "block_k": min(256, triton.next_power_of_2(inter)),
         "warps_gate_up": 4,
         "warps_down": 4,
     }

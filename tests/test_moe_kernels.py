@@ -282,6 +282,49 @@ def test_v4_moe_marks_the_experts_it_reads() -> None:
     assert set(torch.nonzero(moe.touched).flatten().tolist()) == want
 
 
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+def test_v4_shared_expert_packed_equals_its_three_linears(hash_layer: bool) -> None:
+    """V4CausalLM.pack_weights packs each shared expert's w1/w3 (one GEMM, then
+    kernels.silu_and_mul with the limit): the block's output as before; a w1 replaced
+    after packing (a load) is read unpacked again."""
+    moe = _v4_moe(hash_layer)
+    x = torch.randn(9, 32) * 4  # past the limit of 1
+    input_ids = torch.randint(0, 50, (9,))
+    want = moe(x, input_ids)
+    moe.shared_experts.pack()
+    assert moe.shared_experts.w1.weight.data_ptr() == moe.shared_experts.gate_up.data_ptr()
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        moe.shared_experts.w1.weight = torch.nn.Parameter(torch.zeros(24, 32))
+    unpacked = _v4_moe_loop(moe, x, input_ids)  # its shared expert's forward: unpacked
+    torch.testing.assert_close(moe(x, input_ids), unpacked, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(unpacked, want)
+
+
+def test_deepseek_shared_experts_packed_equal_their_three_linears() -> None:
+    """SparseMoeBlock.pack packs its shared experts' gate/up (as MLP.pack): same output."""
+    from types import SimpleNamespace
+
+    from pdserve.common.model.checkpoint.moe_config import MoEConfig
+    from pdserve.common.model.layers.moe import SparseMoeBlock
+
+    moe = MoEConfig(
+        num_experts=16, top_k=3, intermediate_size=24, norm_topk_prob=True, scoring="sigmoid",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=2,
+    )  # fmt: skip
+    par = SimpleNamespace(tp_size=1, tp_rank=0, all_reduce_tp=lambda t: t)
+    torch.manual_seed(4)
+    block = SparseMoeBlock(32, moe, par)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    x = torch.randn(7, 32)
+    want = block(x)
+    block.pack()
+    assert block.shared_experts is not None and block.shared_experts.gate_up is not None
+    torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+
+
 # Flash's expert layer: 256 experts of 2048, 6 a token, hidden 4096 (a quarter of them here)
 V4_SHAPE = {"num_experts": 64, "hidden": 4096, "inter": 2048, "top_k": 6}
 
