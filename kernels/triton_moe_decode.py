@@ -46,6 +46,7 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor) -> bool
         and x.dtype in DTYPES
         and gate_up.dtype == x.dtype
         and gate_up.shape[1] % 2 == 0
+        and gate_up.stride(2) == 1
     )
 
 
@@ -206,7 +207,9 @@ def moe_experts(
     num_local, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     assert down.shape == (num_local, hidden, inter), (down.shape, gate_up.shape)
-    assert x.shape == (num_tokens, hidden) and x.stride(1) == 1
+    assert x.shape == (num_tokens, hidden)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     assert gate_up.stride(2) == 1 and down.stride(2) == 1
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
