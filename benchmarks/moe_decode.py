@@ -42,16 +42,16 @@ SHAPES: dict[str, tuple[int, int, int, int, float | None]] = {
 }
 
 SWEEP_GATE_UP = [
-    {"block_i": bi, "block_h": bh, "warps_gate_up": w}
+    {"block_i": bi, "block_h": bh, "stages_gate_up": st}
     for bi in (16, 32)
-    for bh in (128, 256, 512)
-    for w in (4, 8)
+    for bh in (128, 256)
+    for st in (2, 3, 4)
 ]
 SWEEP_DOWN = [
-    {"block_o": bo, "block_k": bk, "warps_down": w}
-    for bo in (8, 16, 32)
+    {"block_o": bo, "block_k": bk, "stages_down": st}
+    for bo in (16, 32)
     for bk in (128, 256, 512)
-    for w in (4, 8)
+    for st in (3, 4, 5)
 ]
 
 

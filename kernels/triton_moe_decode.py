@@ -14,9 +14,10 @@ k experts each (the T*k (token, slot) *pairs*, at most :data:`MAX_PAIRS`):
    ``h`` [T*k, I] float32 for each of those pairs. So experts shared by tokens of a batch
    are read once, without sorting the pairs.
 2. ``_down_kernel``, grid (token, tile of H): the token's weighted sum over its k slots of
-   ``down[expert] @ h[pair]`` in float32, one flat loop over (slot, chunk of I) in order
-   (no atomics: the same sum every run and every CUDA-graph replay), written [T, H] in
-   x's dtype; non-local slots load nothing and add nothing.
+   ``down[expert] @ (weight * h[pair])`` (that vector in the weights' dtype, as the
+   reference's bf16 intermediate; the sum in float32), one flat loop over (slot, chunk of
+   I) in order (no atomics: the same sum every run and every CUDA-graph replay), written
+   [T, H] in x's dtype; non-local slots load nothing and add nothing.
 
 Everything stays on the device with shapes fixed by T, k and the weights, so a decode
 step that takes this path captures in a CUDA graph. kernels/moe_ref.py is the reference;
@@ -139,17 +140,21 @@ def _down_kernel(
     stride_h,
     stride_ot,
     K: tl.constexpr,
-    BLOCK_O: tl.constexpr,
+    BLOCK_O: tl.constexpr,  # >= 16 (the dot's M)
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     in_o = o < H
     rows = o[:, None].to(tl.int64) * stride_dr
-    acc = tl.zeros([BLOCK_O, BLOCK_K], tl.float32)
+    col = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_O, 16], tl.float32)  # column 0 the sum, the others stay zero
     chunks = tl.cdiv(INTER, BLOCK_K)
     # one flat loop over (slot, chunk of I), slots in order (a fixed summation order, and
-    # one loop the compiler pipelines across experts); another rank's slot loads nothing
+    # one loop whose weight loads the compiler pipelines across experts: a GEMV as a dot
+    # on one column of 16); another rank's slot loads nothing
     for it in range(0, K * chunks):
         j = it // chunks
         kk = (it - j * chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -159,12 +164,15 @@ def _down_kernel(
         in_k = kk < tl.where((e >= 0) & (e < num_local), INTER, 0)
         hv = tl.load(h_ptr + p.to(tl.int64) * stride_h + kk, mask=in_k, other=0.0)
         hv = hv * tl.load(weights_ptr + p).to(tl.float32)
+        hcol = tl.where(col[None, :] == 0, hv[:, None], 0.0)  # [BLOCK_K, 16]
         wd = tl.load(
             d_ptr + e.to(tl.int64) * stride_de + rows + kk[None, :],
             mask=in_o[:, None] & in_k[None, :],
             other=0.0,
         )
-        acc += wd.to(tl.float32) * hv[None, :]
+        if UPCAST:
+            wd = wd.to(tl.float32)
+        acc = tl.dot(wd, hcol.to(wd.dtype), acc, input_precision=PRECISION)
     total = tl.sum(acc, axis=1)
     tl.store(
         out_ptr + t.to(tl.int64) * stride_ot + o, total.to(out_ptr.dtype.element_ty), mask=in_o
@@ -176,20 +184,22 @@ _INTERPRETED = not isinstance(_gate_up_kernel, triton.runtime.JITFunction)
 
 
 def config(num_tokens: int, inter: int, hidden: int) -> dict[str, int]:
-    """Tile sizes (not yet swept on a GPU: benchmarks/moe_decode.py --sweep). Bytes in
-    flight per SM decide a GEMV's bandwidth: gate/up, BLOCK_I 16 (the dot's least M: the
-    most programs per expert at batch 1) by BLOCK_H 256, 16 KiB of bf16 weights a step;
-    down, whose programs number H / BLOCK_O for a token, moves about H x BLOCK_K x 6 /
-    #SMs bytes per SM over 3 stages whatever BLOCK_O is: BLOCK_K 256 (24 KiB at hidden
-    2048)."""
+    """Tile sizes (not yet swept on a GPU: benchmarks/moe_decode.py --sweep). A GEMV runs
+    at the bytes it keeps in flight per SM: both kernels' weight loads feed a ``tl.dot``,
+    so the compiler pipelines them (cp.async, ``num_stages`` - 1 tiles ahead). Gate/up:
+    BLOCK_I 16 (the dot's least M: the most programs per expert at batch 1) by BLOCK_H
+    256, 16 KiB of bf16 weights a stage; down, H / BLOCK_O programs a token (128 at
+    hidden 2048: one an SM at batch 1), a 16 x 256 tile of 8 KiB a stage, 4 stages."""
     block_t = max(16, triton.next_power_of_2(num_tokens))
     return {
         "block_i": 16,
         "block_h": 256 if block_t <= 16 else 128,
         "block_o": 16,
-        "block_k": min(256, triton.next_power_of_2(inter)),
+        "block_k": max(16, min(256, triton.next_power_of_2(inter))),
         "warps_gate_up": 4,
         "warps_down": 4,
+        "stages_gate_up": 3,
+        "stages_down": 4,
     }
 
 
@@ -221,6 +231,7 @@ def moe_experts(
     cfg = config(num_tokens, inter, hidden)
     cfg.update(tiles or {})
     block_t = max(16, triton.next_power_of_2(num_tokens))
+    precision = "ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32"  # no tf32
     with _device_guard(x):
         _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg["block_i"]))](
             x, ids, gate_up, h,
@@ -229,15 +240,15 @@ def moe_experts(
             0.0 if limit is None else float(limit),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_T=block_t,
             BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=limit is not None,
-            PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
-            UPCAST=_INTERPRETED,
-            num_warps=cfg["warps_gate_up"],
+            PRECISION=precision, UPCAST=_INTERPRETED,
+            num_warps=cfg["warps_gate_up"], num_stages=cfg["stages_gate_up"],
         )  # fmt: skip
         _down_kernel[(num_tokens, triton.cdiv(hidden, cfg["block_o"]))](
             h, ids, weights, down, out,
             first_expert, num_local, inter, hidden,
             down.stride(0), down.stride(1), h.stride(0), out.stride(0),
             K=top_k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["warps_down"],
+            PRECISION=precision, UPCAST=_INTERPRETED,
+            num_warps=cfg["warps_down"], num_stages=cfg["stages_down"],
         )  # fmt: skip
     return out

@@ -434,7 +434,8 @@ def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
 
 def test_decode_kernels_compile_for_hopper() -> None:
     """Without a GPU: both kernels compile for sm90 in bf16 (30B-A3B's k 8, V4's 6 with its
-    limit) and float32."""
+    limit) and float32, with the 16-byte alignment a launch on torch's tensors specializes
+    to, and their weight loads pipelined (cp.async)."""
     triton = pytest.importorskip("triton")
     from tests.kernel_tools import INTERPRET
 
@@ -445,26 +446,36 @@ def test_decode_kernels_compile_for_hopper() -> None:
 
     from pdserve.kernels import triton_moe_decode as d
 
-    for dt, k, block_t, clamp in (
-        ("bf16", 8, 16, False),
-        ("bf16", 6, 32, True),
-        ("fp32", 8, 16, False),
-    ):
-        cfg = d.config(block_t, 768, 2048)
+    def build(kernel, ptrs, consts, aligned, warps, stages):  # noqa: ANN001, ANN202
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(kernel, sig, consts, attrs)
+        opts = {"num_warps": warps, "num_stages": stages}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+    cases = (("bf16", 8, 16, False, 768, 2048), ("bf16", 6, 32, True, 2048, 4096),
+             ("fp32", 8, 16, False, 768, 2048))  # fmt: skip
+    for dt, k, block_t, clamp, inter, hidden in cases:
+        cfg = d.config(block_t, inter, hidden)
+        precision = "ieee" if dt == "fp32" else "tf32"
         ptrs = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w_ptr": f"*{dt}", "h_ptr": "*fp32",
                 "limit": "fp32"}  # fmt: skip
         consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=block_t,
                       BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=clamp,
-                      PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)  # fmt: skip
-        kernel = d._gate_up_kernel
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-        triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+                      PRECISION=precision, UPCAST=False)  # fmt: skip
+        aligned = ("x_ptr", "ids_ptr", "w_ptr", "h_ptr", "INTER", "H", "stride_xt",
+                   "stride_we", "stride_wr", "stride_h")  # fmt: skip
+        gate_up = build(d._gate_up_kernel, ptrs, consts, aligned, cfg["warps_gate_up"],
+                        cfg["stages_gate_up"])  # fmt: skip
         ptrs = {"h_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "d_ptr": f"*{dt}",
                 "out_ptr": f"*{dt}"}  # fmt: skip
-        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"])
-        kernel = d._down_kernel
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-        triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], PRECISION=precision,
+                      UPCAST=False)  # fmt: skip
+        aligned = ("h_ptr", "ids_ptr", "weights_ptr", "d_ptr", "out_ptr", "INTER", "H",
+                   "stride_de", "stride_dr", "stride_h", "stride_ot")  # fmt: skip
+        down = build(d._down_kernel, ptrs, consts, aligned, cfg["warps_down"], cfg["stages_down"])
+        if dt == "bf16":
+            assert "cp.async" in gate_up.asm["ptx"] and "cp.async" in down.asm["ptx"], (k, block_t)
 
 
 @pytest.mark.gpu
