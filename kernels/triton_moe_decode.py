@@ -26,6 +26,8 @@ through ``TRITON_INTERPRET=1`` the kernels run on CPU (tests/test_moe_kernels.py
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,9 @@ from pdserve.kernels.triton_common import _device_guard
 
 # The most (token, slot) pairs a call takes here; past it the grouped GEMM (its sort and
 # launches amortised, its tiles full). 128: batch 16 at top-8, 21 at top-6.
+# PDSERVE_MOE_DECODE_PAIRS overrides it (0: never; A/B runs of bench engine).
 MAX_PAIRS = 128
+PAIRS_ENV = "PDSERVE_MOE_DECODE_PAIRS"
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -43,7 +47,7 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor) -> bool
     """Whether this call takes the decode kernels: a few pairs, one float dtype."""
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
     return (
-        0 < pairs <= MAX_PAIRS
+        0 < pairs <= int(os.environ.get(PAIRS_ENV, MAX_PAIRS))
         and x.dtype in DTYPES
         and gate_up.dtype == x.dtype
         and gate_up.shape[1] % 2 == 0

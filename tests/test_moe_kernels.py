@@ -409,8 +409,8 @@ def test_decode_kernels_equal_the_expert_loop(
 def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
     decode_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """kernels.moe_experts on the Triton backend: T*k <= MAX_PAIRS the decode kernels
-    (float32 and bf16), past it not."""
+    """kernels.moe_experts on the Triton backend: T*k <= MAX_PAIRS the decode kernels,
+    past it not; PDSERVE_MOE_DECODE_PAIRS=0 turns them off."""
     from pdserve.kernels import triton_moe_decode
 
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
@@ -430,6 +430,8 @@ def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
             kernels.moe_experts(x, ids, w, gate_up, down)
         assert triton_moe_decode.fits(x, ids, gate_up) == bool(want)
         assert len(taken) == want
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, "0")  # off: an A/B run's other half
+    assert not triton_moe_decode.fits(x[:1], ids[:1], gate_up)
 
 
 def test_decode_kernels_compile_for_hopper() -> None:
