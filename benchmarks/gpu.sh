@@ -25,6 +25,9 @@
 #   moe           MoE: the grouped expert kernel's GPU tests, bench engine at the 30b-a3b shape
 #                 (decode step against the touched-expert floor, HF beside it), and the EP layer
 #                 bench (benchmarks/moe_ep.py) over as many GPUs as the machine has
+#   moe-decode    #47, ~1-2 min: the decode MoE kernels' GPU tests (reference, graph replay = eager)
+#                 and the routed experts alone at 30b-a3b and v4-flash, batch 1/4/16: grouped
+#                 GEMM path vs decode kernels vs the touched-expert floor (benchmarks/moe_decode.py)
 #   async         bench engine at the 1B and 8B shapes, asynchronous scheduling off then on
 #   gpu-tests     every gpu-marked test of tests/: kernel files over xdist beside the engine files
 #                 (about 400 s on an H100 at 1682072: the engine files set the pace; give it 450)
@@ -90,7 +93,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
-case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile) needs_1b=0 ;; esac
+case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile|moe-decode) needs_1b=0 ;; esac
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -297,6 +300,14 @@ suite_moe() {
         --tokens 1,16,64,256,1024 --json "$OUT/moe_ep_h200.json" 2>&1 | tail -24 || rc=1
     return $rc
 }
+suite_moe-decode() {  # issue #47: the MoE decode kernels (kernels/triton_moe_decode.py)
+    timeout 90 python3 -m pytest -q -m gpu tests/test_moe_kernels.py -k decode -p no:cacheprovider \
+        > "$OUT/moe_decode_gpu_tests.txt" 2>&1
+    local rc=$?; tail -4 "$OUT/moe_decode_gpu_tests.txt"
+    timeout 60 env PYTHONPATH="${PYTHONPATH:-}:." python3 benchmarks/moe_decode.py \
+        --json "$OUT/moe_decode.json" 2>&1 | tail -9 || rc=1
+    return $rc
+}
 
 suite_mla() {
     timeout 300 python3 -m pytest -q -m gpu tests/test_mla_kernels.py tests/test_mla.py \
@@ -409,7 +420,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, moe-decode, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

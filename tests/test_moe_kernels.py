@@ -98,7 +98,7 @@ def test_grouped_kernel_on_cuda_matches_the_reference(tokens: int, ranks: int) -
     first = per if ranks > 1 else 0
     part = (gate_up[first : first + per], down[first : first + per], first)
     assert moe_grouped.available(x, part[0])
-    got = kernels.moe_experts(x, ids, w, *part)  # the dispatch picks the grouped path
+    got = moe_grouped.moe_experts(x, ids, w, *part)  # small T*k: the dispatch takes the decode
     want = moe_ref.moe_experts(x.float(), ids, w, part[0].float(), part[1].float(), first)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -110,20 +110,21 @@ def test_grouped_kernel_replays_in_a_cuda_graph() -> None:
     gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
     ids, w = routing(16, k, e, "cuda")
     x = torch.randn(16, h, device="cuda").to(torch.bfloat16)
-    eager = kernels.moe_experts(x, ids, w, gate_up, down)
+    run = moe_grouped.moe_experts  # 16 x 8 pairs: the dispatch would take the decode kernels
+    eager = run(x, ids, w, gate_up, down)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        kernels.moe_experts(x, ids, w, gate_up, down)
+        run(x, ids, w, gate_up, down)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.moe_experts(x, ids, w, gate_up, down)
+        out = run(x, ids, w, gate_up, down)
     new_ids, _ = routing(16, k, e, "cuda", seed=7)
     ids.copy_(new_ids)  # new routing, same shapes: the replay follows it
     graph.replay()
     torch.cuda.synchronize()
-    again = kernels.moe_experts(x, ids, w, gate_up, down)  # index_add_ order: atomics
+    again = run(x, ids, w, gate_up, down)  # index_add_ order: atomics
     torch.testing.assert_close(out.float(), again.float(), rtol=2e-2, atol=1e-2)
     assert not torch.equal(out, eager)
 
@@ -281,6 +282,49 @@ def test_v4_moe_marks_the_experts_it_reads() -> None:
     assert set(torch.nonzero(moe.touched).flatten().tolist()) == want
 
 
+@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
+def test_v4_shared_expert_packed_equals_its_three_linears(hash_layer: bool) -> None:
+    """V4CausalLM.pack_weights packs each shared expert's w1/w3 (one GEMM, then
+    kernels.silu_and_mul with the limit): the block's output as before; a w1 replaced
+    after packing (a load) is read unpacked again."""
+    moe = _v4_moe(hash_layer)
+    x = torch.randn(9, 32) * 4  # past the limit of 1
+    input_ids = torch.randint(0, 50, (9,))
+    want = moe(x, input_ids)
+    moe.shared_experts.pack()
+    assert moe.shared_experts.w1.weight.data_ptr() == moe.shared_experts.gate_up.data_ptr()
+    torch.testing.assert_close(moe(x, input_ids), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        moe.shared_experts.w1.weight = torch.nn.Parameter(torch.zeros(24, 32))
+    unpacked = _v4_moe_loop(moe, x, input_ids)  # its shared expert's forward: unpacked
+    torch.testing.assert_close(moe(x, input_ids), unpacked, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(unpacked, want)
+
+
+def test_deepseek_shared_experts_packed_equal_their_three_linears() -> None:
+    """SparseMoeBlock.pack packs its shared experts' gate/up (as MLP.pack): same output."""
+    from types import SimpleNamespace
+
+    from pdserve.common.model.checkpoint.moe_config import MoEConfig
+    from pdserve.common.model.layers.moe import SparseMoeBlock
+
+    moe = MoEConfig(
+        num_experts=16, top_k=3, intermediate_size=24, norm_topk_prob=True, scoring="sigmoid",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=2,
+    )  # fmt: skip
+    par = SimpleNamespace(tp_size=1, tp_rank=0, all_reduce_tp=lambda t: t)
+    torch.manual_seed(4)
+    block = SparseMoeBlock(32, moe, par)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    x = torch.randn(7, 32)
+    want = block(x)
+    block.pack()
+    assert block.shared_experts is not None and block.shared_experts.gate_up is not None
+    torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+
+
 # Flash's expert layer: 256 experts of 2048, 6 a token, hidden 4096 (a quarter of them here)
 V4_SHAPE = {"num_experts": 64, "hidden": 4096, "inter": 2048, "top_k": 6}
 
@@ -297,20 +341,191 @@ def test_clamped_grouped_kernel_on_cuda_eager_graph_and_reference(tokens: int) -
     ids, w = routing(tokens, k, e, "cuda")
     x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
     assert moe_grouped.available(x, gate_up)
-    eager = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+    run = moe_grouped.moe_experts  # the grouped path itself, at every size
+    eager = run(x, ids, w, gate_up, down, 0, 10.0)
     want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), 0, 10.0)
     torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+        run(x, ids, w, gate_up, down, 0, 10.0)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0)
+        out = run(x, ids, w, gate_up, down, 0, 10.0)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+# -- decode sizes: two Triton launches, no sort (kernels/triton_moe_decode.py) ---------------
+
+DECODE_CASES = {
+    "b1": (1, 0, 16, None),
+    "ep-4-of-16": (5, 4, 4, None),  # some tokens with no expert on this rank
+    "ep-last-clamped": (16, 12, 4, 1.0),
+    "clamped-dup": (3, 0, 16, 1.0),  # token 0 routed twice to one expert (a hash table's row)
+    "b20": (20, 0, 16, None),  # BLOCK_T 32
+}
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def decode_device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernels_equal_the_expert_loop(
+    decode_device: str, dtype: torch.dtype, case: str
+) -> None:
+    """16 experts of 40 (not a multiple of the 16-row tiles), 3 a token, hidden 64: the two
+    kernels against the loop reference on the same (dtype-rounded) weights in float32;
+    experts shared by tokens, EP ranks, V4's limit, a token routed twice to one expert."""
+    from pdserve.kernels import triton_moe_decode
+
+    tokens, first, local, limit = DECODE_CASES[case]
+    gate_up, down = weights(16, 64, 40, torch.float32, "cpu", seed=len(case))
+    if limit is not None:
+        gate_up = gate_up * 60  # past the limit: the clamp bites
+    ids, w = routing(tokens, 3, 16, "cpu", seed=tokens)
+    if case == "clamped-dup":
+        ids[0, 1] = ids[0, 0]
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    gate_up, down = gate_up[first : first + local].to(dtype), down[first : first + local].to(dtype)
+    want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), first, limit)
+    assert want.abs().max() > 0
+    dev = decode_device
+    got = triton_moe_decode.moe_experts(
+        x.to(dev), ids.to(dev), w.to(dev), gate_up.to(dev), down.to(dev), first, limit
+    )
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(
+        got.cpu().float(), want, rtol=tol, atol=tol * want.abs().max().item()
+    )
+
+
+def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
+    decode_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernels.moe_experts on the Triton backend: T*k <= MAX_PAIRS the decode kernels,
+    past it not; PDSERVE_MOE_DECODE_PAIRS=0 turns them off."""
+    from pdserve.kernels import triton_moe_decode
+
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    taken = []
+    real = triton_moe_decode.moe_experts
+    monkeypatch.setattr(
+        triton_moe_decode, "moe_experts", lambda *a, **kw: taken.append(1) or real(*a, **kw)
+    )
+    gate_up, down = weights(16, 32, 16, torch.float32, decode_device)
+    per_token = 8
+    most = triton_moe_decode.MAX_PAIRS // per_token
+    for tokens, want in ((1, 1), (most, 1), (most + 1, 0)):
+        ids, w = routing(tokens, per_token, 16, decode_device)
+        x = torch.randn(tokens, 32, device=decode_device)
+        taken.clear()
+        if want:
+            kernels.moe_experts(x, ids, w, gate_up, down)
+        assert triton_moe_decode.fits(x, ids, gate_up) == bool(want)
+        assert len(taken) == want
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, "0")  # off: an A/B run's other half
+    assert not triton_moe_decode.fits(x[:1], ids[:1], gate_up)
+
+
+def test_decode_kernels_compile_for_hopper() -> None:
+    """Without a GPU: both kernels compile for sm90 in bf16 (30B-A3B's k 8, V4's 6 with its
+    limit) and float32, with the 16-byte alignment a launch on torch's tensors specializes
+    to, and their weight loads pipelined (cp.async)."""
+    triton = pytest.importorskip("triton")
+    from tests.kernel_tools import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_moe_decode as d
+
+    def build(kernel, ptrs, consts, aligned, warps, stages):  # noqa: ANN001, ANN202
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(kernel, sig, consts, attrs)
+        opts = {"num_warps": warps, "num_stages": stages}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+    cases = (("bf16", 8, 16, False, 768, 2048), ("bf16", 6, 32, True, 2048, 4096),
+             ("fp32", 8, 16, False, 768, 2048))  # fmt: skip
+    for dt, k, block_t, clamp, inter, hidden in cases:
+        cfg = d.config(block_t, inter, hidden)
+        precision = "ieee" if dt == "fp32" else "tf32"
+        ptrs = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w_ptr": f"*{dt}", "h_ptr": "*fp32",
+                "limit": "fp32"}  # fmt: skip
+        consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=block_t,
+                      BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=clamp,
+                      PRECISION=precision, UPCAST=False)  # fmt: skip
+        aligned = ("x_ptr", "ids_ptr", "w_ptr", "h_ptr", "INTER", "H", "stride_xt",
+                   "stride_we", "stride_wr", "stride_h")  # fmt: skip
+        gate_up = build(d._gate_up_kernel, ptrs, consts, aligned, cfg["warps_gate_up"],
+                        cfg["stages_gate_up"])  # fmt: skip
+        ptrs = {"h_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "d_ptr": f"*{dt}",
+                "out_ptr": f"*{dt}"}  # fmt: skip
+        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], PRECISION=precision,
+                      UPCAST=False)  # fmt: skip
+        aligned = ("h_ptr", "ids_ptr", "weights_ptr", "d_ptr", "out_ptr", "INTER", "H",
+                   "stride_de", "stride_dr", "stride_h", "stride_ot")  # fmt: skip
+        down = build(d._down_kernel, ptrs, consts, aligned, cfg["warps_down"], cfg["stages_down"])
+        if dt == "bf16":
+            assert "cp.async" in gate_up.asm["ptx"] and "cp.async" in down.asm["ptx"], (k, block_t)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", ["30b-a3b", "v4-flash"])
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_decode_kernels_on_cuda_reference_and_graph_replay(
+    shape: str, tokens: int, ranks: int
+) -> None:
+    """bf16 at 30B-A3B's layer and V4-Flash's (a quarter of its experts, limit 10), batch 1
+    and 16, the whole expert set or rank 1 of 4: the dispatch takes the decode kernels; against the
+    float32 loop; a CUDA-graph replay gives eager's bits, also after new routing is copied
+    in (no atomics: one summation order)."""
+    from pdserve.kernels import triton_moe_decode
+
+    sizes, limit = (SHAPE, None) if shape == "30b-a3b" else (V4_SHAPE, 10.0)
+    e, h, i, k = (sizes[n] for n in ("num_experts", "hidden", "inter", "top_k"))
+    gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
+    if limit is not None:
+        gate_up = gate_up * 8  # some gate/up values past 10
+    ids, w = routing(tokens, k, e, "cuda")
+    x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    per = e // ranks
+    first = per if ranks > 1 else 0
+    part = (gate_up[first : first + per], down[first : first + per], first, limit)
+    assert triton_moe_decode.fits(x, ids, part[0])
+    eager = kernels.moe_experts(x, ids, w, *part)
+    want = moe_ref.moe_experts(x.float(), ids, w, part[0].float(), part[1].float(), first, limit)
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.moe_experts(x, ids, w, *part)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, ids, w, *part)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    new_ids, _ = routing(tokens, k, e, "cuda", seed=7)
+    ids.copy_(new_ids)  # new routing, same shapes: the replay follows it
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kernels.moe_experts(x, ids, w, *part))
+    want = moe_ref.moe_experts(x.float(), ids, w, part[0].float(), part[1].float(), first, limit)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 # -- routing in one Triton kernel (kernels/triton_route.py) -----------------------------------

@@ -35,6 +35,7 @@ from pdserve.common.model.checkpoint.moe_config import local_experts
 from pdserve.common.model.deepseek.dsv4_attention import RMSNorm, Rope, V4Attention, V4Step
 from pdserve.common.model.deepseek.dsv4_config import HASH_MOE, SLIDING, V4Config
 from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.linear import pack_linears
 from pdserve.common.parallel.context import ParallelContext
 
 
@@ -79,8 +80,20 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(inter, hidden, bias=False)  # down
         self.w3 = nn.Linear(hidden, inter, bias=False)  # up
         self.limit = limit
+        self.gate_up: torch.Tensor | None = None  # pack(): w1's rows then w3's
+
+    def pack(self) -> None:
+        """w1 and w3 as one [2I, H] matrix (w1, w3 views into it): one GEMM and one
+        ``kernels.silu_and_mul`` with the limit instead of two GEMMs and four pointwise
+        ops (the shared expert on CUDA: V4CausalLM.pack_weights)."""
+        self.gate_up = pack_linears([self.w1, self.w3])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up
+        if packed is not None and self.w1.weight.data_ptr() == packed.data_ptr():
+            from pdserve import kernels
+
+            return self.w2(kernels.silu_and_mul(F.linear(x, packed), self.limit))
         gate = self.w1(x).clamp(max=self.limit)
         up = self.w3(x).clamp(min=-self.limit, max=self.limit)
         return self.w2(F.silu(gate) * up)
@@ -109,8 +122,8 @@ class Gate(nn.Module):
             logits, self.top_k, True, "sqrtsoftplus", None if self.is_hash else self.bias,
             scale=self.factor, hash_ids=hashed,
         )  # fmt: skip
-        if routed is not None:
-            return routed[0].to(x.dtype), routed[1]
+        if routed is not None:  # float32 weights: the experts' kernels weigh in float32
+            return routed
         scores = F.softplus(logits).sqrt()
         if hashed is not None:
             ids = hashed
@@ -332,4 +345,11 @@ class DeepseekV4Model(nn.Module):
         return 1
 
     def pack_weights(self, prepack: bool = False) -> None:
-        """Nothing packs: the reference runs each projection as it is stored."""
+        """On CUDA (``prepack`` False: the loader's call there) the shared experts' w1/w3
+        as one GEMM (``Expert.pack``); on CPU nothing packs: the reference runs each
+        projection as it is stored."""
+        if prepack:
+            return
+        for m in self.modules():
+            if isinstance(m, V4MoE):
+                m.shared_experts.pack()
