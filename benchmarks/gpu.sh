@@ -29,8 +29,9 @@
 #                 and the routed experts alone at 30b-a3b and v4-flash, batch 1/4/16: grouped
 #                 GEMM path vs decode kernels vs the touched-expert floor (benchmarks/moe_decode.py)
 #   async         bench engine at the 1B and 8B shapes, asynchronous scheduling off then on
-#   gpu-tests     every gpu-marked test of tests/: kernel files over xdist beside the engine files
-#                 (about 400 s on an H100 at 1682072: the engine files set the pace; give it 450)
+#   gpu-tests     every gpu-marked test of tests/: kernel files over xdist, the engine files, and
+#                 the V4 / V3.2 engine files, three pytest runs side by side (one run of all the
+#                 engine files took 383 s on an H100 at 1682072)
 #   pick          the gpu-marked tests of the files named in GPU_TEST_FILES (GPU_TEST_TIMEOUT, s)
 #   spec          speculative decoding: its GPU test, then decode tok/s with and without it
 #                 (bench engine --speculative-config) at the 1B and 8B shapes, batch 1 and 16
@@ -257,21 +258,30 @@ suite_gpu-tests() {  # every gpu-marked test of the tree (kernels, fp8, MLA, MoE
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H100|H200|A100|L40S|B200' || echo gpu)
     log="$OUT/gpu_tests_${PDSERVE_GIT_COMMIT:0:7}_$(echo "$card" | tr 'A-Z' 'a-z').txt"
     local xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_TEST_WORKERS:-4}")
-    local ignore=(); for f in "${kernel_files[@]}"; do ignore+=(--ignore "$f"); done
+    # the V4 / V3.2 engine files (fixed 4,096-block pools: a few GB) in a run of their own
+    # beside the other engine files (1 GiB-of-KV shares or half the card): 383 s in one run
+    # at 1682072 on an H100, the slowest part
+    local ds_files=(tests/test_dsv4_gpu.py tests/test_dsv32_gpu.py)
+    local ignore=(); for f in "${kernel_files[@]}" "${ds_files[@]}"; do ignore+=(--ignore "$f"); done
     timeout 540 python3 -m pytest -q -m gpu "${xdist[@]}" "${kernel_files[@]}" -p no:cacheprovider \
         --durations=10 -rfEs > "$log.kernels" 2>&1 &
     local pk=$!
     timeout 540 python3 -m pytest -q -m gpu tests/ "${ignore[@]}" -p no:cacheprovider \
         --durations=10 -rfEs > "$log.engines" 2>&1 &
     local pe=$!
-    # a TERM to this script (an outer `timeout`) ends both runs: each inner `timeout` is a
+    timeout 540 python3 -m pytest -q -m gpu "${ds_files[@]}" -p no:cacheprovider \
+        --durations=10 -rfEs > "$log.deepseek" 2>&1 &
+    local pd=$!
+    # a TERM to this script (an outer `timeout`) ends the three runs: each inner `timeout` is a
     # process group of its own, which the outer one's signal would not reach (at 1682072 a
     # cut gpu.sh left the engine files running into the next suite's memory)
-    trap 'kill $pk $pe 2>/dev/null' TERM INT
-    local rk=0 re=0; wait $pk || rk=$?; wait $pe || re=$?
+    trap 'kill $pk $pe $pd 2>/dev/null' TERM INT
+    local rk=0 re=0 rd=0; wait $pk || rk=$?; wait $pe || re=$?; wait $pd || rd=$?
     trap - TERM INT
     { echo "## kernel files (${xdist[*]:-serial})"; cat "$log.kernels"
-      echo "## engine files"; cat "$log.engines"; } > "$log"; rm -f "$log.kernels" "$log.engines"
+      echo "## engine files"; cat "$log.engines"
+      echo "## V4 / V3.2 engine files"; cat "$log.deepseek"; } > "$log"
+    rm -f "$log.kernels" "$log.engines" "$log.deepseek"
     grep -E "^(FAILED|ERROR) " "$log" | head -40; grep -E '^=* ?[0-9]+ (passed|failed|error)|in [0-9.]+s' "$log" | tail -4
     local passed=0 failed=0 summary
     while read -r summary; do
@@ -279,8 +289,8 @@ suite_gpu-tests() {  # every gpu-marked test of the tree (kernels, fp8, MLA, MoE
         failed=$(( failed + $(grep -oE '[0-9]+ failed' <<< "$summary" | grep -oE '[0-9]+' || echo 0) \
             + $(grep -oE '[0-9]+ errors?' <<< "$summary" | grep -oE '[0-9]+' || echo 0) ))
     done < <(grep -E '^=* ?[0-9]+ (passed|failed|errors?|skipped|deselected)' "$log")
-    local rc=$(( rk > re ? rk : re ))
-    [ "$rk" -eq 124 ] || [ "$re" -eq 124 ] && failed="$failed (+ timed out)"
+    local rc=$(( rk > re ? rk : re )); rc=$(( rc > rd ? rc : rd ))
+    [ "$rk" -eq 124 ] || [ "$re" -eq 124 ] || [ "$rd" -eq 124 ] && failed="$failed (+ timed out)"
     echo "GPU tests: $passed passed, $failed failed on $card at ${PDSERVE_GIT_COMMIT:-unknown}" | tee -a "$log"
     return $rc
 }
