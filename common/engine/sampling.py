@@ -20,6 +20,7 @@ __all__ = [
     "batch_probs",
     "draw_batch",
     "is_batched",
+    "on_device",
     "row_probs",
     "sample_row",
     "token_generator",
@@ -249,13 +250,13 @@ def batch_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     device, vocab = logits.device, logits.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return on_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
 
     logits = logits.float() / column([p.temperature for p in params])  # [R, V]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         top = torch.topk(logits, max(ks), dim=-1).values  # [R, k_max], descending
-        index = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long, device=device)
+        index = on_device(torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long), device)
         kth = top.gather(1, index[:, None])
         kth = torch.where(column([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -272,6 +273,14 @@ def batch_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         floor = column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits.softmax(-1)
+
+
+def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; on CUDA through pinned memory, so that the copy
+    does not wait for the step in flight (common/engine/async_steps.py launches draws)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def draw_batch(
