@@ -84,14 +84,18 @@ def test_batched_rows_have_each_rows_own_distribution() -> None:
 def test_unseeded_rows_drawn_together_follow_their_distributions() -> None:
     torch.manual_seed(0)
     row = torch.log(torch.tensor([0.7, 0.2, 0.1, 0.0]))
-    logits = torch.stack([row, row, torch.tensor([5.0, 4.0, 3.0, -10.0])])
+    gap = torch.log(torch.tensor([0.5, 0.0, 0.3, 0.2]))  # a token of probability 0 between
+    logits = torch.stack([row, row, torch.tensor([5.0, 4.0, 3.0, -10.0]), gap])
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(temperature=1.0, top_k=2)]  # fmt: skip
+              SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0)]  # fmt: skip
     sampler = Sampler()
-    draws = torch.tensor([sampler(logits, params, [0, 0, 0]) for _ in range(3000)])  # [N, 3]
+    draws = torch.tensor([sampler(logits, params, [0] * 4) for _ in range(3000)])  # [N, 4]
     assert not sampler.failed_rows
     freqs = torch.bincount(draws[:, 0], minlength=4).float() / len(draws)
     assert torch.allclose(freqs, torch.tensor([0.7, 0.2, 0.1, 0.0]), atol=0.03)
+    freqs = torch.bincount(draws[:, 3], minlength=4).float() / len(draws)
+    assert torch.allclose(freqs, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.03)
+    assert freqs[1] == 0
     assert set(draws[:, 2].tolist()) == {0, 1}  # top-k 2 of that row alone
     # the seeded row still draws its n-th token from its own generator: always the same
     assert len(set(draws[:, 1].tolist())) == 1

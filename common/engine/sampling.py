@@ -294,4 +294,15 @@ def draw_batch(
     ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     # a row that is no distribution draws from a uniform one instead (flagged, dropped)
     probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
-    return torch.multinomial(probs, 1).squeeze(-1), ok
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1).squeeze(-1), ok
+    # On CPU torch.multinomial costs ~1 ms a row of a 49k vocabulary (one exponential a
+    # token); the inverse of the distribution function in float64, one uniform a row,
+    # draws from the same distribution ~3x faster. right=True never lands on a token of
+    # probability 0 (its cumulative equals the one before it).
+    cumulative = probs.double().cumsum(dim=-1)  # [R, V]
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64) * cumulative[:, -1:]
+    drawn = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    # u rounded up to the total (the last cumulative): the most likely token instead
+    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
+    return drawn.squeeze(-1), ok
