@@ -12,6 +12,7 @@ import pytest
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import PENDING_TOKEN
 from pdserve.common.engine.sampling import SamplingParams
 
@@ -84,6 +85,9 @@ def test_unseeded_temperature_rows_are_drawn_on_the_device_a_step_ahead(model_di
 
     overlapped.step = counted  # type: ignore[method-assign]
     assert run(overlapped, drawn) == run(sync, greedy)
+    runner = overlapped.runner
+    assert isinstance(runner, ModelRunner)  # on CPU every step is eager (no CUDA graphs)
+    assert runner.num_eager_steps == launched.count(True) and runner.num_graph_steps == 0
     # every step that computed something left its tokens on the device
     assert launched.count(True) >= max(lengths) - 1
     free = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=0.9)] * 5

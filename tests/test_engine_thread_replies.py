@@ -89,3 +89,24 @@ def test_replies_outside_a_turn_are_posted_at_once() -> None:
     thread.run_once()
     loop.close()
     assert got == [10, 11, 12, 15, 16, 17]
+
+
+def test_model_steps_are_reported_by_kind() -> None:
+    """pdserve:model_steps_total{kind}: the runner's totals, as increments each report."""
+    from types import SimpleNamespace
+
+    from pdserve.common.runtime.engine_thread import report_engine
+
+    sched = SimpleNamespace(running=[], waiting=[], num_preemptions=0, num_abandoned_tokens=0,
+                            num_replayed_tokens=0)  # fmt: skip
+    runner = SimpleNamespace(num_graph_steps=3, num_eager_steps=5)
+    engine = SimpleNamespace(scheduler=sched, pool=SimpleNamespace(num_free_blocks=1, tier=None),
+                             runner=runner)  # fmt: skip
+    metrics = Metrics("decode", 0)
+    report_engine(metrics, engine, 0, 0)
+    runner.num_graph_steps, runner.num_eager_steps = 10, 6
+    report_engine(metrics, engine, 0, 0)
+    assert metrics.value("pdserve:model_steps", kind="graph") == 10
+    assert metrics.value("pdserve:model_steps", kind="eager") == 6
+    report_engine(metrics, SimpleNamespace(scheduler=sched, pool=engine.pool), 0, 0)  # no runner
+    assert metrics.value("pdserve:model_steps", kind="graph") == 10

@@ -55,6 +55,12 @@ def report_engine(metrics: Metrics, engine: Any, num_pending: int, preemptions_s
         metrics.inc("pdserve:prefix_cache_replayed_tokens", replayed)
     if engine.pool.tier is not None:
         report_tier(metrics, engine.pool.tier)
+    runner = getattr(engine, "runner", None)
+    for kind in ("graph", "eager"):  # in-process runners count them (model_runner.py)
+        total = getattr(runner, f"num_{kind}_steps", None)
+        if total is not None:
+            seen = metrics.value("pdserve:model_steps", kind=kind)
+            metrics.inc("pdserve:model_steps", max(0, total - seen), kind=kind)
     return int(sched.num_preemptions)
 
 

@@ -53,6 +53,7 @@ COUNTERS = {
     "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
     "pdserve:abandoned_tokens": "tokens computed for requests then given up (aborted: client gone, deadline, abort): nobody was waiting for them",
     "pdserve:client_served_tokens": "tokens served per client class (prompt tokens dispatched, tokens generated); the first max_client_classes clients seen have a class each, the rest are 'other'",
+    "pdserve:model_steps": "model steps by kind: graph (a decode step replayed from a captured CUDA graph) or eager (anything else: a prefill chunk among the decodes, a batch past cuda_graph_max_batch, CPU)",
     "pdserve:spec_decode_num_deferred": "verify steps without drafts: the DSpark draft's state was being rebuilt",
 }
 GAUGES = {
