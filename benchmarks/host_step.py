@@ -97,6 +97,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="cProfile of the timed steps")
     ap.add_argument("--vocab", type=int, default=2048, help="the model's (LM head) vocabulary")
+    ap.add_argument("--label", default="", help="what the run measured (recorded in the JSON)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -125,6 +126,7 @@ def main() -> None:
                                     capture_output=True, text=True, check=False).stdout.strip())  # fmt: skip
         Path(args.json).write_text(json.dumps({
             "commit": commit + ("-dirty" if dirty else ""),
+            "label": args.label,
             "torch_threads": 1,
             "vocab": args.vocab,
             "load_average": list(__import__("os").getloadavg()),
