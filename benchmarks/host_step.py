@@ -39,7 +39,13 @@ from pdserve.common.model.fixtures.random import save_random_llama
 
 
 def measure(
-    model: Path, batch: int, steps: int, is_async: bool, temperature: float, profile: bool
+    model: Path,
+    batch: int,
+    steps: int,
+    is_async: bool,
+    temperature: float,
+    profile: bool,
+    sort: str = "tottime",
 ) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(
         model=str(model), num_kv_blocks=8 * batch + 64, max_num_seqs=batch,
@@ -80,7 +86,7 @@ def measure(
     }
     if prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(30)
         result["profile"] = out.getvalue()
     return result
 
@@ -96,6 +102,7 @@ def main() -> None:
         help="requests' temperatures, one run each (0: greedy; 1: OpenAI's default)",
     )
     ap.add_argument("--profile", action="store_true", help="cProfile of the timed steps")
+    ap.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumulative)")
     ap.add_argument("--vocab", type=int, default=2048, help="the model's (LM head) vocabulary")
     ap.add_argument("--label", default="", help="what the run measured (recorded in the JSON)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -110,7 +117,7 @@ def main() -> None:
         for temperature, is_async, batch in itertools.product(
             map(float, args.temperatures.split(",")), modes, map(int, args.batches.split(","))
         ):
-            r = measure(model, batch, args.steps, is_async, temperature, args.profile)
+            r = measure(model, batch, args.steps, is_async, temperature, args.profile, args.sort)
             print(
                 f"T={temperature:g} {r['mode']:5} batch {batch:4}: step {r['step_ms_median']:7.2f} "
                 f"ms (mean {r['step_ms_mean']:.2f}), forward {r['forward_ms_median']:.2f} ms, "
