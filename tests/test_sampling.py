@@ -10,6 +10,7 @@ from pdserve.common.engine.sampling import (
     SamplingParams,
     adjust_logits,
     batch_probs,
+    exponential_race,
     row_probs,
     sample_row,
     token_logprobs,
@@ -99,6 +100,18 @@ def test_unseeded_rows_drawn_together_follow_their_distributions() -> None:
     assert set(draws[:, 2].tolist()) == {0, 1}  # top-k 2 of that row alone
     # the seeded row still draws its n-th token from its own generator: always the same
     assert len(set(draws[:, 1].tolist())) == 1
+
+
+def test_the_device_draw_follows_the_distribution() -> None:
+    """CUDA's batched draw (exponential_race, run here on CPU tensors): the frequencies of
+    each row's distribution, never a token of probability 0."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.5, 0.0, 0.3, 0.2]]).repeat(4000, 1)
+    drawn = exponential_race(probs).view(4000, 2)
+    for row in range(2):
+        freqs = torch.bincount(drawn[:, row], minlength=4).float() / 4000
+        assert torch.allclose(freqs, probs[row], atol=0.03)
+        assert freqs[probs[row] == 0].sum() == 0
 
 
 def test_a_batched_row_that_is_no_distribution_fails_alone() -> None:

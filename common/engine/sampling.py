@@ -19,6 +19,7 @@ __all__ = [
     "adjust_logits",
     "batch_probs",
     "draw_batch",
+    "exponential_race",
     "is_batched",
     "on_device",
     "row_probs",
@@ -283,19 +284,28 @@ def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def exponential_race(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V]: torch.multinomial's own algorithm for one
+    draw (argmax of p / q, q ~ Exp(1); CUDA's exponential never gives 0), without its
+    argument checks, which read the device twice: a launched step would wait there for
+    the one in flight (async_steps.py)."""
+    q = torch.empty_like(probs).exponential_()
+    return (probs / q).argmax(dim=-1)
+
+
 def draw_batch(
     logits: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [R, V] from ``batch_probs`` (torch's default
     generator, as an unseeded row's fresh one would be), and whether the row's
     distribution was finite (else its token is meaningless); both [R] on the device, no
-    host sync."""
+    host sync on CUDA."""
     probs = batch_probs(logits, params)
     ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     # a row that is no distribution draws from a uniform one instead (flagged, dropped)
     probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
     if probs.device.type != "cpu":
-        return torch.multinomial(probs, 1).squeeze(-1), ok
+        return exponential_race(probs), ok
     # On CPU torch.multinomial costs ~1 ms a row of a 49k vocabulary (one exponential a
     # token); the inverse of the distribution function in float64, one uniform a row,
     # draws from the same distribution ~3x faster. right=True never lands on a token of
