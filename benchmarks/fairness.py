@@ -18,6 +18,8 @@ kind (replayed from a CUDA graph, or eager: a prefill chunk among the decodes).
 
     python benchmarks/fairness.py --json benchmarks/results/fairness_cpu.json
     python benchmarks/fairness.py --device cuda --model DIR --json .../fairness_gpu.json
+    python benchmarks/fairness.py ... --up-arg=--local-prefill-threshold=0  # every prompt
+                                          # through prefill: decode's steps stay graphs
 """
 
 from __future__ import annotations
@@ -218,6 +220,9 @@ def main() -> int:
     parser.add_argument("--probe-tokens", type=int, default=8, help="client B's max_tokens")
     parser.add_argument("--probe-count", type=int, default=6, help="client B's idle requests")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--up-arg", action="append", default=[],
+                        help="one more argument of `pdserve up`, e.g. "
+                        "--up-arg=--local-prefill-threshold=0 (repeatable)")  # fmt: skip
     parser.add_argument(
         "--url",
         default=None,
@@ -232,6 +237,7 @@ def main() -> int:
                "--device", args.device]  # fmt: skip
         if args.model:
             cmd += ["--model", args.model]
+        cmd += args.up_arg
         env = {**os.environ, "PDSERVE_TRUST_USER_FIELD": "true",
                "PDSERVE_BASE_PORT": str(args.base_port)}  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -245,6 +251,7 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
     out = {"commit": git_commit(), "command": command_line(), "device": args.device,
+           "up_args": args.up_arg,
            "model": args.model or "embedded", "burst": args.burst,
            "probe_max_tokens": args.probe_tokens, "cpu_count": os.cpu_count(), **out}  # fmt: skip
     text = json.dumps(out, indent=1)
