@@ -110,3 +110,20 @@ def test_model_steps_are_reported_by_kind() -> None:
     assert metrics.value("pdserve:model_steps", kind="eager") == 6
     report_engine(metrics, SimpleNamespace(scheduler=sched, pool=engine.pool), 0, 0)  # no runner
     assert metrics.value("pdserve:model_steps", kind="graph") == 10
+
+
+def test_metric_keys_are_the_same_cached_or_not() -> None:
+    """Metrics._key answers from a cache (the router's per-token observations): the same
+    series whatever the labels' order or type, an unknown name refused every time."""
+    import pytest
+
+    metrics = Metrics("router", 0)
+    for _ in range(3):
+        metrics.inc("pdserve:requests", finish_reason="stop")
+        metrics.inc("pdserve:model_steps", 2, kind="graph", rank=0)
+        metrics.inc("pdserve:model_steps", 1, rank="0", kind="graph")
+    assert metrics.value("pdserve:requests", finish_reason="stop") == 3
+    assert metrics.value("pdserve:model_steps", kind="graph") == 9
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            metrics.inc("pdserve:no_such_metric")
