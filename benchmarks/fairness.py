@@ -13,10 +13,13 @@ Ratios are to the same run's idle / alone phases: B's latency p50 and max agains
 p50, A's throughput against alone. The floor of B's ratio is measured too: the mean gap
 between two tokens of a stream (the router's pdserve:inter_token_latency_seconds) while
 A's burst runs alone, over that gap in B's idle phase: B's few tokens each wait for a step
-of A's whole batch, which no order shortens. The machine's load is recorded per phase.
+of A's whole batch, which no order shortens. The machine's load is recorded per phase, and decode's model steps during A's burst by
+kind (replayed from a CUDA graph, or eager: a prefill chunk among the decodes).
 
     python benchmarks/fairness.py --json benchmarks/results/fairness_cpu.json
     python benchmarks/fairness.py --device cuda --model DIR --json .../fairness_gpu.json
+    python benchmarks/fairness.py ... --up-arg=--local-prefill-threshold=0  # every prompt
+                                          # through prefill: decode's steps stay graphs
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def token_gaps(url: str) -> tuple[float, float]:
         elif line.startswith("pdserve:inter_token_latency_seconds_count{"):
             count += float(line.rsplit(" ", 1)[1])
     return total, count
+
+
+def model_steps(url: str) -> dict[str, float]:
+    """The decode instances' model steps by kind (pdserve:model_steps_total): ``graph``
+    (a decode step replayed from a CUDA graph) and ``eager`` (any other: a prefill chunk
+    among the decodes, every step on CPU)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    steps = {"graph": 0.0, "eager": 0.0}
+    for line in text.splitlines():
+        if line.startswith("pdserve:model_steps_total{") and 'service="decode"' in line:
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            steps[kind] = steps.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return steps
 
 
 def mean_gap(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -131,12 +148,16 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
         gaps, gaps_before = token_gaps(url), gaps
         out["idle"] = {"b_latency": summary(idle), "latencies": idle, "load": load(),
                        "token_gap_seconds": mean_gap(gaps_before, gaps)}  # fmt: skip
+        steps = model_steps(url)
         alone = await burst(session, url, args.burst)
         gaps, gaps_before = token_gaps(url), gaps
+        steps, steps_before = model_steps(url), steps
         out["alone"] = {
             "a": alone,
             "load": load(),
             "token_gap_seconds": mean_gap(gaps_before, gaps),
+            # decode's steps during A's burst: how many a CUDA graph replayed
+            "decode_steps": {k: steps[k] - steps_before.get(k, 0.0) for k in steps},
         }
         await asyncio.sleep(2)
         a_task = asyncio.ensure_future(burst(session, url, args.burst))
@@ -199,6 +220,9 @@ def main() -> int:
     parser.add_argument("--probe-tokens", type=int, default=8, help="client B's max_tokens")
     parser.add_argument("--probe-count", type=int, default=6, help="client B's idle requests")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--up-arg", action="append", default=[],
+                        help="one more argument of `pdserve up`, e.g. "
+                        "--up-arg=--local-prefill-threshold=0 (repeatable)")  # fmt: skip
     parser.add_argument(
         "--url",
         default=None,
@@ -213,6 +237,7 @@ def main() -> int:
                "--device", args.device]  # fmt: skip
         if args.model:
             cmd += ["--model", args.model]
+        cmd += args.up_arg
         env = {**os.environ, "PDSERVE_TRUST_USER_FIELD": "true",
                "PDSERVE_BASE_PORT": str(args.base_port)}  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -226,6 +251,7 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
     out = {"commit": git_commit(), "command": command_line(), "device": args.device,
+           "up_args": args.up_arg,
            "model": args.model or "embedded", "burst": args.burst,
            "probe_max_tokens": args.probe_tokens, "cpu_count": os.cpu_count(), **out}  # fmt: skip
     text = json.dumps(out, indent=1)

@@ -13,7 +13,8 @@
 #                 (profile_step.py --kernels), bench engine --shape 8b
 #   serve         pdserve bench serve --compare at three loads, with the HF generate reference
 #   fairness      benchmarks/fairness.py (issue 49) on the 1B shape: client B's latency beside
-#                 client A's 1,000-request burst, ratios to the same run's idle / alone phases
+#                 client A's 1,000-request burst, ratios to the same run's idle / alone phases;
+#                 then again with --local-prefill-threshold 0 (decode's steps all graphs)
 #   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
 #   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
@@ -125,8 +126,15 @@ suite_fairness() {  # issue 49: a 1,000-request burst beside another client's sh
     PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 540 python3 benchmarks/fairness.py \
         --model $LLAMA1B --device cuda --json "$OUT/fairness_h200.json" \
         > "$OUT/fairness_log.txt" 2>&1; local rc=$?
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'])" \
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'], d['alone'].get('decode_steps'))" \
         "$OUT/fairness_h200.json"
+    # the same with every prompt through prefill: decode's steps never mix in a prefill
+    # chunk, so they stay CUDA graphs (#49: how much A's local prefills cost B)
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 540 python3 benchmarks/fairness.py \
+        --model $LLAMA1B --device cuda --up-arg=--local-prefill-threshold=0 \
+        --json "$OUT/fairness_no_local_h200.json" > "$OUT/fairness_no_local_log.txt" 2>&1
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'], d['alone'].get('decode_steps'))" \
+        "$OUT/fairness_no_local_h200.json"
     return $rc
 }
 suite_engine-8b() {

@@ -12,6 +12,7 @@ import pytest
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import PENDING_TOKEN
 from pdserve.common.engine.sampling import SamplingParams
 
@@ -63,6 +64,34 @@ def test_async_steps_give_the_synchronous_tokens(model_dir: Path, small: bool) -
         assert run(overlapped, sampling) == run(sync, sampling)
     if small:
         assert overlapped.scheduler.num_preemptions > 0
+
+
+def test_unseeded_temperature_rows_are_drawn_on_the_device_a_step_ahead(model_dir: Path) -> None:
+    """OpenAI's default (temperature 1, no seed) is drawn with the step's greedy rows and
+    read a step late, like them: top-k 1 (the draw that must be the argmax) gives the
+    synchronous greedy tokens, and no step of such rows waits for the host sampler."""
+    sync, overlapped = engine(model_dir, False), engine(model_dir, True)
+    lengths = (30, 7, 19, 25, 1)
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    drawn = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, top_k=1)
+             for n in lengths]  # fmt: skip
+    launched = []
+    step = overlapped.step
+
+    def counted() -> list:
+        out = step()
+        launched.append(overlapped._in_flight is not None)
+        return out
+
+    overlapped.step = counted  # type: ignore[method-assign]
+    assert run(overlapped, drawn) == run(sync, greedy)
+    runner = overlapped.runner
+    assert isinstance(runner, ModelRunner)  # on CPU every step is eager (no CUDA graphs)
+    assert runner.num_eager_steps == launched.count(True) and runner.num_graph_steps == 0
+    # every step that computed something left its tokens on the device
+    assert launched.count(True) >= max(lengths) - 1
+    free = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=0.9)] * 5
+    assert [len(tokens) for tokens, _, _ in run(overlapped, free)] == [12] * 5
 
 
 def test_an_abort_while_a_step_is_in_flight(model_dir: Path) -> None:

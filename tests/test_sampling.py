@@ -9,6 +9,9 @@ from pdserve.common.engine.sampling import (
     Sampler,
     SamplingParams,
     adjust_logits,
+    batch_probs,
+    exponential_race,
+    row_probs,
     sample_row,
     token_logprobs,
 )
@@ -59,6 +62,67 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     )
     freqs = counts.float() / counts.sum()
     assert torch.allclose(freqs, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_batched_rows_have_each_rows_own_distribution() -> None:
+    """An unseeded step's rows are drawn together (Sampler: ``draw_batch``): each row's
+    distribution is what ``row_probs`` gives it alone, whatever its neighbours ask."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=2.0, top_k=40),  # k = the vocabulary: off
+    ]
+    together = batch_probs(logits, params)
+    for row, p in enumerate(params):
+        assert torch.allclose(together[row], row_probs(logits[row], p), atol=1e-6), p
+
+
+def test_unseeded_rows_drawn_together_follow_their_distributions() -> None:
+    torch.manual_seed(0)
+    row = torch.log(torch.tensor([0.7, 0.2, 0.1, 0.0]))
+    gap = torch.log(torch.tensor([0.5, 0.0, 0.3, 0.2]))  # a token of probability 0 between
+    logits = torch.stack([row, row, torch.tensor([5.0, 4.0, 3.0, -10.0]), gap])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0)]  # fmt: skip
+    sampler = Sampler()
+    draws = torch.tensor([sampler(logits, params, [0] * 4) for _ in range(3000)])  # [N, 4]
+    assert not sampler.failed_rows
+    freqs = torch.bincount(draws[:, 0], minlength=4).float() / len(draws)
+    assert torch.allclose(freqs, torch.tensor([0.7, 0.2, 0.1, 0.0]), atol=0.03)
+    freqs = torch.bincount(draws[:, 3], minlength=4).float() / len(draws)
+    assert torch.allclose(freqs, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.03)
+    assert freqs[1] == 0
+    assert set(draws[:, 2].tolist()) == {0, 1}  # top-k 2 of that row alone
+    # the seeded row still draws its n-th token from its own generator: always the same
+    assert len(set(draws[:, 1].tolist())) == 1
+
+
+def test_the_device_draw_follows_the_distribution() -> None:
+    """CUDA's batched draw (exponential_race, run here on CPU tensors): the frequencies of
+    each row's distribution, never a token of probability 0."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.5, 0.0, 0.3, 0.2]]).repeat(4000, 1)
+    drawn = exponential_race(probs).view(4000, 2)
+    for row in range(2):
+        freqs = torch.bincount(drawn[:, row], minlength=4).float() / 4000
+        assert torch.allclose(freqs, probs[row], atol=0.03)
+        assert freqs[probs[row] == 0].sum() == 0
+
+
+def test_a_batched_row_that_is_no_distribution_fails_alone() -> None:
+    logits = torch.randn(3, 20)
+    logits[1, 4] = float("nan")
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, top_k=5)] * 3
+    tokens = sampler(logits, params, [0, 0, 0])
+    assert list(sampler.failed_rows) == [1]
+    assert "not finite" in sampler.failed_rows[1]
+    assert tokens[1] == -1 and all(0 <= tokens[i] < 20 for i in (0, 2))
 
 
 @pytest.mark.parametrize(

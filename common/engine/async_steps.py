@@ -19,8 +19,10 @@ one that left a sliding window) are fenced by the pool (``BlockPool.fence``) and
 to it once that step is known done: a KV pull (a NIXL write the stream does not order)
 must never land in a block a running step still reads or writes.
 
-Only steps whose sampled rows are plain greedy (no logprobs, penalties, bias, grammar)
-overlap; any other step is sampled on the host as before, after the previous one ends.
+Only steps whose sampled rows are plain (greedy, or drawn without a seed with nothing but
+temperature, top-k, top-p, min-p: OpenAI's default temperature 1 is such a row; no
+logprobs, penalties, bias, grammar) overlap; any other step is sampled on the host as
+before, after the previous one ends.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.common.engine.request import PENDING_TOKEN, Request
+from pdserve.common.engine.sampling import draw_batch, is_batched, on_device
 from pdserve.common.engine.sampling_params import SamplingParams
 
 NAN_MESSAGE = "the model's logits for this request are NaN"
 
 
 def is_plain(p: SamplingParams) -> bool:
-    """A row the device samples alone: greedy, nothing read back but the token."""
+    """A row the device samples alone, nothing read back but the token: greedy, or drawn
+    with the step's other unseeded rows (sampling.is_batched)."""
     return (
-        p.is_greedy
-        and not p.adjusts_logits
+        ((p.is_greedy and not p.adjusts_logits) or is_batched(p))
         and p.logprobs is None
         and p.prompt_logprobs is None
         and p.structured is None
@@ -60,8 +63,7 @@ class Carry:
             [[offsets[seq] for seq, _ in self.rows], [row for _, row in self.rows]],
             dtype=torch.int64,
         )
-        if input_ids.is_cuda:
-            pairs = pairs.pin_memory().to(input_ids.device, non_blocking=True)
+        pairs = on_device(pairs, input_ids.device)
         input_ids.index_copy_(0, pairs[0], self.tokens.index_select(0, pairs[1]))
 
 
@@ -101,11 +103,22 @@ class InFlight:
         return Carry(self.tokens, rows) if rows else None
 
 
-def launch_greedy(logits: torch.Tensor, serial: int, num_tokens: int) -> InFlight:
-    """Argmax of every row of ``logits`` [S, V] on the device, and its copy to the host
-    started; the NaN check of the host path (argmax picks a NaN) travels with it."""
+def launch_greedy(
+    logits: torch.Tensor, serial: int, num_tokens: int, params: list[SamplingParams] | None = None
+) -> InFlight:
+    """Every row's token of ``logits`` [S, V] on the device (argmax; the rows of ``params``
+    that are not greedy drawn together, sampling.draw_batch), and its copy to the host
+    started; the host path's failure check travels with it (argmax picks a NaN; a drawn
+    row's distribution is not finite)."""
     greedy = logits.argmax(dim=-1)  # [S]
     nan = torch.isnan(logits.gather(-1, greedy[:, None])).squeeze(-1)
+    drawn = [i for i, p in enumerate(params or []) if not p.is_greedy]
+    if drawn:
+        assert params is not None
+        rows = on_device(torch.tensor(drawn, dtype=torch.int64), logits.device)
+        tokens, ok = draw_batch(logits.index_select(0, rows), [params[i] for i in drawn])
+        greedy = greedy.index_copy(0, rows, tokens)
+        nan = nan.index_copy(0, rows, ~ok)
     both = torch.stack((greedy, nan.to(torch.int64)))  # [2, S]
     event = None
     if both.is_cuda:

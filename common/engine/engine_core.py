@@ -23,7 +23,13 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.outputs import RequestOutput, TextTracker
 from pdserve.common.engine.prompt_logprobs import PromptScores, in_order
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from pdserve.common.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    not_finite,
+    token_logprobs,
+)
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.spec_decode.speculator import Speculator
 from pdserve.common.engine.step_plan import StepPlan
@@ -277,7 +283,8 @@ class EngineCore(Generic[OutputT]):
         launched = None
         if self._async_runner is not None and all(is_plain(r.sampling) for r in sampled):
             assert self.pool.fence is not None
-            launched = launch_greedy(logits, self.pool.fence, plan.num_tokens)
+            params = [r.sampling for r in sampled]
+            launched = launch_greedy(logits, self.pool.fence, plan.num_tokens, params)
         # the previous step's tokens: some requests of this step may end there
         outputs = self._finish_in_flight(in_flight) if in_flight else []
         rows = list(range(len(sampled)))  # of the logits
@@ -344,7 +351,8 @@ class EngineCore(Generic[OutputT]):
             if req.is_finished:  # aborted, or failed, while the step ran
                 continue
             if bad:
-                self._fail_request(req, f"sampling failed: {NAN_MESSAGE}")
+                why = NAN_MESSAGE if req.sampling.is_greedy else not_finite(req.sampling)
+                self._fail_request(req, f"sampling failed: {why}")
                 continue
             req.output_token_ids[slot] = token
             outputs.append(self._resolved(req, token))

@@ -39,6 +39,8 @@ class GroupTables:
         self.pool = pool
         self.groups = list(groups)
         self.block_size = block_size
+        # no sliding group: no block ever leaves a window (drop_outside_window, each step)
+        self._any_sliding = any(g.is_sliding for g in self.groups)
 
     @property
     def num_groups(self) -> int:
@@ -62,11 +64,12 @@ class GroupTables:
         """Blocks of the pool to allocate so that ``num`` more tokens fit, all groups."""
         self.ensure(req)
         end = req.num_computed_tokens + num
-        grow = sum(
-            max(0, g.num_entries(end, self.block_size) - len(t))
-            for g, t in zip(self.groups, req.tables, strict=True)
-        )
-        return grow + len(req.open_shared)
+        grow = len(req.open_shared)
+        for g, t in zip(self.groups, req.tables, strict=True):  # a loop: each decode, each step
+            more = g.num_entries(end, self.block_size) - len(t)
+            if more > 0:
+                grow += more
+        return grow
 
     def allocate(self, req: Request, num: int) -> None:
         """Grow every group's table to cover ``num`` more tokens (the caller checked that
@@ -179,6 +182,8 @@ class GroupTables:
 
     def drop_outside_window(self, req: Request) -> None:
         """Return the blocks no later query of ``req`` can see, in each sliding group."""
+        if not self._any_sliding:
+            return
         for g, group in enumerate(self.groups):
             num = group.num_blocks_outside(req.num_computed_tokens, self.block_size)
             if num > req.dropped[g]:

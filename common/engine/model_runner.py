@@ -109,6 +109,8 @@ class ModelRunner:
         # logical [N, L, 2, H_kv, B, D] over head-major storage (common/engine/kv_layout.py)
         self.kv_cache = new_cache(self.layout, self.device)
         self.graphs: DecodeGraphs | None = None
+        # steps replayed from a graph, and the others (pdserve:model_steps)
+        self.num_graph_steps = self.num_eager_steps = 0
         # Graph sizes pad decode batches; eager steps pad the same way for the kernels' split
         # (AttentionMetadata.decode_splits), graphs on or off, so both sum alike.
         self._graph_max_batch = cuda_graph_max_batch
@@ -233,7 +235,9 @@ class ModelRunner:
         if self.graphs is not None and not scored:
             logits = self.graphs.run(plan, carry)
             if logits is not None:
+                self.num_graph_steps += 1
                 return logits
+        self.num_eager_steps += 1
         prepare = self.prepare_pcp if self.parallel.is_parallel else self.prepare
         self._score_rows = []
         input_ids, positions, meta, logits_indices = prepare(plan)

@@ -55,6 +55,9 @@ class TextTracker:
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """The text that is now safe to emit, and whether a stop string was hit."""
+        if not self.stop:  # nothing held back: the new text is emitted as it comes
+            self.num_tokens += 1
+            return self.detok.add(token_id), False
         self.text += self.detok.add(token_id)
         self.num_tokens += 1
         if self.stop and self.num_tokens >= self.min_tokens:

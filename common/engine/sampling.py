@@ -17,6 +17,11 @@ __all__ = [
     "SamplingParams",
     "TokenLogprobs",
     "adjust_logits",
+    "batch_probs",
+    "draw_batch",
+    "exponential_race",
+    "is_batched",
+    "on_device",
     "row_probs",
     "sample_row",
     "token_generator",
@@ -61,7 +66,21 @@ class Sampler:
         # greedy row, which then needs no per-row tensor op at all
         nan = torch.isnan(logits.gather(-1, greedy[:, None])).squeeze(-1).tolist()
         self.failed_rows = {}
+        # Unseeded rows that only scale and truncate: one draw for all of them (a step of
+        # such rows made per row cost a few launches and host syncs each on CUDA)
+        batched = [row for row, p in enumerate(params) if is_batched(p)]
+        if batched:
+            index = torch.tensor(batched, dtype=torch.long, device=logits.device)
+            drawn, ok = draw_batch(logits[index], [params[row] for row in batched])
+            for row, token, good in zip(batched, *torch.stack((drawn, ok.long())).tolist(),
+                                        strict=True):  # fmt: skip
+                tokens[row] = token if good else FAILED_TOKEN
+                if not good:
+                    self.failed_rows[row] = not_finite(params[row])
+        done = set(batched)
         for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
+            if row in done:
+                continue
             if p.is_greedy and not p.adjusts_logits:
                 if nan[row]:
                     self.failed_rows[row] = "the model's logits for this request are NaN"
@@ -208,8 +227,92 @@ def row_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     probs = logits.softmax(-1)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
-        raise ValueError(
-            f"the sampling distribution is not finite (temperature {p.temperature:g}, "
-            f"top_p {p.top_p:g}, top_k {p.top_k}, min_p {p.min_p:g})"
-        )
+        raise ValueError(not_finite(p))
     return probs
+
+
+def not_finite(p: SamplingParams) -> str:
+    return (
+        f"the sampling distribution is not finite (temperature {p.temperature:g}, "
+        f"top_p {p.top_p:g}, top_k {p.top_k}, min_p {p.min_p:g})"
+    )
+
+
+def is_batched(p: SamplingParams) -> bool:
+    """A sampled row drawn with the others of its step (``draw_batch``): no seed (a seeded
+    row draws from its own generator, sample_row) and nothing but temperature, top-k,
+    top-p, min-p."""
+    return not p.is_greedy and p.seed is None and not p.adjusts_logits
+
+
+def batch_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``row_probs`` of every row of ``logits`` [R, V] at once (row i with ``params[i]``),
+    without its check: a row that is not a distribution has NaN or sums to 0."""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return on_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
+
+    logits = logits.float() / column([p.temperature for p in params])  # [R, V]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(logits, max(ks), dim=-1).values  # [R, k_max], descending
+        index = on_device(torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long), device)
+        kth = top.gather(1, index[:, None])
+        kth = torch.where(column([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # a row without top-p drops nothing (-1: below every cumulative probability)
+        drop_sorted = cumulative <= column([1 - p.top_p if p.top_p < 1.0 else -1.0
+                                            for p in params])  # fmt: skip
+        drop_sorted[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(-1)
+        floor = column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits.softmax(-1)
+
+
+def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; on CUDA through pinned memory, so that the copy
+    does not wait for the step in flight (common/engine/async_steps.py launches draws)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def exponential_race(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V]: torch.multinomial's own algorithm for one
+    draw (argmax of p / q, q ~ Exp(1); CUDA's exponential never gives 0), without its
+    argument checks, which read the device twice: a launched step would wait there for
+    the one in flight (async_steps.py)."""
+    q = torch.empty_like(probs).exponential_()
+    return (probs / q).argmax(dim=-1)
+
+
+def draw_batch(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [R, V] from ``batch_probs`` (torch's default
+    generator, as an unseeded row's fresh one would be), and whether the row's
+    distribution was finite (else its token is meaningless); both [R] on the device, no
+    host sync on CUDA."""
+    probs = batch_probs(logits, params)
+    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    # a row that is no distribution draws from a uniform one instead (flagged, dropped)
+    probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
+    if probs.device.type != "cpu":
+        return exponential_race(probs), ok
+    # On CPU torch.multinomial costs ~1 ms a row of a 49k vocabulary (one exponential a
+    # token); the inverse of the distribution function in float64, one uniform a row,
+    # draws from the same distribution ~3x faster. right=True never lands on a token of
+    # probability 0 (its cumulative equals the one before it).
+    cumulative = probs.double().cumsum(dim=-1)  # [R, V]
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64) * cumulative[:, -1:]
+    drawn = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    # u rounded up to the total (the last cumulative): the most likely token instead
+    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
+    return drawn.squeeze(-1), ok

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 
 from pdserve.common.engine.block_pool import BlockPool, hash_blocks
 from pdserve.common.engine.group_tables import GroupTables
@@ -54,6 +55,7 @@ from pdserve.common.engine.kv_groups import KVCacheGroup
 from pdserve.common.engine.request import Request, Status
 from pdserve.common.engine.step_plan import ScheduledSeq, StepPlan
 
+ARRIVAL = attrgetter("arrival_order")  # the running line's order, each step
 MAX_COUNTERS = 4096  # clients' counters kept; past it, those of idle clients are dropped
 
 
@@ -147,7 +149,7 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for req in sorted(self.running, key=lambda r: r.arrival_order):
+        for req in sorted(self.running, key=ARRIVAL):
             (decodes if self._decoding(req) else prefills).append(req)
         for req in decodes:
             budget = self._take_running(req, budget, chosen)

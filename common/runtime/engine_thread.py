@@ -55,6 +55,12 @@ def report_engine(metrics: Metrics, engine: Any, num_pending: int, preemptions_s
         metrics.inc("pdserve:prefix_cache_replayed_tokens", replayed)
     if engine.pool.tier is not None:
         report_tier(metrics, engine.pool.tier)
+    runner = getattr(engine, "runner", None)
+    for kind in ("graph", "eager"):  # in-process runners count them (model_runner.py)
+        total = getattr(runner, f"num_{kind}_steps", None)
+        if total is not None:
+            seen = metrics.value("pdserve:model_steps", kind=kind)
+            metrics.inc("pdserve:model_steps", max(0, total - seen), kind=kind)
     return int(sched.num_preemptions)
 
 
@@ -122,6 +128,9 @@ class EngineThread(threading.Thread):
         # again once it is ready.
         self._parked: dict[str, tuple[Command, SamplingParams, float | None]] = {}
         self._resuming: Command | None = None
+        # Replies of the turn under way (``reply``); None outside ``run``'s turns, where
+        # each reply is posted at once (tests turn the thread by hand).
+        self._outbox: list[tuple[bytes, p.Message]] | None = None
 
     def submit(self, command: Command) -> None:
         self.inbox.put(command)
@@ -131,13 +140,33 @@ class EngineThread(threading.Thread):
         self.inbox.put(None)
 
     def post(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Run ``callback(*args)`` on the service's loop."""
+        """Run ``callback(*args)`` on the service's loop (after the replies held so far)."""
+        if self._outbox:
+            self._flush()
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(callback, *args)
 
     def reply(self, identity: bytes, msg: p.Message) -> None:
-        """Send ``msg`` to the router ``identity`` (from the service's loop)."""
+        """Send ``msg`` to the router ``identity`` (from the service's loop). While the
+        thread turns (``run``), a turn's replies go to the loop together when it ends:
+        one wake-up of the loop for a step's tokens, not one per token (#49)."""
+        if self._outbox is not None:
+            self._outbox.append((identity, msg))
+            return
         self.post(self.ctx.reply, identity, msg)
+
+    def _flush(self) -> None:
+        """Hand the replies held this turn to the loop, in order."""
+        if self._outbox:
+            held, self._outbox = self._outbox, []
+            self.post(self._send_replies, held)
+
+    def _send_replies(self, held: list[tuple[bytes, p.Message]]) -> None:
+        for identity, msg in held:  # on the loop; one failed send never stops the rest
+            try:
+                self.ctx.reply(identity, msg)
+            except Exception:
+                log.exception("reply_failed", worker=self.name, message_type=type(msg).__name__)
 
     def setup(self) -> None:  # pragma: no cover - overridden
         pass
@@ -234,6 +263,7 @@ class EngineThread(threading.Thread):
         self.ready.set()
         busy = False
         wait = self.idle_wait
+        self._outbox = []
         try:
             while not self._stop_event.is_set():
                 if self.watchdog is not None:
@@ -245,6 +275,7 @@ class EngineThread(threading.Thread):
                 for command in commands:
                     self._handle(command)
                 busy = self.run_once()
+                self._flush()
                 idle = not (commands or busy or self._parked) and self.quiet()
                 wait = min(2 * wait, self.idle_wait_max) if idle else self.idle_wait
         except Exception as exc:  # noqa: BLE001 - a dead engine thread must not look alive
@@ -258,6 +289,8 @@ class EngineThread(threading.Thread):
             if self.on_fatal is not None:
                 self.post(self.on_fatal, exc)
         finally:
+            self._flush()
+            self._outbox = None
             self.teardown()
 
     def _handle(self, command: Command) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from typing import Any
 
 from pdserve.common.runtime.protocol import MetricSample
 
@@ -53,6 +54,7 @@ COUNTERS = {
     "pdserve:spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position",
     "pdserve:abandoned_tokens": "tokens computed for requests then given up (aborted: client gone, deadline, abort): nobody was waiting for them",
     "pdserve:client_served_tokens": "tokens served per client class (prompt tokens dispatched, tokens generated); the first max_client_classes clients seen have a class each, the rest are 'other'",
+    "pdserve:model_steps": "model steps by kind: graph (a decode step replayed from a captured CUDA graph) or eager (anything else: a prefill chunk among the decodes, a batch past cuda_graph_max_batch, CPU)",
     "pdserve:spec_decode_num_deferred": "verify steps without drafts: the DSpark draft's state was being rebuilt",
 }
 GAUGES = {
@@ -75,6 +77,7 @@ HISTOGRAMS = {
     "pdserve:ttft_part_seconds": "time to first token by part of the request's path (common/runtime/ttft.py)",
 }
 HELP = {**COUNTERS, **GAUGES, **HISTOGRAMS}
+MAX_CACHED_KEYS = 4096  # Metrics._key's cache, emptied when full
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -104,12 +107,21 @@ class Metrics:
         self.gauges: dict[tuple[str, Labels], float] = {}
         self.histograms: dict[tuple[str, Labels], Histogram] = {}
         self._lock = threading.Lock()  # the engine thread writes while the loop reads
+        self._keys: dict[tuple[Any, ...], tuple[str, Labels]] = {}  # _key's answers
 
     def _key(self, name: str, labels: dict[str, str | int]) -> tuple[str, Labels]:
-        if name not in HELP:
-            raise KeyError(f"unknown metric {name}")
-        merged = {"rank": "0", **self.base, **{k: str(v) for k, v in labels.items()}}
-        return name, tuple(sorted(merged.items()))
+        # cached: the router observes a metric or two per token of every stream
+        asked = (name, *labels.items())
+        key = self._keys.get(asked)
+        if key is None:
+            if name not in HELP:
+                raise KeyError(f"unknown metric {name}")
+            merged = {"rank": "0", **self.base, **{k: str(v) for k, v in labels.items()}}
+            key = name, tuple(sorted(merged.items()))
+            if len(self._keys) >= MAX_CACHED_KEYS:
+                self._keys.clear()
+            self._keys[asked] = key
+        return key
 
     def inc(self, name: str, amount: float = 1.0, **labels: str | int) -> None:
         key = self._key(name, labels)

@@ -30,6 +30,8 @@ from pdserve.common.runtime.sockets import make_socket
 from pdserve.services.router.links import Link
 from pdserve.services.router.request_state import RequestState
 
+# messages of one instance taken at once (Instances._receive): a step's tokens and more
+DRAIN_MAX = 1024
 log = structlog.get_logger("pdserve.router")
 
 SCRAPE_TIMEOUT = 2.0
@@ -143,34 +145,49 @@ class Instances:
     # -- receiving --------------------------------------------------------------------------
 
     async def _receive(self, link: Link, decoder: p.Decoder[Any]) -> None:
+        # A decode step's tokens arrive together, one message per stream: after one
+        # awaited message, those already queued are taken without a future each (the
+        # asyncio socket's recv machinery was the router's largest per-token cost). The
+        # asyncio socket checks for queued messages itself when next awaited.
+        queued: zmq.Socket[bytes] = zmq.Socket.shadow(link.sock.underlying)
         while True:
-            payload = await link.sock.recv()
-            try:
-                msg = decoder.decode(payload)
-            except Exception as exc:
-                self.metrics.inc("pdserve:bad_messages")
-                if (suppressed := self.throttle.allow(("bad_message", link.name))) is not None:
-                    log.warning("bad_message", peer=link.name, error=str(exc),
-                                suppressed=suppressed)  # fmt: skip
-                continue
-            if isinstance(msg, p.Pong):
-                link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
-                link.heard = link.last_pong
-                link.num_kv_blocks, link.num_host_blocks = msg.num_kv_blocks, msg.num_host_blocks
-                self._reachability(link, frozenset(msg.unreachable_producers))
-            elif isinstance(msg, p.MetricsReport):
-                fut = self._scrapes.pop(link.name, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            else:
-                state = self.requests.get(msg.request_id)
-                if state is not None:
-                    state.queue.put_nowait(msg)
-                elif isinstance(msg, p.PrefillDone | p.TokenChunk):
-                    # The request already ended here (aborted, or failed while this instance
-                    # looked down): without an Abort the instance would pin its KV until the
-                    # lease ran out, or generate for nobody.
-                    self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
+            payloads = [await link.sock.recv()]
+            while len(payloads) < DRAIN_MAX:
+                try:
+                    payloads.append(queued.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            for payload in payloads:
+                self._deliver(link, decoder, payload)
+
+    def _deliver(self, link: Link, decoder: p.Decoder[Any], payload: bytes) -> None:
+        """One message of an instance: a Pong, a metrics report, or a request's event."""
+        try:
+            msg = decoder.decode(payload)
+        except Exception as exc:
+            self.metrics.inc("pdserve:bad_messages")
+            if (suppressed := self.throttle.allow(("bad_message", link.name))) is not None:
+                log.warning("bad_message", peer=link.name, error=str(exc),
+                            suppressed=suppressed)  # fmt: skip
+            return
+        if isinstance(msg, p.Pong):
+            link.ready, link.last_pong, link.lost = msg.ready, time.monotonic(), False
+            link.heard = link.last_pong
+            link.num_kv_blocks, link.num_host_blocks = msg.num_kv_blocks, msg.num_host_blocks
+            self._reachability(link, frozenset(msg.unreachable_producers))
+        elif isinstance(msg, p.MetricsReport):
+            fut = self._scrapes.pop(link.name, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            state = self.requests.get(msg.request_id)
+            if state is not None:
+                state.queue.put_nowait(msg)
+            elif isinstance(msg, p.PrefillDone | p.TokenChunk):
+                # The request already ended here (aborted, or failed while this instance
+                # looked down): without an Abort the instance would pin its KV until the
+                # lease ran out, or generate for nobody.
+                self._send(link, p.Abort(request_id=msg.request_id, trace_id=msg.trace_id))
 
     async def _ping_loop(self) -> None:
         lag = LoopLag(self.ping_seconds, self.metrics)

@@ -402,10 +402,14 @@ class Router(Placement):
     async def _next(self, state: RequestState, timeout: float, phase: str) -> Any:
         """The request's next event, or past ``timeout`` (0: none) a Failed "timeout" naming
         the phase and the instance, which is told to abort the request."""
+        if not state.queue.empty():  # already here: no deadline to arm
+            return state.queue.get_nowait()
         if timeout <= 0:
             return await state.queue.get()
         try:
-            return await asyncio.wait_for(state.queue.get(), timeout)
+            # a timer, not wait_for's task per call: this runs for every token of every stream
+            async with asyncio.timeout(timeout):
+                return await state.queue.get()
         except TimeoutError:
             pass
         at = state.link.name if state.link is not None else "the router"

@@ -126,7 +126,8 @@ class Tokenizer:
         return tuple(sorted({t.content for t in decoder.values() if t.special and t.content}))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = ids if type(ids) is list else list(ids)  # the detokenizer's windows: lists
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,
