@@ -363,8 +363,8 @@ def moe_experts(
     first_expert: int = 0,  # global id of this rank's expert 0
     limit: float | None = None,  # DeepSeek-V4: gate and up clamped at it (swiglu_limit)
 ) -> torch.Tensor:  # [T, H]: sum over this rank's experts of weight * expert(x)
-    """Routed experts: on CUDA at decode sizes (T*k up to ``triton_moe_decode.MAX_PAIRS``)
-    two Triton launches that read each touched expert once (:mod:`pdserve.kernels.
+    """Routed experts: on CUDA at decode sizes (T*k up to ``triton_moe_decode.enabled_pairs``:
+    PDSERVE_MOE_DECODE_PAIRS, off by default until timed on a GPU) two Triton launches that read each touched expert once (:mod:`pdserve.kernels.
     triton_moe_decode`); past it (bf16 or fp32, sm90+) tokens sorted by expert and one
     grouped GEMM per projection (:mod:`pdserve.kernels.moe_grouped`); elsewhere, or with
     ``PDSERVE_KERNELS=torch``, the loop over experts of :mod:`pdserve.kernels.moe_ref`."""

@@ -36,9 +36,18 @@ from pdserve.kernels.triton_common import _device_guard
 
 # The most (token, slot) pairs a call takes here; past it the grouped GEMM (its sort and
 # launches amortised, its tiles full). 128: batch 16 at top-8, 21 at top-6.
-# PDSERVE_MOE_DECODE_PAIRS overrides it (0: never; A/B runs of bench engine).
 MAX_PAIRS = 128
+# Off by default until a GPU run has timed these kernels against the grouped path
+# (`bash benchmarks/gpu.sh moe-decode`; none could be made in the session that wrote them):
+# PDSERVE_MOE_DECODE_PAIRS=N takes them up to N pairs (at most MAX_PAIRS; 0: never), as the
+# interpreter lane of scripts/test.sh and the A/B runs of bench engine do.
+DEFAULT_PAIRS = 0
 PAIRS_ENV = "PDSERVE_MOE_DECODE_PAIRS"
+
+
+def enabled_pairs() -> int:
+    """The most pairs a call takes the decode kernels for (PDSERVE_MOE_DECODE_PAIRS)."""
+    return min(MAX_PAIRS, int(os.environ.get(PAIRS_ENV, DEFAULT_PAIRS)))
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -47,7 +56,7 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor) -> bool
     """Whether this call takes the decode kernels: a few pairs, one float dtype."""
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
     return (
-        0 < pairs <= int(os.environ.get(PAIRS_ENV, MAX_PAIRS))
+        0 < pairs <= enabled_pairs()
         and x.dtype in DTYPES
         and gate_up.dtype == x.dtype
         and gate_up.shape[1] % 2 == 0

@@ -29,6 +29,8 @@ lane() {  # exit code 5: the lane selected no tests (e.g. a -k that matches only
 }
 echo "== fast lane" && lane "not gpu and not slow" "$fast_workers" "$@"
 # TRITON_INTERPRET must be set before triton is imported: the lane is a process of its own.
-# Its tests skip without triton (importorskip), so its absence fails here instead.
-echo "== interp lane" && "$python" -c "import triton" && TRITON_INTERPRET=1 lane "interp" "$fast_workers" "$@"
+# Its tests skip without triton (importorskip), so its absence fails here instead. The MoE
+# decode kernels, off by default until timed on a GPU, are on here (whole models take them).
+echo "== interp lane" && "$python" -c "import triton" \
+    && TRITON_INTERPRET=1 PDSERVE_MOE_DECODE_PAIRS=128 lane "interp" "$fast_workers" "$@"
 echo "== slow lane" && lane "slow and not gpu" "$slow_workers" "$@"

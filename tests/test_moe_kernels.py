@@ -409,10 +409,17 @@ def test_decode_kernels_equal_the_expert_loop(
 def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
     decode_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """kernels.moe_experts on the Triton backend: T*k <= MAX_PAIRS the decode kernels,
-    past it not; PDSERVE_MOE_DECODE_PAIRS=0 turns them off."""
+    """kernels.moe_experts on the Triton backend: off by default; with
+    PDSERVE_MOE_DECODE_PAIRS on, T*k <= MAX_PAIRS the decode kernels, past it not; 0 turns
+    them off."""
     from pdserve.kernels import triton_moe_decode
 
+    monkeypatch.delenv(triton_moe_decode.PAIRS_ENV, raising=False)
+    x1 = torch.randn(1, 32, device=decode_device)
+    ids1, _ = routing(1, 8, 16, decode_device)
+    gate_up1, _ = weights(16, 32, 16, torch.float32, decode_device)
+    assert not triton_moe_decode.fits(x1, ids1, gate_up1)  # off until timed on a GPU
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, "1000")  # capped at MAX_PAIRS
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
     taken = []
     real = triton_moe_decode.moe_experts
@@ -486,7 +493,7 @@ def test_decode_kernels_compile_for_hopper() -> None:
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_decode_kernels_on_cuda_reference_and_graph_replay(
-    shape: str, tokens: int, ranks: int
+    shape: str, tokens: int, ranks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 at 30B-A3B's layer and V4-Flash's (a quarter of its experts, limit 10), batch 1
     and 16, the whole expert set or rank 1 of 4: the dispatch takes the decode kernels; against the
@@ -494,6 +501,7 @@ def test_decode_kernels_on_cuda_reference_and_graph_replay(
     in (no atomics: one summation order)."""
     from pdserve.kernels import triton_moe_decode
 
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))
     sizes, limit = (SHAPE, None) if shape == "30b-a3b" else (V4_SHAPE, 10.0)
     e, h, i, k = (sizes[n] for n in ("num_experts", "hidden", "inter", "top_k"))
     gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
