@@ -49,6 +49,7 @@ def enabled_pairs() -> int:
     """The most pairs a call takes the decode kernels for (PDSERVE_MOE_DECODE_PAIRS)."""
     return min(MAX_PAIRS, int(os.environ.get(PAIRS_ENV, DEFAULT_PAIRS)))
 
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
