@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,9 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels import moe_grouped, triton_moe_decode
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.moe_ep import _copy_gbps  # noqa: E402  (the copy-rate probe, once)
+from pdserve.kernels import moe_grouped, triton_moe_decode  # noqa: E402
 
 # name: (experts, top_k, hidden, intermediate, swiglu limit)
 SHAPES: dict[str, tuple[int, int, int, int, float | None]] = {
@@ -53,24 +56,6 @@ SWEEP_DOWN = [
     for bk in (128, 256, 512)
     for st in (3, 4, 5)
 ]
-
-
-def _copy_gbps(device: torch.device) -> float:
-    src = torch.empty(2**30 if device.type == "cuda" else 2**24, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() / best / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:

@@ -40,16 +40,17 @@ class Batch(EngineThread):
         return True
 
 
+def _context(reply: Any) -> EngineContext:
+    return EngineContext(
+        cfg=DeploymentConfig(), instance=0, torch_threads=1, metrics=Metrics("decode", 0),
+        reply=reply,
+    )  # fmt: skip
+
+
 def test_a_turns_replies_reach_the_loop_together_and_in_order() -> None:
     got: list[tuple[bytes, int]] = []
     loop = asyncio.new_event_loop()
-    ctx = EngineContext(
-        cfg=DeploymentConfig(),
-        instance=0,
-        torch_threads=1,
-        metrics=Metrics("decode", 0),
-        reply=lambda identity, msg: got.append((identity, msg.token_ids[0])),
-    )
+    ctx = _context(lambda identity, msg: got.append((identity, msg.token_ids[0])))
     thread = Batch(ctx, loop, turns=2)
     wakeups: list[Any] = []
     threadsafe = loop.call_soon_threadsafe
@@ -77,13 +78,7 @@ def test_replies_outside_a_turn_are_posted_at_once() -> None:
     """A thread turned by hand (the tests of the services' threads) posts each reply."""
     got: list[int] = []
     loop = asyncio.new_event_loop()
-    ctx = EngineContext(
-        cfg=DeploymentConfig(),
-        instance=0,
-        torch_threads=1,
-        metrics=Metrics("decode", 0),
-        reply=lambda identity, msg: got.append(msg.token_ids[0]),
-    )
+    ctx = _context(lambda identity, msg: got.append(msg.token_ids[0]))
     thread = Batch(ctx, loop, turns=1)
     thread.post = lambda callback, *args: callback(*args)  # type: ignore[method-assign]
     thread.run_once()
