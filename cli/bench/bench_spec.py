@@ -7,6 +7,20 @@ every draft accepted, the mechanism's best case). ``--workload repeat`` makes pr
 ask to repeat a given text twice (n-gram's real case); ``random`` keeps bench engine's
 random-token prompts. A verify step (k + 1 rows a sequence) replays the decode CUDA
 graphs where its rows fit the largest captured size (common/engine/spec_decode/verify_rows.py).
+
+``--dspark K`` is method dspark with k = K; a DeepSeek-V4 checkpoint without a DSpark
+module (a ``--shape``'s) is given a random one (``--dspark-stages`` stages,
+common/model/fixtures/random_dspark.py ``v4_dspark_model``), written once into the model
+cache beside it. A random module's drafts are almost never the target's tokens: its
+acceptance is near zero and its tok/s the cost of drafting and verifying with nothing
+gained, the floor of what a trained module buys.
+
+Each row: decode tok/s with and without speculation, the step (ms, the host's share
+included) and of it the target's forward (``forward ms``): without speculation a plain
+decode step, with it the verify step of k + 1 rows a sequence (drafting is outside the
+forward, inside the step); the acceptance; and whether greedy output with speculation
+equals it without (the same prompts generated both ways, untimed: speculation must not
+change greedy tokens).
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ class SpecRow:
     spec_step_ms: float
     acceptance_rate: float  # accepted / drafted over the timed spec runs
     mean_accepted_length: float  # tokens per verify step, the bonus included
+    base_forward_ms: float = 0.0  # of base_step_ms, the target's forward (a decode step)
+    spec_forward_ms: float = 0.0  # of spec_step_ms, the target's forward (the verify)
+    greedy_equal: int = 0  # sequences whose greedy tokens with speculation equal those without
 
 
 SPEC_COLUMNS = (
@@ -52,8 +69,11 @@ SPEC_COLUMNS = (
     ("speedup", "speedup", "{:.2f}x"),
     ("base_step_ms", "step ms", "{:.2f}"),
     ("spec_step_ms", "spec step ms", "{:.2f}"),
+    ("base_forward_ms", "forward ms", "{:.2f}"),
+    ("spec_forward_ms", "verify fwd ms", "{:.2f}"),
     ("acceptance_rate", "accepted", "{:.1%}"),
     ("mean_accepted_length", "tokens/verify", "{:.2f}"),
+    ("greedy_equal", "greedy = base", "{:d}"),
 )
 
 
@@ -127,6 +147,16 @@ def bench_spec_batch(
     def step_ms(t: Any) -> float:
         return float(t.decode_s / max(t.decode_steps, 1) * 1e3)
 
+    def forward_ms(t: Any) -> float:
+        return float(t.model_s / max(t.decode_steps, 1) * 1e3)
+
+    progress(f"batch {batch}: greedy tokens with and without speculation")
+    from pdserve.common.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
+    with speculation_off(engine):
+        want = [c.token_ids for c in engine.generate(prompts(1), greedy)]
+    got = [c.token_ids for c in engine.generate(prompts(1), greedy)]
     base_tok_s = statistics.median(tok_s(t) for t in base)
     spec_tok_s = statistics.median(tok_s(t) for t in spec)
     return SpecRow(
@@ -138,12 +168,18 @@ def bench_spec_batch(
         spec_step_ms=statistics.median(step_ms(t) for t in spec),
         acceptance_rate=accepted / drafted if drafted else 0.0,
         mean_accepted_length=1 + accepted / verifies if verifies else 0.0,
+        base_forward_ms=statistics.median(forward_ms(t) for t in base),
+        spec_forward_ms=statistics.median(forward_ms(t) for t in spec),
+        greedy_equal=sum(g == w for g, w in zip(got, want, strict=True)),
     )
 
 
 def spec_config_of(args: argparse.Namespace) -> Any:
     from pdserve.common.engine.spec_decode.config import parse_speculative_config
 
+    if getattr(args, "dspark", None) is not None:
+        raw: Any = {"method": "dspark", "num_speculative_tokens": args.dspark}
+        return parse_speculative_config(json.dumps(raw))
     raw = json.loads(args.speculative_config)
     if isinstance(raw, dict) and raw.get("model") == "self":
         raw["model"] = args.model  # the target (after --shape made it)
@@ -167,11 +203,21 @@ def run_spec(
         f"speculative_config {json.dumps({k: v for k, v in asdict_spec(spec).items() if v is not None})}"
     )
     print(format_table(rows, SPEC_COLUMNS))  # type: ignore[arg-type]
+    for r in rows:
+        if r.greedy_equal != r.batch:
+            print(f"batch {r.batch}: greedy tokens with speculation differ from those without "
+                  f"in {r.batch - r.greedy_equal} of {r.batch} sequences")  # fmt: skip
+    if spec.method == "dspark" and getattr(args, "dspark_random", False):
+        print("the DSpark module is random (none in the checkpoint): acceptance near zero, "
+              "the speculative rows the cost of drafting and verifying with nothing gained")  # fmt: skip
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        from pdserve.cli.provenance import provenance
+
         payload = {
             "benchmark": "engine_spec",
             "config": {
+                **provenance(),
                 "model_dir": str(engine.model_dir),
                 "shape": args.shape,
                 "device": args.device,
@@ -180,6 +226,8 @@ def run_spec(
                 "gen_len": args.gen_len,
                 "repeats": args.repeats,
                 "speculative_config": asdict_spec(spec),
+                "dspark_random": bool(getattr(args, "dspark_random", False)),
+                "dspark_stages": getattr(args, "dspark_stages", None),
                 "cuda_graphs": graphs,
                 "loadavg_1m_end": os.getloadavg()[0],
             },
