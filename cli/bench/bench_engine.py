@@ -98,6 +98,16 @@ def add_parser(sub: Any) -> None:
         help="with --shape: that many layers instead of the shape's own",
     )
     p.add_argument(
+        "--routed-experts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --shape 30b-a3b-full, v2-lite, dsv32 or dsv4-flash: N routed experts a "
+        "layer instead of the shape's, drawn at random instead of zeros (the routing decides "
+        "the output: what --compare-tokens needs), e.g. dsv4-flash's 4 layers at 32 experts "
+        "are 8 GB, which HF holds on one 80 GB GPU",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -390,6 +400,10 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
     configure_logging("WARNING")
+    if args.compare_tokens and args.no_hf:
+        raise SystemExit("pdserve bench engine: --compare-tokens needs HF (drop --no-hf)")
+    if args.dspark is not None and args.speculative_config is not None:
+        raise SystemExit("pdserve bench engine: give --dspark or --speculative-config, not both")
     if args.shape is not None:
         if args.model is not None:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
@@ -397,20 +411,24 @@ def run(args: argparse.Namespace) -> int:
 
         refuse_unsupported_shape(args)  # before writing tens of GB
         progress(f"random {args.shape} checkpoint")
-        args.model = str(
-            random_shape_model(
-                args.shape,
-                num_layers=args.layers,
-                device=args.device,
-                tokenizer_from=args.tokenizer,
+        try:
+            args.model = str(
+                random_shape_model(
+                    args.shape,
+                    num_layers=args.layers,
+                    device=args.device,
+                    tokenizer_from=args.tokenizer,
+                    routed_experts=args.routed_experts,
+                )
             )
-        )
+        except ValueError as e:  # --routed-experts the shape cannot take
+            raise SystemExit(f"pdserve bench engine: {e}") from None
         if args.shape == "dsv3" and '"mtp"' in (args.speculative_config or ""):
             from pdserve.common.model.fixtures.random_mtp import add_random_mtp_layer
 
             add_random_mtp_layer(Path(args.model), args.device)  # random drafts: the cost
-    elif args.layers is not None:
-        raise SystemExit("pdserve bench engine: --layers needs --shape")
+    elif args.layers is not None or args.routed_experts is not None:
+        raise SystemExit("pdserve bench engine: --layers and --routed-experts need --shape")
     if args.compare_tokens and args.no_hf:
         raise SystemExit("pdserve bench engine: --compare-tokens needs HF (drop --no-hf)")
     if args.dspark is not None:
