@@ -185,7 +185,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also check the engine's greedy tokens against HF generate's on each batch "
         "size's first timed prompts (gen_len tokens each; the sequences equal, and where "
-        "one is not, the first position that differs)",
+        "one is not, the first position that differs; exit status 1 where any differs)",
     )
     p.add_argument(
         "--workload",
@@ -505,4 +505,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json(args.json, config, rows)
         progress(f"wrote {args.json}")
-    return 0
+    matches = config.get("greedy_vs_hf", {}).values()
+    return 1 if any(m["equal"] != m["sequences"] for m in matches) else 0

@@ -20,7 +20,7 @@ included) and of it the target's forward (``forward ms``): without speculation a
 decode step, with it the verify step of k + 1 rows a sequence (drafting is outside the
 forward, inside the step); the acceptance; and whether greedy output with speculation
 equals it without (the same prompts generated both ways, untimed: speculation must not
-change greedy tokens).
+change greedy tokens; exit status 1 where a sequence differs).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def run_spec(
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         progress(f"wrote {args.json}")
-    return 0
+    return 1 if any(r.greedy_equal != r.batch for r in rows) else 0
 
 
 def asdict_spec(spec: Any) -> dict[str, Any]:
