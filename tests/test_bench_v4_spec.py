@@ -24,7 +24,7 @@ from tests.test_random_shapes import TINY
 
 pytest.importorskip("transformers")
 
-SIZES = ["--layers", "3", "--prompt-len", "40", "--gen-len", "10", "--repeats", "1"]
+SIZES = ["--layers", "3", "--prompt-len", "24", "--gen-len", "8", "--repeats", "1"]
 
 
 @pytest.fixture
@@ -52,6 +52,8 @@ def test_dspark_rows_and_greedy_tokens_equal_without_it(tiny_v4: list[str], tmp_
     for r in rows:
         assert r["greedy_equal"] == r["batch"]  # speculation changed no greedy token
         assert 0.0 <= r["acceptance_rate"] <= 1.0
+        assert 1.0 <= r["drafted_per_verify"] <= 5.0  # drafts made, at most k a step
+        assert r["deferred"] == 0  # the 24-token prompts filled the windows of 16
         assert r["base_forward_ms"] > 0 and r["spec_forward_ms"] > 0
         assert 0 < r["base_forward_ms"] <= r["base_step_ms"]
         assert 0 < r["spec_forward_ms"] <= r["spec_step_ms"]

@@ -60,6 +60,11 @@ class SpecRow:
     base_forward_ms: float = 0.0  # of base_step_ms, the target's forward (a decode step)
     spec_forward_ms: float = 0.0  # of spec_step_ms, the target's forward (the verify)
     greedy_equal: int = 0  # sequences whose greedy tokens with speculation equal those without
+    # over the timed spec runs: draft tokens proposed per sequence's verify step (k where
+    # every step drafted a full block), and the verify steps sent without drafts because the
+    # proposer's state had a gap (DSpark's windows: common/engine/spec_decode/stats.py)
+    drafted_per_verify: float = 0.0
+    deferred: int = 0
 
 
 SPEC_COLUMNS = (
@@ -73,6 +78,7 @@ SPEC_COLUMNS = (
     ("spec_forward_ms", "verify fwd ms", "{:.2f}"),
     ("acceptance_rate", "accepted", "{:.1%}"),
     ("mean_accepted_length", "tokens/verify", "{:.2f}"),
+    ("drafted_per_verify", "drafted/verify", "{:.2f}"),
     ("greedy_equal", "greedy = base", "{:d}"),
 )
 
@@ -127,10 +133,11 @@ def bench_spec_batch(
         bench.run(prompts(0), args.gen_len)
     bench.run(prompts(0), args.gen_len)
     base, spec = [], []
-    drafted0, accepted0, drafts0 = (
+    drafted0, accepted0, drafts0, deferred0 = (
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
         stats.num_drafts,
+        stats.num_deferred,
     )
     for i in range(1, args.repeats + 1):
         progress(f"batch {batch}: run {i}/{args.repeats}")
@@ -140,6 +147,7 @@ def bench_spec_batch(
     drafted = stats.num_draft_tokens - drafted0
     accepted = stats.num_accepted_tokens - accepted0
     verifies = stats.num_drafts - drafts0
+    deferred = stats.num_deferred - deferred0
 
     def tok_s(t: Any) -> float:
         return float(t.decode_tokens / t.decode_s)
@@ -171,6 +179,8 @@ def bench_spec_batch(
         base_forward_ms=statistics.median(forward_ms(t) for t in base),
         spec_forward_ms=statistics.median(forward_ms(t) for t in spec),
         greedy_equal=sum(g == w for g, w in zip(got, want, strict=True)),
+        drafted_per_verify=drafted / verifies if verifies else 0.0,
+        deferred=deferred,
     )
 
 
@@ -204,6 +214,9 @@ def run_spec(
     )
     print(format_table(rows, SPEC_COLUMNS))  # type: ignore[arg-type]
     for r in rows:
+        if r.drafted_per_verify == 0:
+            print(f"batch {r.batch}: no drafts were proposed ({r.deferred} verify steps "
+                  "deferred): its speculative columns are plain decode steps")  # fmt: skip
         if r.greedy_equal != r.batch:
             print(f"batch {r.batch}: greedy tokens with speculation differ from those without "
                   f"in {r.batch - r.greedy_equal} of {r.batch} sequences")  # fmt: skip
