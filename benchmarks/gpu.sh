@@ -55,9 +55,10 @@
 #                 $DEEPSEEK_ONLY=dsv4-flash,dsv32: only those bench runs
 #   dsv4-spec     #47 in ~4-5 min, not yet run on a GPU: DSpark k=5 on a DeepSeek-V4 target
 #                 (bench engine --shape dsv4-flash --layers 3 --dspark 5: V4-Flash's window, CSA
-#                 and HCA layers, 256 experts (zeros), one random DSpark stage): plain decode
-#                 step and the verify step's forward (ms), acceptance, decode tok/s with and
-#                 without, greedy tokens equal, batch 1 and 16; then the engine against HF's
+#                 and HCA layers, 256 experts (zeros), one random DSpark stage, its Markov head a
+#                 bigram table of the target's own greedy output): plain decode step and the
+#                 verify step's forward (ms), acceptance, decode tok/s with and without, greedy
+#                 tokens equal, batch 1 and 16; then the engine against HF's
 #                 DeepseekV4ForCausalLM greedy, token for token, at V4-Flash's 4 layers with 32
 #                 random experts (--routed-experts 32 --compare-tokens, float32 on both sides:
 #                 16 GB, HF holds it; DSV4_SPEC_BF16=1 adds a bf16 run)
@@ -446,7 +447,7 @@ suite_dsv4-spec() {  # issue #47: DSpark on a V4 target; the engine vs HF at a V
     # 3 layers: 37 GiB + the stage's 12 GiB + one layer's experts stacked at the first forward
     # (61 GiB at the peak); 4 (74) would not leave the cache room on an 80 GB card
     stamp "dsv4 dspark (<= 210 s)"
-    timeout 210 python3 -m pdserve bench engine --shape dsv4-flash --layers 3 --dspark 5 \
+    timeout 210 python3 -m pdserve bench engine --shape dsv4-flash --layers 3 --dspark 5 --dspark-bigram \
         --tokenizer /tmp/tokmodel --device cuda --dtype bfloat16 --prompt-len 512 --gen-len 48 \
         --batch-sizes 1,16 --repeats 2 --json "$OUT/dsv4_dspark.json" \
         2>"$OUT/dsv4_dspark_err.txt" | tee "$OUT/dsv4_dspark.txt"

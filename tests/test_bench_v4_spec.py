@@ -3,9 +3,10 @@ commands on ``--shape dsv4-flash`` with V4-Flash's config at tests/test_random_s
 tiny sizes (RANDOM_V4's: hidden 64, 8 experts, window 16), 3 layers (window, CSA, HCA;
 the first two hash-routed).
 
-* ``--dspark 5``: the shape's checkpoint given a random DSpark module in a copy of its own
-  (the shape's directory untouched), decode with and without it at batch 1 and 2, greedy
-  tokens with speculation equal to those without, the JSON's rows and provenance;
+* ``--dspark 5 --dspark-bigram``: the shape's checkpoint given a random DSpark module in a
+  copy of its own (the shape's directory untouched), its Markov head a bigram table of the
+  target's greedy output (drafts accepted), decode with and without it at batch 1 and 2,
+  greedy tokens with speculation equal to those without, the JSON's rows and provenance;
 * ``--routed-experts 8 --compare-tokens``: experts drawn at random, not zeros, and the
   engine's greedy tokens equal to transformers' ``DeepseekV4ForCausalLM``'s.
 """
@@ -39,7 +40,8 @@ def tiny_v4(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_dir: Path) ->
 
 def test_dspark_rows_and_greedy_tokens_equal_without_it(tiny_v4: list[str], tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
-    assert main([*tiny_v4, "--dspark", "5", "--batch-sizes", "1,2", "--json", str(out)]) == 0
+    args = ["--dspark", "5", "--dspark-bigram", "--batch-sizes", "1,2", "--json", str(out)]
+    assert main([*tiny_v4, *args]) == 0
     payload = json.loads(out.read_text())
     config = payload["config"]
     assert payload["benchmark"] == "engine_spec"
@@ -47,11 +49,12 @@ def test_dspark_rows_and_greedy_tokens_equal_without_it(tiny_v4: list[str], tmp_
     assert config["speculative_config"]["method"] == "dspark"
     assert config["speculative_config"]["num_speculative_tokens"] == 5
     assert config["dspark_random"] is True and config["dspark_stages"] == 1
+    assert config["dspark_bigram_tokens"] > 0
     rows = payload["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["greedy_equal"] == r["batch"]  # speculation changed no greedy token
-        assert 0.0 <= r["acceptance_rate"] <= 1.0
+        assert 0.0 < r["acceptance_rate"] <= 1.0  # the bigram's drafts: some accepted
         assert 1.0 <= r["drafted_per_verify"] <= 5.0  # drafts made, at most k a step
         assert r["deferred"] == 0  # the 24-token prompts filled the windows of 16
         assert r["base_forward_ms"] > 0 and r["spec_forward_ms"] > 0
@@ -64,6 +67,7 @@ def test_dspark_rows_and_greedy_tokens_equal_without_it(tiny_v4: list[str], tmp_
     assert not (target / "mtp.safetensors").exists()
     raw = json.loads((model / "config.json").read_text())
     assert raw["dspark_block_size"] == 5 and raw["dspark_target_layer_ids"] == [0, 1, 2]
+    assert raw["dspark_markov_rank"] == 1024  # room for the bigram table
     with safe_open(str(model / "mtp.safetensors"), "pt") as f:
         keys = list(f.keys())
         assert keys and all(k.startswith("mtp.0.") for k in keys)  # one stage
@@ -102,6 +106,8 @@ def test_refusals(tiny_v4: list[str]) -> None:
         main([*tiny_v4, "--compare-tokens", "--no-hf"])
     with pytest.raises(SystemExit, match="--dspark or --speculative-config, not both"):
         main([*tiny_v4, "--dspark", "5", "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(SystemExit, match="--dspark-bigram needs --dspark"):
+        main([*tiny_v4, "--dspark-bigram"])
     with pytest.raises(SystemExit, match="--routed-experts need --shape"):
         main(["bench", "engine", "--routed-experts", "8"])
     with pytest.raises(SystemExit, match="--dspark needs a DeepSeek-V4 checkpoint"):

@@ -181,6 +181,14 @@ def add_parser(sub: Any) -> None:
         "routed experts: 12 GiB a stage at dsv4-flash in bf16)",
     )
     p.add_argument(
+        "--dspark-bigram",
+        action="store_true",
+        help="with --dspark and a random module: its Markov head set, before the timed "
+        "runs, to a bigram table of the target's own greedy output on the run's prompts "
+        "(each token to the one that most often follows it there), so that some drafts "
+        "are accepted: acceptance from the target's habits, not a trained module's",
+    )
+    p.add_argument(
         "--compare-tokens",
         action="store_true",
         help="also check the engine's greedy tokens against HF generate's on each batch "
@@ -360,12 +368,16 @@ def dspark_checkpoint(args: argparse.Namespace) -> Path:
         else {}
     )
     if "dspark_block_size" in raw:
+        if args.dspark_bigram:
+            raise SystemExit("pdserve bench engine: --dspark-bigram rewrites a random module's "
+                             f"Markov head; {model} has a DSpark module of its own")  # fmt: skip
         return model  # type: ignore[return-value]
     if raw.get("model_type") != "deepseek_v4":
         raise SystemExit(
             "pdserve bench engine: --dspark needs a DeepSeek-V4 checkpoint (--shape dsv4-flash "
             f"or --model DIR); {args.model or 'the embedded default'} is not one"
         )
+    from pdserve.cli.bench.bench_spec import BIGRAM_RANK
     from pdserve.common.model.fixtures.random_dspark import v4_dspark_model
 
     progress(f"random DSpark module ({args.dspark_stages} stages, block {args.dspark})")
@@ -374,6 +386,7 @@ def dspark_checkpoint(args: argparse.Namespace) -> Path:
         model,  # type: ignore[arg-type]
         num_stages=args.dspark_stages,
         block_size=args.dspark,
+        markov_rank=BIGRAM_RANK if args.dspark_bigram else 16,
         dtype=str(raw.get("torch_dtype", "float32")),
         zero_experts=args.shape is not None,
     )
@@ -404,6 +417,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve bench engine: --compare-tokens needs HF (drop --no-hf)")
     if args.dspark is not None and args.speculative_config is not None:
         raise SystemExit("pdserve bench engine: give --dspark or --speculative-config, not both")
+    if args.dspark_bigram and args.dspark is None:
+        raise SystemExit("pdserve bench engine: --dspark-bigram needs --dspark")
     if args.shape is not None:
         if args.model is not None:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")

@@ -13,7 +13,9 @@ module (a ``--shape``'s) is given a random one (``--dspark-stages`` stages,
 common/model/fixtures/random_dspark.py ``v4_dspark_model``), written once into the model
 cache beside it. A random module's drafts are almost never the target's tokens: its
 acceptance is near zero and its tok/s the cost of drafting and verifying with nothing
-gained, the floor of what a trained module buys.
+gained, the floor of what a trained module buys. ``--dspark-bigram`` sets its Markov head
+to a bigram table of the target's own greedy output on the run's prompts
+(``bigram_markov_head``): drafts then follow the target's habits, some accepted.
 
 Each row: decode tok/s with and without speculation, the step (ms, the host's share
 included) and of it the target's forward (``forward ms``): without speculation a plain
@@ -111,6 +113,61 @@ def speculation_off(engine: Any) -> Iterator[None]:
         engine.speculator, engine.scheduler.num_speculative_tokens = speculator, k
 
 
+def prompts_of(
+    args: argparse.Namespace,
+    engine: Any,
+    batch: int,
+    run: int,
+    random_prompts: Callable[..., list[list[int]]],
+) -> list[list[int]]:
+    """Run ``run``'s prompts at ``batch`` (0: the warm-up's)."""
+    if args.workload == "repeat":
+        return repeat_prompts(engine, batch, args.prompt_len, args.seed, run)
+    vocab = engine.model_config.vocab_size
+    return random_prompts(vocab, batch, args.prompt_len, args.seed, run)
+
+
+BIGRAM_RANK = 1024  # the Markov head's rank --dspark-bigram writes: the source tokens it holds
+
+
+def bigram_markov_head(
+    args: argparse.Namespace, engine: Any, random_prompts: Callable[..., list[list[int]]]
+) -> int:
+    """--dspark-bigram: the DSpark module's Markov head (its last stage's) set to a bigram
+    table of the target's own greedy output on every prompt the run will time (each token
+    to the one that most often follows it there; the BIGRAM_RANK most frequent tokens), so
+    that drafts follow the target's habits: some accepted, some rejected, as a trained
+    module's are. Returns the tokens the table holds."""
+    from collections import Counter
+
+    import torch
+
+    from pdserve.common.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
+    follow: dict[int, Counter[int]] = {}
+    with speculation_off(engine):
+        for batch in args.batch_sizes:
+            for run in range(args.repeats + 1):
+                progress(f"--dspark-bigram: greedy output at batch {batch}, run {run}")
+                done = engine.generate(prompts_of(args, engine, batch, run, random_prompts), greedy)
+                for c in done:
+                    for a, b in zip(c.token_ids, c.token_ids[1:], strict=False):
+                        follow.setdefault(a, Counter())[b] += 1
+    head = engine.speculator.mtp.draft.last.markov_head
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [vocab, rank] both
+    rank = w1.shape[1]
+    kept = sorted(follow.items(), key=lambda kv: -sum(kv[1].values()))[:rank]
+    one = torch.zeros(w1.shape, dtype=torch.float32)
+    table = torch.zeros(w2.shape, dtype=torch.float32)
+    for n, (a, after) in enumerate(kept):
+        one[a, n] = 1.0
+        table[after.most_common(1)[0][0], n] = 20.0  # over the random head's logits
+    w1.copy_(one.to(w1.device, w1.dtype))
+    w2.copy_(table.to(w2.device, w2.dtype))
+    return len(kept)
+
+
 def bench_spec_batch(
     batch: int,
     args: argparse.Namespace,
@@ -122,10 +179,7 @@ def bench_spec_batch(
     bench_engine calls this module, so this module does not import it)."""
 
     def prompts(run: int) -> list[list[int]]:
-        if args.workload == "repeat":
-            return repeat_prompts(engine, batch, args.prompt_len, args.seed, run)
-        vocab = engine.model_config.vocab_size
-        return random_prompts(vocab, batch, args.prompt_len, args.seed, run)
+        return prompts_of(args, engine, batch, run, random_prompts)
 
     stats = engine.speculator.stats
     progress(f"batch {batch}: warm-up")
@@ -203,6 +257,9 @@ def run_spec(
     random_prompts: Callable[..., list[list[int]]],
     format_table: Callable[..., str],
 ) -> int:
+    bigram = None
+    if getattr(args, "dspark_bigram", False):
+        bigram = bigram_markov_head(args, engine, random_prompts)
     rows = [bench_spec_batch(b, args, engine, bench, random_prompts) for b in args.batch_sizes]
     spec = engine.config.speculative_config
     graphs = getattr(engine.runner, "graphs", None) is not None
@@ -220,7 +277,11 @@ def run_spec(
         if r.greedy_equal != r.batch:
             print(f"batch {r.batch}: greedy tokens with speculation differ from those without "
                   f"in {r.batch - r.greedy_equal} of {r.batch} sequences")  # fmt: skip
-    if spec.method == "dspark" and getattr(args, "dspark_random", False):
+    if bigram is not None:
+        print(f"the DSpark module is random, its Markov head a bigram table of {bigram} tokens "
+              "of the target's own greedy output on these prompts: its acceptance is that "
+              "table's, not a trained module's")  # fmt: skip
+    elif spec.method == "dspark" and getattr(args, "dspark_random", False):
         print("the DSpark module is random (none in the checkpoint): acceptance near zero, "
               "the speculative rows the cost of drafting and verifying with nothing gained")  # fmt: skip
     if args.json is not None:
@@ -241,6 +302,7 @@ def run_spec(
                 "speculative_config": asdict_spec(spec),
                 "dspark_random": bool(getattr(args, "dspark_random", False)),
                 "dspark_stages": getattr(args, "dspark_stages", None),
+                "dspark_bigram_tokens": bigram,
                 "cuda_graphs": graphs,
                 "loadavg_1m_end": os.getloadavg()[0],
             },
