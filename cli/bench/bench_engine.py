@@ -297,7 +297,7 @@ def hf_timings(
     skipped: dict[int, str] = {}
     tokens: dict[Any, Any] = {}
     if args.compare_tokens:
-        tokens["class"] = type(hf.model).__name__
+        tokens["class"] = f"{type(hf.model).__module__}.{type(hf.model).__name__}"
     for batch in args.batch_sizes:
         try:
             if args.compare_tokens:
