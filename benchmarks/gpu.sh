@@ -53,7 +53,8 @@
 #                 fp8 (b64), dsv4-flash and dsv32 (skipped where main lacks their CUDA
 #                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py);
 #                 $DEEPSEEK_ONLY=dsv4-flash,dsv32: only those bench runs
-#   dsv4-spec     #47 in ~4-5 min, not yet run on a GPU: DSpark k=5 on a DeepSeek-V4 target
+#   dsv4-spec     #47 in ~4-5 min, not yet run on a GPU: the GPU test of DSpark on a V4 target
+#                 under CUDA graphs (drafts as eager), then DSpark k=5 on a DeepSeek-V4 target
 #                 (bench engine --shape dsv4-flash --layers 3 --dspark 5: V4-Flash's window, CSA
 #                 and HCA layers, 256 experts (zeros), one random DSpark stage, its Markov head a
 #                 bigram table of the target's own greedy output): plain decode step and the
@@ -444,6 +445,11 @@ suite_spec() {
 
 suite_dsv4-spec() {  # issue #47: DSpark on a V4 target; the engine vs HF at a V4 shape
     local rc=0
+    # first the GPU test that the bench's drafts rest on: with graphs, every draft of a V4
+    # target's DSpark module as the eager engine's (the rows a replay hands on), greedy equal
+    timeout 90 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py -k v4_dspark \
+        -p no:cacheprovider > "$OUT/dsv4_spec_gpu_test.txt" 2>&1 || rc=1
+    tail -3 "$OUT/dsv4_spec_gpu_test.txt"
     # 3 layers: 37 GiB + the stage's 12 GiB + one layer's experts stacked at the first forward
     # (61 GiB at the peak); 4 (74) would not leave the cache room on an 80 GB card
     stamp "dsv4 dspark (<= 210 s)"
