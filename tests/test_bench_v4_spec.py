@@ -114,3 +114,14 @@ def test_refusals(tiny_v4: list[str]) -> None:
         main(["bench", "engine", "--routed-experts", "8"])
     with pytest.raises(SystemExit, match="--dspark needs a DeepSeek-V4 checkpoint"):
         main(["bench", "engine", "--dspark", "5"])
+
+
+def test_compare_greedy_names_the_first_difference() -> None:
+    from pdserve.cli.bench.bench_engine import compare_greedy
+
+    engine = {1: [[5, 6, 7]], 2: [[1, 2, 3], [4, 5, 6]], 16: [[0]]}
+    hf = {"class": "x", 1: [[5, 6, 7]], 2: [[1, 9, 3], [4, 5]]}  # HF skipped batch 16
+    assert compare_greedy(engine, hf) == {
+        "1": {"sequences": 1, "equal": 1, "first_difference": [None]},
+        "2": {"sequences": 2, "equal": 0, "first_difference": [1, 2]},
+    }
