@@ -53,6 +53,16 @@
 #                 fp8 (b64), dsv4-flash and dsv32 (skipped where main lacks their CUDA
 #                 kernels), v2-lite full depth if time is left; table + JSON (floor_table.py);
 #                 $DEEPSEEK_ONLY=dsv4-flash,dsv32: only those bench runs
+#   dsv4-spec     #47 in ~4-5 min, not yet run on a GPU: the GPU test of DSpark on a V4 target
+#                 under CUDA graphs (drafts as eager), then DSpark k=5 on a DeepSeek-V4 target
+#                 (bench engine --shape dsv4-flash --layers 3 --dspark 5: V4-Flash's window, CSA
+#                 and HCA layers, 256 experts (zeros), one random DSpark stage, its Markov head a
+#                 bigram table of the target's own greedy output): plain decode step and the
+#                 verify step's forward (ms), acceptance, decode tok/s with and without, greedy
+#                 tokens equal, batch 1 and 16; then the engine against HF's
+#                 DeepseekV4ForCausalLM greedy, token for token, at V4-Flash's 4 layers with 32
+#                 random experts (--routed-experts 32 --compare-tokens, float32 on both sides:
+#                 16 GB, HF holds it; DSV4_SPEC_BF16=1 adds a bf16 run)
 #   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
 #                 by kernel of one decode step): dsv4-flash and 30b-a3b-full at batch 1, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
@@ -95,7 +105,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
-case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile|moe-decode) needs_1b=0 ;; esac
+case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile|moe-decode|dsv4-spec) needs_1b=0 ;; esac
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -433,12 +443,44 @@ suite_spec() {
     done
 }
 
+suite_dsv4-spec() {  # issue #47: DSpark on a V4 target; the engine vs HF at a V4 shape
+    local rc=0
+    # first the GPU test that the bench's drafts rest on: with graphs, every draft of a V4
+    # target's DSpark module as the eager engine's (the rows a replay hands on), greedy equal
+    timeout 90 python3 -m pytest -q -m gpu tests/test_spec_decode_gpu.py -k v4_dspark \
+        -p no:cacheprovider > "$OUT/dsv4_spec_gpu_test.txt" 2>&1 || rc=1
+    tail -3 "$OUT/dsv4_spec_gpu_test.txt"
+    # 3 layers: 37 GiB + the stage's 12 GiB + one layer's experts stacked at the first forward
+    # (61 GiB at the peak); 4 (74) would not leave the cache room on an 80 GB card
+    stamp "dsv4 dspark (<= 210 s)"
+    timeout 210 python3 -m pdserve bench engine --shape dsv4-flash --layers 3 --dspark 5 --dspark-bigram \
+        --tokenizer /tmp/tokmodel --device cuda --dtype bfloat16 --prompt-len 512 --gen-len 48 \
+        --batch-sizes 1,16 --repeats 2 --json "$OUT/dsv4_dspark.json" \
+        2>"$OUT/dsv4_dspark_err.txt" | tee "$OUT/dsv4_dspark.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -5 "$OUT/dsv4_dspark_err.txt"; }
+    # V4-Flash's 4 layers (window, window, CSA, HCA; 0-2 hash-routed) at 32 drawn experts a
+    # layer: the routing decides the tokens; HF loads after the engine is freed. float32 on
+    # both sides (16 GB; no TF32 anywhere), as tests/test_dsv4_gpu.py compares: a difference
+    # is a bug, not a bf16 near-tie of random logits; DSV4_SPEC_BF16=1 adds the bf16 run
+    local dtype
+    for dtype in float32 $([ "${DSV4_SPEC_BF16:-0}" = 1 ] && echo bfloat16); do
+        stamp "dsv4 engine vs HF greedy, $dtype (<= 150 s)"
+        timeout 150 python3 -m pdserve bench engine --shape dsv4-flash --routed-experts 32 \
+            --compare-tokens --tokenizer /tmp/tokmodel --device cuda --dtype $dtype \
+            --prompt-len 256 --gen-len 32 --batch-sizes 1,16 --repeats 1 \
+            --json "$OUT/dsv4_hf_greedy_$dtype.json" 2>"$OUT/dsv4_hf_greedy_${dtype}_err.txt" \
+            | tee "$OUT/dsv4_hf_greedy_$dtype.txt"
+        [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -5 "$OUT/dsv4_hf_greedy_${dtype}_err.txt"; }
+    done
+    return $rc
+}
+
 suites=("$@")
 [ "${suites[*]}" = all ] && suites=(tests engine serve transfer engine-eager)
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, moe-decode, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, moe-decode, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, dsv4-spec, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

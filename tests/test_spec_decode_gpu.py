@@ -191,3 +191,63 @@ def test_cuda_dspark_greedy_identical(
     got, (accepted, drafted) = run(bigram_draft(root / "draft", model, want, num_layers=2))
     assert got == want
     assert 0 < accepted <= drafted
+
+
+def test_cuda_v4_dspark_graphs_draft_as_eager(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> None:
+    """Method dspark on a DeepSeek-V4 target (tests/test_dspark_v4.py's random V4 and
+    module, k = 5), CUDA, fp32: with graphs every draft equals the eager engine's, and
+    greedy output equals the engine's without speculation. The module's drafts come from
+    the target's rows (``DeepseekV4Model.hidden_rows``): the proposer recaptures the graphs
+    with them kept, and a replay hands them on (cuda_graphs.py), else the windows would
+    hold the last eager forward's rows and the drafts would differ."""
+    from pdserve.common.engine.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.engine.sampling import SamplingParams
+    from pdserve.common.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.common.model.fixtures.random import save_random_v4
+    from tests.test_dspark import PROMPTS
+    from tests.test_dspark_v4 import with_dspark
+
+    root = tmp_path_factory.mktemp("dspark-v4-gpu")
+    target = save_random_v4(root / "v4", tokenizer_from=model_dir)
+    model = with_dspark(target, root / "random")  # random module: drafts read the rows
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(spec: bool, graphs: bool) -> tuple[list[list[int]], list[list[int]], int]:
+        sp = SpeculativeConfig(method="dspark", num_speculative_tokens=5) if spec else None
+        engine = LLMEngine(
+            EngineConfig(model=str(model), device="cuda", dtype="float32", cuda_graphs=graphs,
+                         gpu_memory_utilization=gpu_memory_share(), speculative_config=sp)
+        )  # fmt: skip
+        drafts: list[list[int]] = []
+        replays: list[int] = []
+        if spec:
+            proposer = engine.speculator.mtp  # type: ignore[union-attr]
+            propose = proposer.propose
+
+            def record(reqs, seqs):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+                out = propose(reqs, seqs)
+                drafts.extend(list(d.token_ids) for d in out)
+                return out
+
+            proposer.propose = record
+        runner_graphs = getattr(engine.runner, "graphs", None)
+        if runner_graphs is not None:
+            runner_graphs.on_replay = lambda plan: replays.append(len(plan.seqs))
+        out = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        assert not graphs or replays, "no step replayed a CUDA graph"
+        deferred = engine.speculator.stats.num_deferred if spec else 0  # type: ignore[union-attr]
+        del engine, runner_graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out, drafts, deferred
+
+    want, _, _ = run(spec=False, graphs=True)
+    eager, eager_drafts, _ = run(spec=True, graphs=False)
+    got, graph_drafts, deferred = run(spec=True, graphs=True)
+    assert eager == want and got == want
+    assert any(eager_drafts) and deferred == 0
+    assert graph_drafts == eager_drafts

@@ -98,6 +98,16 @@ def add_parser(sub: Any) -> None:
         help="with --shape: that many layers instead of the shape's own",
     )
     p.add_argument(
+        "--routed-experts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --shape 30b-a3b-full, v2-lite, dsv32 or dsv4-flash: N routed experts a "
+        "layer instead of the shape's, drawn at random instead of zeros (the routing decides "
+        "the output: what --compare-tokens needs), e.g. dsv4-flash's 4 layers at 32 experts "
+        "are 8 GB, which HF holds on one 80 GB GPU",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -153,6 +163,39 @@ def add_parser(sub: Any) -> None:
         '(cli/bench/bench_spec.py); \'"model": "self"\' drafts with the target itself',
     )
     p.add_argument(
+        "--dspark",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="decode with and without DSpark of k = K (method dspark) in the same run, as "
+        "--speculative-config does, each row with the verify step's forward beside a plain "
+        "decode step's and greedy tokens checked equal; a DeepSeek-V4 checkpoint without a "
+        "DSpark module (a --shape's) gets a random one, written once into the model cache "
+        "(acceptance near zero: the rows are the cost; cli/bench/bench_spec.py)",
+    )
+    p.add_argument(
+        "--dspark-stages",
+        type=positive_int,
+        default=1,
+        help="with --dspark: the random module's stages (V4 blocks, each with its own "
+        "routed experts: 12 GiB a stage at dsv4-flash in bf16)",
+    )
+    p.add_argument(
+        "--dspark-bigram",
+        action="store_true",
+        help="with --dspark and a random module: its Markov head set, before the timed "
+        "runs, to a bigram table of the target's own greedy output on the run's prompts "
+        "(each token to the one that most often follows it there), so that some drafts "
+        "are accepted: acceptance from the target's habits, not a trained module's",
+    )
+    p.add_argument(
+        "--compare-tokens",
+        action="store_true",
+        help="also check the engine's greedy tokens against HF generate's on each batch "
+        "size's first timed prompts (gen_len tokens each; the sequences equal, and where "
+        "one is not, the first position that differs; exit status 1 where any differs)",
+    )
+    p.add_argument(
         "--workload",
         default="random",
         choices=("random", "repeat"),
@@ -194,7 +237,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     block_size = EngineConfig().block_size
     spec = None
     extra = 0
-    if args.speculative_config is not None:
+    if args.speculative_config is not None or args.dspark is not None:
         from pdserve.cli.bench.bench_spec import spec_config_of
 
         spec = spec_config_of(args)
@@ -244,15 +287,21 @@ def timed_runs(
 
 def hf_timings(
     args: argparse.Namespace, model_dir: Path, dtype: Any, vocab: int
-) -> tuple[dict[int, Timing], dict[int, str]]:
-    """HF's median timing per batch size, and why a batch size has none (out of memory)."""
+) -> tuple[dict[int, Timing], dict[int, str], dict[Any, Any]]:
+    """HF's median timing per batch size, why a batch size has none (out of memory), and
+    with --compare-tokens its greedy tokens per batch size (``"class"``: the model class)."""
     import torch
 
     hf = HFBench(model_dir, dtype, args.device, make_sync(args.device))
     timings: dict[int, Timing] = {}
     skipped: dict[int, str] = {}
+    tokens: dict[Any, Any] = {}
+    if args.compare_tokens:
+        tokens["class"] = f"{type(hf.model).__module__}.{type(hf.model).__name__}"
     for batch in args.batch_sizes:
         try:
+            if args.compare_tokens:
+                tokens[batch] = hf.greedy(first_prompts(args, vocab, batch), args.gen_len)
             timings[batch] = median_timing(timed_runs(batch, args, vocab, hf))
         except torch.OutOfMemoryError:
             gc.collect()
@@ -260,7 +309,87 @@ def hf_timings(
             free = torch.cuda.mem_get_info()[0] / 2**30
             skipped[batch] = f"out of device memory ({free:.0f} GiB free after the model)"
             progress(f"HF batch {batch}: skipped, {skipped[batch]}")
-    return timings, skipped
+    return timings, skipped, tokens
+
+
+def first_prompts(args: argparse.Namespace, vocab: int, batch: int) -> list[list[int]]:
+    """The first timed run's prompts at ``batch`` (those --compare-tokens generates)."""
+    return random_prompts(vocab, batch, args.prompt_len, args.seed, 1)
+
+
+def engine_greedy(
+    args: argparse.Namespace, engine: LLMEngine, vocab: int
+) -> dict[int, list[list[int]]]:
+    """The engine's greedy tokens (gen_len each) on each batch size's first timed prompts."""
+    from pdserve.common.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
+    out = {}
+    for batch in args.batch_sizes:
+        progress(f"engine batch {batch}: greedy tokens for --compare-tokens")
+        done = engine.generate(first_prompts(args, vocab, batch), greedy)
+        out[batch] = [c.token_ids for c in done]
+    return out
+
+
+def compare_greedy(
+    engine: dict[int, list[list[int]]], hf: dict[Any, Any]
+) -> dict[str, dict[str, Any]]:
+    """Per batch size HF ran: sequences, how many are equal, and each one's first position
+    where the engine and HF differ (None where equal)."""
+    out = {}
+    for batch, mine in engine.items():
+        if batch not in hf:
+            continue
+        first = [
+            next((i for i, (a, b) in enumerate(zip(m, h, strict=False)) if a != b),
+                 None if len(m) == len(h) else min(len(m), len(h)))
+            for m, h in zip(mine, hf[batch], strict=True)
+        ]  # fmt: skip
+        out[str(batch)] = {
+            "sequences": len(mine),
+            "equal": sum(d is None for d in first),
+            "first_difference": first,
+        }
+    return out
+
+
+def dspark_checkpoint(args: argparse.Namespace) -> Path:
+    """--dspark's checkpoint: ``args.model`` where its config.json names a DSpark module
+    (``dspark_block_size``); else, for a DeepSeek-V4 checkpoint, a copy with a random module
+    of --dspark-stages stages and a block of K (its routed experts zeros where the target's
+    are, a --shape's), written once into the model cache."""
+    import json
+
+    model = Path(args.model) if args.model is not None else None
+    raw = (
+        json.loads((model / "config.json").read_text())
+        if model is not None and (model / "config.json").is_file()
+        else {}
+    )
+    if "dspark_block_size" in raw:
+        if args.dspark_bigram:
+            raise SystemExit("pdserve bench engine: --dspark-bigram rewrites a random module's "
+                             f"Markov head; {model} has a DSpark module of its own")  # fmt: skip
+        return model  # type: ignore[return-value]
+    if raw.get("model_type") != "deepseek_v4":
+        raise SystemExit(
+            "pdserve bench engine: --dspark needs a DeepSeek-V4 checkpoint (--shape dsv4-flash "
+            f"or --model DIR); {args.model or 'the embedded default'} is not one"
+        )
+    from pdserve.cli.bench.bench_spec import BIGRAM_RANK
+    from pdserve.common.model.fixtures.random_dspark import v4_dspark_model
+
+    progress(f"random DSpark module ({args.dspark_stages} stages, block {args.dspark})")
+    args.dspark_random = True
+    return v4_dspark_model(
+        model,  # type: ignore[arg-type]
+        num_stages=args.dspark_stages,
+        block_size=args.dspark,
+        markov_rank=BIGRAM_RANK if args.dspark_bigram else 16,
+        dtype=str(raw.get("torch_dtype", "float32")),
+        zero_experts=args.shape is not None,
+    )
 
 
 def refuse_unsupported_shape(args: argparse.Namespace) -> None:
@@ -284,6 +413,12 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.runtime.log import configure_logging
 
     configure_logging("WARNING")
+    if args.compare_tokens and args.no_hf:
+        raise SystemExit("pdserve bench engine: --compare-tokens needs HF (drop --no-hf)")
+    if args.dspark is not None and args.speculative_config is not None:
+        raise SystemExit("pdserve bench engine: give --dspark or --speculative-config, not both")
+    if args.dspark_bigram and args.dspark is None:
+        raise SystemExit("pdserve bench engine: --dspark-bigram needs --dspark")
     if args.shape is not None:
         if args.model is not None:
             raise SystemExit("pdserve bench engine: give --model or --shape, not both")
@@ -291,23 +426,35 @@ def run(args: argparse.Namespace) -> int:
 
         refuse_unsupported_shape(args)  # before writing tens of GB
         progress(f"random {args.shape} checkpoint")
-        args.model = str(
-            random_shape_model(
-                args.shape,
-                num_layers=args.layers,
-                device=args.device,
-                tokenizer_from=args.tokenizer,
+        try:
+            args.model = str(
+                random_shape_model(
+                    args.shape,
+                    num_layers=args.layers,
+                    device=args.device,
+                    tokenizer_from=args.tokenizer,
+                    routed_experts=args.routed_experts,
+                )
             )
-        )
+        except ValueError as e:  # --routed-experts the shape cannot take
+            raise SystemExit(f"pdserve bench engine: {e}") from None
         if args.shape == "dsv3" and '"mtp"' in (args.speculative_config or ""):
             from pdserve.common.model.fixtures.random_mtp import add_random_mtp_layer
 
             add_random_mtp_layer(Path(args.model), args.device)  # random drafts: the cost
-    elif args.layers is not None:
-        raise SystemExit("pdserve bench engine: --layers needs --shape")
+    elif args.layers is not None or args.routed_experts is not None:
+        raise SystemExit("pdserve bench engine: --layers and --routed-experts need --shape")
+    if args.compare_tokens and args.no_hf:
+        raise SystemExit("pdserve bench engine: --compare-tokens needs HF (drop --no-hf)")
+    if args.dspark is not None:
+        if args.speculative_config is not None:
+            raise SystemExit(
+                "pdserve bench engine: give --dspark or --speculative-config, not both"
+            )
+        args.model = str(dspark_checkpoint(args))
     load_at_start = os.getloadavg()[0]
     engine = build_engine(args)
-    if args.speculative_config is not None:
+    if args.speculative_config is not None or args.dspark is not None:
         from pdserve.cli.bench.bench_spec import run_spec
 
         bench = EngineBench(engine, make_sync(args.device))
@@ -321,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
     for batch in args.batch_sizes:
         runs = timed_runs(batch, args, vocab, engine_bench)
         engine_rows[batch] = (median_timing([t for t, _ in runs]), max(s for _, s in runs))
+    engine_tokens = engine_greedy(args, engine, vocab) if args.compare_tokens else {}
     config = bench_config(args, engine, load_at_start)
     config["ceilings"] = asdict(ceilings)
     config["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
@@ -332,8 +480,13 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.cuda.empty_cache()
-    hf, skipped = ({}, {}) if args.no_hf else hf_timings(args, model_dir, dtype, vocab)
+    hf, skipped, hf_tokens = (
+        ({}, {}, {}) if args.no_hf else hf_timings(args, model_dir, dtype, vocab)
+    )
     config["hf_skipped"] = {str(b): why for b, why in skipped.items()}
+    if args.compare_tokens:
+        config["hf_class"] = hf_tokens.pop("class", None)
+        config["greedy_vs_hf"] = compare_greedy(engine_tokens, hf_tokens)
     rows = []
     for batch, (timing, steps) in engine_rows.items():
         row = make_row(batch, args.prompt_len, timing, steps, hf.get(batch))
@@ -351,6 +504,13 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     for batch, why in skipped.items():
         print(f"HF batch {batch}: skipped, {why}")
+    for batch, match in config.get("greedy_vs_hf", {}).items():
+        diff = match["first_difference"]
+        print(
+            f"greedy tokens, engine vs HF {config['hf_class']} at batch {batch}: "
+            f"{match['equal']}/{match['sequences']} sequences equal"
+            + ("" if not any(d is not None for d in diff) else f" (first difference at {diff})")
+        )
     print(
         f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read + write), matmul "
         f"{ceilings.matmul_tflops:.1f} TFLOP/s; weights {ceilings.weight_bytes / 2**20:.0f} MiB, "
@@ -360,4 +520,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json(args.json, config, rows)
         progress(f"wrote {args.json}")
-    return 0
+    matches = config.get("greedy_vs_hf", {}).values()
+    return 1 if any(m["equal"] != m["sequences"] for m in matches) else 0

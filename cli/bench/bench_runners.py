@@ -237,6 +237,23 @@ class HFBench:
             raise RuntimeError(f"HF generated {made} tokens, not {gen_len}")
         return seconds
 
+    def greedy(self, prompts: Sequence[Sequence[int]], gen_len: int) -> list[list[int]]:
+        """generate()'s greedy tokens, ``gen_len`` a prompt (bench engine --compare-tokens)."""
+        import torch
+
+        input_ids, mask = self._inputs(prompts)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=gen_len,
+                min_new_tokens=gen_len,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=self.pad_token_id,
+            )
+        return [row[input_ids.shape[1] :].tolist() for row in out]
+
     def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> Timing:
         prefill_s = self.prefill(prompts)
         generate_s = self.generate(prompts, gen_len)

@@ -181,4 +181,6 @@ class DecodeGraphs:
             self.on_replay(plan)
         if hidden is not None:
             self._model.hidden = hidden[:n]
+            if hasattr(self._model, "hidden_rows"):  # DeepSeek-V4's, which DSpark reads:
+                self._model.hidden_rows = hidden[:n]  # a graph's rows are all logits rows
         return logits[:n]

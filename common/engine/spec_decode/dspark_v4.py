@@ -97,6 +97,8 @@ class DSparkV4Proposer:
         self.windows: dict[str, Window] = {}
         model.keep_hidden = True
         model.hidden_layers = self.draft.cfg.target_layer_ids
+        if runner.graphs is not None:  # captured without the hidden rows: again with them
+            runner.recapture_graphs()
 
     def _window(self, request_id: str) -> Window:
         w = self.windows.get(request_id)
