@@ -87,7 +87,7 @@ class DecodeCurve:
         alpha: float = 0.25,
         min_samples: int = 3,
         min_batch: int = 8,
-        probe_every: int = 4,
+        probe_every: int = 2,
         refresh_steps: int = 1000,
     ) -> None:
         self.sizes = sorted(set(sizes))
