@@ -55,15 +55,15 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     probes = learned(cpu, cpu_like, 57)
     cap = cpu.cap(57)
     assert cap is not None and 8 <= cap <= 24, (cap, cpu.buckets)
-    assert cpu_like(cap) <= 0.5 * cpu_like(57)
-    assert cap / cpu_like(cap) >= 0.9 * max(n / cpu_like(n) for n in (cap, 24, 32, 48, 57))
+    assert cpu_like(cap) <= 0.67 * cpu_like(57)
+    assert cap / cpu_like(cap) >= 0.92 * max(n / cpu_like(n) for n in (cap, 24, 32, 48, 57))
     assert probes < 40  # the rungs, a few samples each (and refreshes)
 
     gpu = DecodeCurve(ladder(64, [1, 2, 4, 8, 16, 24, 32, 48, 64]))
     probes = learned(gpu, gpu_like, 57)
     assert gpu.cap(57) is None
-    assert probes <= 6  # one rung below the full batch, then the descent stops
-    assert set(gpu.buckets) == {48, 64}
+    assert probes <= 9  # a rung or two below the full batch, then the descent stops
+    assert set(gpu.buckets) <= {32, 48, 64}
 
     small = DecodeCurve(ladder(64))
     learned(small, cpu_like, 6)

@@ -13,17 +13,17 @@ step pays.
 moving average of step time (and of the batch, which varies within a bucket) per batch
 bucket (the CUDA graph sizes on CUDA, so a capped step replays a captured graph; the same
 ladder on CPU). ``cap(n)`` is, for ``n`` sequences decoding, the smallest bucket ``s < n``
-whose throughput is at least ``share`` of the best measured at or below ``n``'s bucket
-AND whose step takes at most ``time_ratio`` of ``n``'s step; None where no bucket
-qualifies, where the full batch is not measured yet, or ``n`` is small. A GPU-like curve
-(step time nearly flat) never meets both: a bucket with 90% of the throughput is nearly
-the full batch and takes nearly its time.
+whose throughput is at least ``share`` (92%) of the best measured from ``n``'s bucket down
+to ``s`` AND whose step takes at most ``time_ratio`` (2/3) of ``n``'s step; None where no
+bucket qualifies, where the full batch is not measured yet, or ``n`` is small. The buckets
+are walked from ``n``'s down, as far as the first whose throughput falls under
+``descent`` (80%) of the best. A GPU-like curve (step time nearly flat) never meets both:
+a bucket with 92% of the throughput is nearly the full batch and takes nearly its time.
 
-The small buckets are measured by probes: while ``wants_probe`` (more than one client
-decoding), one step in ``probe_every`` runs at the next rung down from the full batch
-that lacks fresh samples: the rungs are measured from the top down and the descent stops
-at the first rung that misses the throughput share (so on a GPU it costs a few steps at
-the rung below the full batch per ``refresh_steps``). The full batch is re-measured the
+The small buckets are measured by probes: while more than one client decodes, one step
+in ``probe_every`` runs at the next bucket down from the full batch that lacks fresh
+samples, as far as the descent goes (so on a GPU it costs a few steps at the one or two
+buckets below the full batch per ``refresh_steps``). The full batch is re-measured the
 same way (an uncapped step) when its samples age.
 
 Config: ``[engine] fair_decode_batch`` = "auto" (this), "off" (never), or N (a fixed cap
@@ -82,8 +82,9 @@ class DecodeCurve:
     def __init__(
         self,
         sizes: Sequence[int],
-        share: float = 0.9,
-        time_ratio: float = 0.5,
+        share: float = 0.92,
+        time_ratio: float = 0.67,
+        descent: float = 0.8,
         alpha: float = 0.25,
         min_samples: int = 3,
         min_batch: int = 8,
@@ -93,6 +94,7 @@ class DecodeCurve:
         self.sizes = sorted(set(sizes))
         self.share = share
         self.time_ratio = time_ratio
+        self.descent = descent  # buckets are measured down to one under this share of the best
         self.alpha = alpha
         self.min_samples = min_samples
         self.min_batch = min_batch  # below it, no cap (nothing to gain)
@@ -154,14 +156,14 @@ class DecodeCurve:
             return None
         best = full.throughput
         chosen = None
-        for size in self._rungs(n):  # from the top down; stop at the first that misses
+        for size in self._rungs(n):  # from the top down, as far as the descent goes
             b = self._known(size)
             if b is None:
                 break
             best = max(best, b.throughput)
-            if b.throughput < self.share * best:
+            if b.throughput < self.descent * best:
                 break
-            if b.seconds <= self.time_ratio * full.seconds:
+            if b.throughput >= self.share * best and b.seconds <= self.time_ratio * full.seconds:
                 chosen = size
         return chosen
 
@@ -186,6 +188,6 @@ class DecodeCurve:
                 self._since_probe = 0
                 return size
             best = max(best, b.throughput)
-            if b.throughput < self.share * best:
+            if b.throughput < self.descent * best:
                 return None  # the descent stops here
         return None
