@@ -56,7 +56,7 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     cap = cpu.cap(57)
     assert cap is not None and 8 <= cap <= 24, (cap, cpu.buckets)
     assert cpu_like(cap) <= 0.67 * cpu_like(57)
-    assert cap / cpu_like(cap) >= 0.92 * max(n / cpu_like(n) for n in (cap, 24, 32, 48, 57))
+    assert cap / cpu_like(cap) >= 0.9 * max(n / cpu_like(n) for n in (cap, 24, 32, 48, 57))
     assert probes < 40  # the rungs, a few samples each (and refreshes)
 
     gpu = DecodeCurve(ladder(64, [1, 2, 4, 8, 16, 24, 32, 48, 64]))
@@ -68,6 +68,18 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     small = DecodeCurve(ladder(64))
     learned(small, cpu_like, 6)
     assert small.cap(6) is None  # nothing to gain at a handful
+
+
+def test_the_cap_in_use_holds_within_a_margin() -> None:
+    """A bucket at 88.5% of the best throughput: not taken as a new cap, kept as the
+    current one (step times' noise does not flap it)."""
+    curve = DecodeCurve(ladder(64))
+    for _ in range(3):
+        curve.observe(57, 0.232)  # 245.7 tokens/s
+        curve.observe(32, 32 / (0.885 * 57 / 0.232))
+    assert curve.cap(57) is None
+    curve.current = 32
+    assert curve.cap(57) == 32
 
 
 def test_the_cap_falls_on_a_graph_size() -> None:

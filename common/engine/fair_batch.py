@@ -13,12 +13,12 @@ step pays.
 moving average of step time (and of the batch, which varies within a bucket) per batch
 bucket (the CUDA graph sizes on CUDA, so a capped step replays a captured graph; the same
 ladder on CPU). ``cap(n)`` is, for ``n`` sequences decoding, the smallest bucket ``s < n``
-whose throughput is at least ``share`` (92%) of the best measured from ``n``'s bucket down
+whose throughput is at least ``share`` (90%; the cap in use: 87%) of the best measured from ``n``'s bucket down
 to ``s`` AND whose step takes at most ``time_ratio`` (2/3) of ``n``'s step; None where no
 bucket qualifies, where the full batch is not measured yet, or ``n`` is small. The buckets
 are walked from ``n``'s down, as far as the first whose throughput falls under
 ``descent`` (80%) of the best. A GPU-like curve (step time nearly flat) never meets both:
-a bucket with 92% of the throughput is nearly the full batch and takes nearly its time.
+a bucket with 90% of the throughput is nearly the full batch and takes nearly its time.
 
 The small buckets are measured by probes: while more than one client decodes, one step
 in ``probe_every`` runs at the next bucket down from the full batch that lacks fresh
@@ -82,7 +82,8 @@ class DecodeCurve:
     def __init__(
         self,
         sizes: Sequence[int],
-        share: float = 0.92,
+        share: float = 0.9,
+        hold: float = 0.03,
         time_ratio: float = 0.67,
         descent: float = 0.8,
         alpha: float = 0.25,
@@ -94,6 +95,8 @@ class DecodeCurve:
         self.sizes = sorted(set(sizes))
         self.share = share
         self.time_ratio = time_ratio
+        self.hold = hold
+        self.current: int | None = None  # the last cap given
         self.descent = descent  # buckets are measured down to one under this share of the best
         self.alpha = alpha
         self.min_samples = min_samples
@@ -163,8 +166,12 @@ class DecodeCurve:
             best = max(best, b.throughput)
             if b.throughput < self.descent * best:
                 break
-            if b.throughput >= self.share * best and b.seconds <= self.time_ratio * full.seconds:
+            # the cap in use keeps its place within ``hold`` of the share (no flapping on
+            # the step times' noise)
+            share = self.share - (self.hold if size == self.current else 0.0)
+            if b.throughput >= share * best and b.seconds <= self.time_ratio * full.seconds:
                 chosen = size
+        self.current = chosen
         return chosen
 
     def probe(self, n: int) -> int | None:
