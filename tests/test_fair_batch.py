@@ -76,6 +76,7 @@ def test_the_cap_in_use_holds_within_a_margin() -> None:
     curve = DecodeCurve(ladder(64))
     for _ in range(3):
         curve.observe(57, 0.232)  # 245.7 tokens/s
+        curve.observe(48, 48 / (0.95 * 57 / 0.232))
         curve.observe(32, 32 / (0.885 * 57 / 0.232))
     assert curve.cap(57) is None
     curve.current = 32
