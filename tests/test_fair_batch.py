@@ -56,7 +56,7 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     cap = cpu.cap(57)
     assert cap is not None and 8 <= cap <= 24, (cap, cpu.buckets)
     assert cpu_like(cap) <= 0.67 * cpu_like(57)
-    assert cap / cpu_like(cap) >= 0.9 * max(n / cpu_like(n) for n in (cap, 24, 32, 48, 57))
+    assert cap / cpu_like(cap) >= 0.9 * 57 / cpu_like(57)  # of the full batch's throughput
     assert probes < 40  # the rungs, a few samples each (and refreshes)
 
     gpu = DecodeCurve(ladder(64, [1, 2, 4, 8, 16, 24, 32, 48, 64]))
@@ -71,10 +71,10 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
 
 
 def test_the_cap_in_use_holds_within_a_margin() -> None:
-    """A bucket at 88.5% of the best throughput: not taken as a new cap, kept as the
+    """A bucket at 88.5% of the full batch's throughput: not taken as a new cap, kept as the
     current one (step times' noise does not flap it)."""
     curve = DecodeCurve(ladder(64))
-    for _ in range(3):
+    for _ in range(4):
         curve.observe(57, 0.232)  # 245.7 tokens/s
         curve.observe(48, 48 / (0.95 * 57 / 0.232))
         curve.observe(32, 32 / (0.885 * 57 / 0.232))

@@ -13,12 +13,14 @@ step pays.
 moving average of step time (and of the batch, which varies within a bucket) per batch
 bucket (the CUDA graph sizes on CUDA, so a capped step replays a captured graph; the same
 ladder on CPU). ``cap(n)`` is, for ``n`` sequences decoding, the smallest bucket ``s < n``
-whose throughput is at least ``share`` (90%; the cap in use: 87%) of the best measured from ``n``'s bucket down
-to ``s`` AND whose step takes at most ``time_ratio`` (2/3) of ``n``'s step; None where no
-bucket qualifies, where the full batch is not measured yet, or ``n`` is small. The buckets
-are walked from ``n``'s down, as far as the first whose throughput falls under
-``descent`` (80%) of the best. A GPU-like curve (step time nearly flat) never meets both:
-a bucket with 90% of the throughput is nearly the full batch and takes nearly its time.
+whose throughput is at least ``share`` (90%; the cap in use: 87%) of the full batch's
+(``n``'s bucket: well sampled, what the cap costs the busy client; a max over the smaller
+buckets' few samples would be noise) AND whose step takes at most ``time_ratio`` (2/3) of
+``n``'s step; None where no bucket qualifies, where the full batch is not measured yet,
+or ``n`` is small. The buckets are walked from ``n``'s down, as far as the first whose
+throughput falls under ``descent`` (80%) of the full batch's. A GPU-like curve (step time
+nearly flat) never meets both: a bucket with 90% of the throughput is nearly the full
+batch and takes nearly its time.
 
 The small buckets are measured by probes: while more than one client decodes, one step
 in ``probe_every`` runs at the next bucket down from the full batch that lacks fresh
@@ -87,7 +89,7 @@ class DecodeCurve:
         time_ratio: float = 0.67,
         descent: float = 0.8,
         alpha: float = 0.25,
-        min_samples: int = 3,
+        min_samples: int = 4,
         min_batch: int = 8,
         probe_every: int = 2,
         refresh_steps: int = 1000,
@@ -157,13 +159,12 @@ class DecodeCurve:
         full = self._known(self.bucket_of(n))
         if full is None:
             return None
-        best = full.throughput
+        best = full.throughput  # the full batch's: what the cap may cost (not a noisy max)
         chosen = None
         for size in self._rungs(n):  # from the top down, as far as the descent goes
             b = self._known(size)
             if b is None:
                 break
-            best = max(best, b.throughput)
             if b.throughput < self.descent * best:
                 break
             # the cap in use keeps its place within ``hold`` of the share (no flapping on
@@ -194,7 +195,6 @@ class DecodeCurve:
             if b is None:
                 self._since_probe = 0
                 return size
-            best = max(best, b.throughput)
             if b.throughput < self.descent * best:
                 return None  # the descent stops here
         return None
