@@ -275,8 +275,8 @@ class EngineCore(Generic[OutputT]):
             batch = previous if self._async_runner is not None else self._decode_batch
             if batch:
                 self.scheduler.decode_curve.observe(batch, time.perf_counter() - start)
-        cap = self.scheduler.decode_cap
-        if cap != self._logged_cap and not self.scheduler.decode_probe:
+        cap = self.scheduler.decode_cap  # logged when it changes (not probes, not "none")
+        if cap is not None and cap != self._logged_cap and not self.scheduler.decode_probe:
             self._logged_cap = cap
             log.info("fair_decode_cap", cap=cap, curve=self.scheduler.decode_curve.summary())
         return outputs
