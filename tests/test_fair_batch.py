@@ -55,7 +55,7 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     probes = learned(cpu, cpu_like, 57)
     cap = cpu.cap(57)
     assert cap is not None and 8 <= cap <= 24, (cap, cpu.buckets)
-    assert cpu_like(cap) <= 0.67 * cpu_like(57)
+    assert cpu_like(cap) <= 0.8 * cpu_like(57)
     assert cap / cpu_like(cap) >= 0.9 * 57 / cpu_like(57)  # of the full batch's throughput
     assert probes < 40  # the rungs, a few samples each (and refreshes)
 

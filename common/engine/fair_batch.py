@@ -15,7 +15,7 @@ bucket (the CUDA graph sizes on CUDA, so a capped step replays a captured graph;
 ladder on CPU). ``cap(n)`` is, for ``n`` sequences decoding, the smallest bucket ``s < n``
 whose throughput is at least ``share`` (90%; the cap in use: 87%) of the full batch's
 (``n``'s bucket: well sampled, what the cap costs the busy client; a max over the smaller
-buckets' few samples would be noise) AND whose step takes at most ``time_ratio`` (2/3) of
+buckets' few samples would be noise) AND whose step takes at most ``time_ratio`` (0.8) of
 ``n``'s step; None where no bucket qualifies, where the full batch is not measured yet,
 or ``n`` is small. The buckets are walked from ``n``'s down, as far as the first whose
 throughput falls under ``descent`` (80%) of the full batch's. A GPU-like curve (step time
@@ -86,7 +86,7 @@ class DecodeCurve:
         sizes: Sequence[int],
         share: float = 0.9,
         hold: float = 0.03,
-        time_ratio: float = 0.67,
+        time_ratio: float = 0.8,
         descent: float = 0.8,
         alpha: float = 0.25,
         min_samples: int = 4,
