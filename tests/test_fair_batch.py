@@ -208,3 +208,17 @@ def test_the_cap_leaves_greedy_tokens_unchanged(model_dir: Path, async_schedulin
     assert 3 in caps  # the cap engaged
     assert capped == plain
     assert all(len(t) == 12 for t in plain.values())
+
+
+def test_a_capped_verify_step_gives_drafts_to_the_picked_only() -> None:
+    """Speculative decoding: the sequences in the step get their k draft slots, the ones
+    left out none (nor blocks for them)."""
+    s = Scheduler(BlockPool(1024), B, 64, 2048, num_speculative_tokens=3)
+    s.fair_decode_batch = 4
+    reqs = decoding(s, {"a": 9, "b": 1})
+    plan, chosen = s.schedule()
+    assert len(chosen) == 4 and reqs[-1] in chosen
+    assert all(seq.num_drafts == 3 and len(seq.token_ids) == 4 for seq in plan.seqs)
+    left = [r for r in reqs if r not in chosen]
+    assert all(r.num_drafts == 0 and r.num_computed_tokens == 3 for r in left)
+    assert all(len(r.block_ids) == 1 for r in left)  # 4 tokens: one block, nothing more
