@@ -46,7 +46,7 @@ Decode steps (``fair``, common/engine/fair_batch.py): while more than one client
 sequences decoding, a step may take fewer of them than run, where the engine's measured
 step times say a smaller step keeps the throughput (a CPU; never a GPU, whose curve does not
 saturate): the seats go one to each client (the least served first), the rest by the
-counters seat by seat, and a client's sequences by the step they last ran in (the least
+counters seat by seat, and a client's sequences by the turn they last ran in (the least
 recent first), so the busy client's sequences rotate and none starves. A sequence left
 out keeps its blocks and waits a step. Prefill chunks and admissions are as before.
 """
