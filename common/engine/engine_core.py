@@ -7,6 +7,7 @@ hands a request over at its first.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -16,6 +17,8 @@ import torch
 from pdserve.common.engine.async_steps import NAN_MESSAGE, InFlight, is_plain, launch_greedy
 from pdserve.common.engine.block_pool import BlockPool
 from pdserve.common.engine.config import EngineConfig
+from pdserve.common.engine.cuda_graphs import graph_sizes
+from pdserve.common.engine.fair_batch import DecodeCurve, ladder, parse_mode
 from pdserve.common.engine.host_tier import HostTier
 from pdserve.common.engine.kv_groups import cache_groups
 from pdserve.common.engine.kv_layout import KVLayout
@@ -102,6 +105,13 @@ class EngineCore(Generic[OutputT]):
             max_model_len=self.max_model_len,
             groups=self.kv_groups,
         )
+        # Fair decode batches (fair_batch.py): buckets on CUDA are the graph sizes, so a
+        # capped step replays a captured graph
+        self.scheduler.fair_decode_batch = parse_mode(config.fair_decode_batch)
+        sizes = graph_sizes(config.cuda_graph_max_batch) if config.device == "cuda" else []
+        self.scheduler.decode_curve = DecodeCurve(ladder(config.max_num_seqs, sizes))
+        self._decode_batch = 0  # the last launched step's sequences if all decoded, else 0
+        self._logged_cap: int | None = None
         if config.kv_host_cache_gb > 0:
             self.pool.tier = self._host_tier(config.kv_host_cache_gb)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
@@ -251,14 +261,31 @@ class EngineCore(Generic[OutputT]):
     def step(self) -> list[OutputT]:
         """Run one step. With asynchronous scheduling the outputs returned are those of
         the step launched by the previous call (common/engine/async_steps.py)."""
+        start = time.perf_counter()
+        previous = self._decode_batch
         try:
-            return self._step()
+            outputs = self._step()
         except BaseException as exc:
             self._abandon_in_flight(exc)
             raise
+        if self.scheduler.fair_decode_batch == "auto" and self._decode_batch:
+            # A decode step's time for the fair cap's curve: with asynchronous steps the
+            # call waited for the previous step (launched the call before), so it is that
+            # step's (in a run of decode steps); else this one's.
+            batch = previous if self._async_runner is not None else self._decode_batch
+            if batch:
+                self.scheduler.decode_curve.observe(batch, time.perf_counter() - start)
+        cap = self.scheduler.decode_cap  # logged when it changes (not probes, not "none")
+        if cap is not None and cap != self._logged_cap and not self.scheduler.decode_probe:
+            self._logged_cap = cap
+            log.info("fair_decode_cap", cap=cap, curve=self.scheduler.decode_curve.summary())
+        return outputs
 
     def _step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
+        self._decode_batch = len(plan.seqs) if all(
+            s.sample and len(s.token_ids) == 1 + s.num_drafts for s in plan.seqs
+        ) else 0  # fmt: skip
         in_flight = self._in_flight  # cleared once its tokens are read (_abandon_in_flight)
         self.last_step_launched = bool(plan.seqs)
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)

@@ -57,6 +57,8 @@ class Request:
         self.client = client
         self.priority = priority
         self.num_step_tokens = 0  # tokens steps computed for it here (abandoned on abort)
+        # the scheduler's turn it last decoded in (several clients: fair caps, scheduler.py)
+        self.last_step = 0
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling = sampling

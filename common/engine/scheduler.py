@@ -41,6 +41,14 @@ front). A client that becomes active starts at the lowest counter among the acti
 it neither jumps ahead on credit from an idle past nor waits for the others' history. One
 client alone is served first come, first served, as before; running requests and
 preemption (the latest arrival first) are untouched.
+
+Decode steps (``fair``, common/engine/fair_batch.py): while more than one client has
+sequences decoding, a step may take fewer of them than run, where the engine's measured
+step times say a smaller step keeps the throughput (a CPU; never a GPU, whose curve does not
+saturate): the seats go one to each client (the least served first), the rest by the
+counters seat by seat, and a client's sequences by the turn they last ran in (the least
+recent first), so the busy client's sequences rotate and none starves. A sequence left
+out keeps its blocks and waits a step. Prefill chunks and admissions are as before.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from pdserve.common.engine.block_pool import BlockPool, hash_blocks
+from pdserve.common.engine.fair_batch import DecodeCurve
 from pdserve.common.engine.group_tables import GroupTables
 from pdserve.common.engine.kv_groups import KVCacheGroup
 from pdserve.common.engine.request import Request, Status
@@ -97,6 +106,13 @@ class Scheduler:
         # tokens computed for requests then aborted (nobody waited for them; engine_core)
         self.num_abandoned_tokens = 0
         self.served: dict[str, int] = {}  # client -> tokens computed for it (its counter)
+        # Fair decode batches (fair_batch.py): "auto" (the measured curve), "off", or a
+        # fixed cap; the engine core feeds the curve with its decode steps' times.
+        self.fair_decode_batch: str | int = "off"
+        self.decode_curve = DecodeCurve(())
+        self.decode_cap: int | None = None  # the last step's cap (None: every decode ran)
+        self.decode_probe = False  # whether that cap was a probe's (fair_batch.py)
+        self.num_turns = 0  # decode turns handed out, for the decodes' rotation
 
     @property
     def has_unfinished(self) -> bool:
@@ -151,6 +167,7 @@ class Scheduler:
         prefills: list[Request] = []
         for req in sorted(self.running, key=ARRIVAL):
             (decodes if self._decoding(req) else prefills).append(req)
+        decodes = self._fair_decodes(decodes)
         for req in decodes:
             budget = self._take_running(req, budget, chosen)
         ready = []
@@ -175,6 +192,52 @@ class Scheduler:
         chosen.sort(key=lambda item: item[1] != 1)
         plan = StepPlan([self._scheduled(req, num) for req, num in chosen])
         return plan, [req for req, _ in chosen]
+
+    def _fair_decodes(self, decodes: list[Request]) -> list[Request]:
+        """The decodes that step now (all but where the fair cap engages; module
+        docstring), in arrival order."""
+        self.decode_cap = None
+        self.decode_probe = False
+        mode = self.fair_decode_batch
+        n = len(decodes)
+        if mode == "off" or n < 2 or len({r.client for r in decodes}) < 2:
+            return decodes
+        if isinstance(mode, int):
+            limit: int | None = mode
+        else:
+            limit = self.decode_curve.probe(n)
+            self.decode_probe = limit is not None
+            if limit is None:
+                limit = self.decode_curve.cap(n)
+        picked = decodes
+        if limit is not None and limit < n:
+            self.decode_cap = limit
+            picked = self._fair_pick(decodes, limit)
+            chosen = set(map(id, picked))
+            decodes = [r for r in decodes if id(r) in chosen]
+        for req in picked:  # a turn each, in the order picked: a strict rotation
+            self.num_turns += 1
+            req.last_step = self.num_turns
+        return decodes
+
+    def _fair_pick(self, decodes: list[Request], limit: int) -> list[Request]:
+        """``limit`` of ``decodes``: one seat per client, the least served first, then seat
+        by seat to the client least served counting its seats so far; within a client the
+        sequence that ran least recently first (then arrival)."""
+        lines: dict[str, deque[Request]] = {}
+        for req in sorted(decodes, key=lambda r: (r.last_step, r.arrival_order)):
+            lines.setdefault(req.client, deque()).append(req)
+        served = self.served
+        given = {c: served.get(c, 0) for c in lines}
+        picked: list[Request] = []
+        for client in sorted(lines, key=lambda c: given[c])[:limit]:  # a seat each
+            picked.append(lines[client].popleft())
+            given[client] += 1
+        while len(picked) < limit:
+            client = min((c for c in lines if lines[c]), key=lambda c: given[c])
+            picked.append(lines[client].popleft())
+            given[client] += 1
+        return picked
 
     def _take_running(self, req: Request, budget: int, chosen: list[tuple[Request, int]]) -> int:
         """Schedule running ``req``'s next tokens within ``budget``; the budget left."""
