@@ -221,15 +221,7 @@ class HFBench:
         with torch.inference_mode():
             self.sync()
             start = time.perf_counter()
-            out = self.model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=gen_len,
-                min_new_tokens=gen_len,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=self.pad_token_id,
-            )
+            out = self._generate(input_ids, mask, gen_len)
             self.sync()
         seconds = time.perf_counter() - start
         if out.shape[1] != input_ids.shape[1] + gen_len:
@@ -243,16 +235,20 @@ class HFBench:
 
         input_ids, mask = self._inputs(prompts)
         with torch.inference_mode():
-            out = self.model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=gen_len,
-                min_new_tokens=gen_len,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=self.pad_token_id,
-            )
+            out = self._generate(input_ids, mask, gen_len)
         return [row[input_ids.shape[1] :].tolist() for row in out]
+
+    def _generate(self, input_ids: Any, mask: Any, gen_len: int) -> Any:
+        """HF generate(), greedy, exactly ``gen_len`` new tokens a prompt."""
+        return self.model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=gen_len,
+            min_new_tokens=gen_len,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=self.pad_token_id,
+        )
 
     def run(self, prompts: Sequence[Sequence[int]], gen_len: int) -> Timing:
         prefill_s = self.prefill(prompts)
