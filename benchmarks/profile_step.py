@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pdserve.cli.bench.bench_engine import group_blocks
 from pdserve.common.engine.config import EngineConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.sampling import SamplingParams
@@ -37,7 +38,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     path = random_shape_model(args.shape, device="cuda", tokenizer_from=args.tokenizer)
-    blocks = -(-(args.context + args.steps + 16) // 64)
+    tokens = args.context + args.steps + 16
+    # every cache group's blocks (V4's window, compressed and indexer groups: 142 at 2k, not 33)
+    blocks = max(-(-tokens // 64), group_blocks(str(path), tokens, args.context, 64))
     engine = LLMEngine(
         EngineConfig(
             model=str(path),
