@@ -132,13 +132,21 @@ def kernel_table(what: str, runner, execute, call: tuple) -> None:  # noqa: ANN0
             else "other"
         )  # fmt: skip
         groups[kind] = groups.get(kind, 0.0) + us
-        rows.append((us, name[:90]))
+        rows.append((us, event.count // 5, name[:90]))
     total = sum(groups.values())
-    print(f"{what}: eager forward, GPU time by kind: {total / 1e3:.3f} ms in all")
+    launches = sum(n for _, n, _ in rows)
+    print(
+        f"{what}: eager forward, GPU time by kind: {total / 1e3:.3f} ms in all, "
+        f"{launches} kernel launches"
+    )
     for kind, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:10s} {us / 1e3:8.3f} ms  {us / total:6.1%}")
-    for us, name in sorted(rows, reverse=True)[:12]:
-        print(f"  {us / 1e3:8.3f} ms  {name}")
+    print("  by time (ms, launches, kernel):")
+    for us, n, name in sorted(rows, reverse=True)[:16]:
+        print(f"  {us / 1e3:8.3f} ms {n:6d}  {name}")
+    print("  by launches:")
+    for us, n, name in sorted(rows, key=lambda r: -r[1])[:24]:
+        print(f"  {us / 1e3:8.3f} ms {n:6d}  {name}")
 
 
 if __name__ == "__main__":
