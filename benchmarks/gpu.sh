@@ -15,6 +15,7 @@
 #   fairness      benchmarks/fairness.py (issue 49) on the 1B shape: client B's latency beside
 #                 client A's 1,000-request burst, ratios to the same run's idle / alone phases;
 #                 then again with --local-prefill-threshold 0 (decode's steps all graphs)
+#                 ($FAIR_TIMEOUT_S bounds each run, default 540)
 #   serve-8b      bench serve --compare at the 8B shape, 2k in / 128 out, concurrency 8 and 32
 #   transfer      pdserve bench transfer on VRAM (two processes, one GPU), both KV orders
 #   pcp           PCP prefill latency (benchmarks/pcp_prefill.py), ranks sharing the GPU
@@ -133,14 +134,14 @@ suite_serve() {
         2>"$OUT/serve_err.txt" | tail -40
 }
 suite_fairness() {  # issue 49: a 1,000-request burst beside another client's short requests
-    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 540 python3 benchmarks/fairness.py \
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout "${FAIR_TIMEOUT_S:-540}" python3 benchmarks/fairness.py \
         --model $LLAMA1B --device cuda --json "$OUT/fairness_h200.json" \
         > "$OUT/fairness_log.txt" 2>&1; local rc=$?
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'], d['alone'].get('decode_steps'))" \
         "$OUT/fairness_h200.json"
     # the same with every prompt through prefill: decode's steps never mix in a prefill
     # chunk, so they stay CUDA graphs (#49: how much A's local prefills cost B)
-    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout 540 python3 benchmarks/fairness.py \
+    PDSERVE_ENGINE__GPU_MEMORY_UTILIZATION=0.3 timeout "${FAIR_TIMEOUT_S:-540}" python3 benchmarks/fairness.py \
         --model $LLAMA1B --device cuda --up-arg=--local-prefill-threshold=0 \
         --json "$OUT/fairness_no_local_h200.json" > "$OUT/fairness_no_local_log.txt" 2>&1
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ratios'], d['holds'], d['alone'].get('decode_steps'))" \
