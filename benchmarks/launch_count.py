@@ -31,7 +31,7 @@ FREE = set(
     _unsafe_view alias empty empty_strided detach detach_ lift_fresh resolve_conj resolve_neg
     result_type _reshape_alias unbind split narrow chunk view_as empty_like is_nonzero item
     _local_scalar_dense flatten unflatten split_with_sizes contiguous numpy_T new_empty
-    set_""".split()
+    set_ promote_types""".split()
 )
 
 
