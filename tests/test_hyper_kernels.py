@@ -107,3 +107,65 @@ def test_triton_mix_replays_in_a_cuda_graph_at_the_flash_shape() -> None:
     for o, e, w in zip(out, eager, want, strict=True):
         assert torch.equal(o, e)
         torch.testing.assert_close(o.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+def _prev(tokens: int, dtype: torch.dtype, gen: torch.Generator, device: str):  # noqa: ANN202
+    """A previous block's post, comb (from a mix, so comb is near doubly stochastic) and
+    output."""
+    streams = torch.randn(tokens, HC, HIDDEN, generator=gen).to(dtype)
+    fn, base, scale = (t.to(dtype) for t in params(False, gen))
+    post, comb, _ = hyper_ref.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    out = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    return tuple(t.to(device) for t in (post, comb, out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
+    device: str, dtype: torch.dtype, tokens: int
+) -> None:
+    """A layer's glue in one launch (#47): the previous block's combine, the mix and the
+    block's RMSNorm equal the reference's ops (the combined streams within float32 rounding
+    of the reference's own bf16 roundings), with and without each part; the head's form
+    over a subset of rows (the logits rows) with the final norm."""
+    from pdserve.kernels import triton_hyper
+
+    gen = torch.Generator().manual_seed(10 + tokens)
+    streams = torch.randn(tokens, HC, HIDDEN, generator=gen).to(dtype)
+    fn, base, scale = (t.to(dtype) for t in params(False, gen))
+    weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
+    prev = _prev(tokens, dtype, gen, "cpu")
+    # bfloat16: the kernel rounds where the reference rounds, so values differ by at most
+    # one bf16 step where a float32 sum's order tips a rounding (2^-8 relative)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-4}
+    dev = [t.to(device) for t in (streams, fn, base, scale)]
+    for with_prev in (False, True):
+        for with_norm in (False, True):
+            p = prev if with_prev else None
+            nrm = (weight, 1e-6) if with_norm else None
+            want = hyper_ref.step(streams, fn, base, scale, 1e-6, 1e-6, ITERS, prev=p, norm=nrm)
+            got = triton_hyper.step(
+                *dev, 1e-6, 1e-6, ITERS,
+                prev=None if p is None else tuple(t.to(device) for t in p),
+                norm=None if nrm is None else (weight.to(device), 1e-6),
+            )  # fmt: skip
+            assert (got[0] is None) == (not with_prev)
+            for g, w in zip(got, want, strict=True):
+                if g is None:
+                    continue
+                assert g.dtype == w.dtype and g.shape == w.shape
+                torch.testing.assert_close(g.cpu().float(), w.float(), **tol)
+    # the head: the last layer's combine, the collapse and the final norm of the rows kept
+    hfn, hbase, hscale = (t.to(dtype) for t in params(True, gen))
+    rows = torch.arange(tokens - 1, -1, -2)
+    want = hyper_ref.step(
+        streams, hfn, hbase, hscale, 1e-6, 1e-6, 0, prev=prev, norm=(weight, 1e-6), head=True,
+        rows=rows,
+    )[3]  # fmt: skip
+    got = triton_hyper.step(
+        *(t.to(device) for t in (streams, hfn, hbase, hscale)), 1e-6, 1e-6, 0,
+        prev=tuple(t.to(device) for t in prev), norm=(weight.to(device), 1e-6), head=True,
+        rows=rows.to(device), store=False,
+    )  # fmt: skip
+    assert got[0] is None and got[3].shape == (rows.shape[0], HIDDEN)
+    torch.testing.assert_close(got[3].cpu().float(), want.float(), **tol)
