@@ -406,6 +406,50 @@ def test_decode_kernels_equal_the_expert_loop(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "inter_s"), [("b1", 40), ("ep-4-of-16", 24), ("clamped-dup", 40), ("b20", 8)]
+)
+def test_decode_kernels_fold_in_the_shared_expert(
+    decode_device: str, dtype: torch.dtype, case: str, inter_s: int
+) -> None:
+    """The shared expert as one more slot of weight 1 (#47): the two kernels give the
+    routed sum plus the shared expert's clamped SwiGLU of every token, against the loop
+    reference plus that expert run on its own; its width the routed experts' or a TP
+    rank's slice (24 of 40, 8 with BLOCK_T 32); on an EP rank whose experts some tokens
+    do not use, those tokens get the shared expert alone."""
+    from pdserve.kernels import triton_moe_decode
+
+    tokens, first, local, limit = DECODE_CASES[case]
+    gate_up, down = weights(16, 64, 40, torch.float32, "cpu", seed=len(case))
+    sh_gate_up, sh_down = (t[0] for t in weights(1, 64, inter_s, torch.float32, "cpu", seed=9))
+    if limit is not None:
+        gate_up, sh_gate_up = gate_up * 60, sh_gate_up * 60  # past the limit: the clamp bites
+    ids, w = routing(tokens, 3, 16, "cpu", seed=tokens)
+    if case == "clamped-dup":
+        ids[0, 1] = ids[0, 0]
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    gate_up, down = gate_up[first : first + local].to(dtype), down[first : first + local].to(dtype)
+    sh_gate_up, sh_down = sh_gate_up.to(dtype), sh_down.to(dtype)
+    routed = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), first, limit)
+    shared = moe_ref.moe_experts(
+        x.float(), torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1),
+        sh_gate_up.float()[None], sh_down.float()[None], 0, limit,
+    )  # fmt: skip
+    want = routed + shared
+    assert shared.abs().min() > 0 and routed.abs().max() > 0
+    dev = decode_device
+    got = triton_moe_decode.moe_experts(
+        x.to(dev), ids.to(dev), w.to(dev), gate_up.to(dev), down.to(dev), first, limit,
+        shared=(sh_gate_up.to(dev), sh_down.to(dev)),
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(
+        got.cpu().float(), want, rtol=tol, atol=tol * want.abs().max().item()
+    )
+
+
 def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
     decode_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -465,21 +509,22 @@ def test_decode_kernels_compile_for_hopper() -> None:
     cases = (("bf16", 8, 16, False, 768, 2048), ("bf16", 6, 32, True, 2048, 4096),
              ("fp32", 8, 16, False, 768, 2048))  # fmt: skip
     for dt, k, block_t, clamp, inter, hidden in cases:
+        shared = clamp  # V4's: its shared expert folded in
         cfg = d.config(block_t, inter, hidden)
         precision = "ieee" if dt == "fp32" else "tf32"
         ptrs = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w_ptr": f"*{dt}", "h_ptr": "*fp32",
-                "limit": "fp32"}  # fmt: skip
+                "ws_ptr": f"*{dt}", "limit": "fp32"}  # fmt: skip
         consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=block_t,
                       BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=clamp,
-                      PRECISION=precision, UPCAST=False)  # fmt: skip
+                      SHARED=shared, PRECISION=precision, UPCAST=False)  # fmt: skip
         aligned = ("x_ptr", "ids_ptr", "w_ptr", "h_ptr", "INTER", "H", "stride_xt",
                    "stride_we", "stride_wr", "stride_h")  # fmt: skip
         gate_up = build(d._gate_up_kernel, ptrs, consts, aligned, cfg["warps_gate_up"],
                         cfg["stages_gate_up"])  # fmt: skip
         ptrs = {"h_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "d_ptr": f"*{dt}",
-                "out_ptr": f"*{dt}"}  # fmt: skip
-        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], PRECISION=precision,
-                      UPCAST=False)  # fmt: skip
+                "ds_ptr": f"*{dt}", "out_ptr": f"*{dt}"}  # fmt: skip
+        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], SHARED=shared,
+                      PRECISION=precision, UPCAST=False)  # fmt: skip
         aligned = ("h_ptr", "ids_ptr", "weights_ptr", "d_ptr", "out_ptr", "INTER", "H",
                    "stride_de", "stride_dr", "stride_h", "stride_ot")  # fmt: skip
         down = build(d._down_kernel, ptrs, consts, aligned, cfg["warps_down"], cfg["stages_down"])
