@@ -438,6 +438,7 @@ def moe_route(
     topk_group: int = 1,
     scale: float = 1.0,
     hash_ids: torch.Tensor | None = None,  # [T, k]: the experts given (V4's hash layers)
+    token_ids: torch.Tensor | None = None,  # [T]: hash_ids is the table [vocab, k] (tid2eid)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (weights [T, k] fp32, ids [T, k] int64)
     """A router's top-k experts and weights in one Triton kernel
     (:mod:`pdserve.kernels.triton_route`) where the backend is Triton and the router fits
@@ -451,7 +452,7 @@ def moe_route(
 
     return triton_route.route(
         logits, top_k, norm_topk_prob, scoring, correction_bias, n_group, topk_group, scale,
-        hash_ids,
+        hash_ids, token_ids,
     )  # fmt: skip
 
 

@@ -56,9 +56,9 @@ def test_fused_glue_and_shared_expert_give_the_references_logprobs(
     monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))
     prompt = list(range(7, 31))
     calls = []
-    real_step = dsv4.V4Layer.fused_forward
+    real_glue = dsv4.V4Layer._glue
     monkeypatch.setattr(
-        dsv4.V4Layer, "fused_forward", lambda *a, **k: calls.append(1) or real_step(*a, **k)
+        dsv4.V4Layer, "_glue", lambda *a, **k: calls.append(1) or real_glue(*a, **k)
     )
     tokens, fused = _logprobs(model, prompt, dtype)
     assert calls  # the fused glue ran

@@ -169,3 +169,34 @@ def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
     )  # fmt: skip
     assert got[0] is None and got[3].shape == (rows.shape[0], HIDDEN)
     torch.testing.assert_close(got[3].cpu().float(), want.float(), **tol)
+
+
+def test_step_kernel_compiles_for_hopper() -> None:
+    """Without a GPU: the glue kernel compiles for sm90 in bf16 at V4-Flash's 4 streams in
+    each form the model launches: a layer's first (the previous ffn's combine, mix, norm),
+    the mix alone, the head's (combine over the logits rows, collapse, final norm)."""
+    triton = pytest.importorskip("triton")
+    from tests.kernel_tools import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import triton_hyper
+
+    kernel = triton_hyper._hyper_kernel
+    ptrs = {"streams_ptr": "*bf16", "rows_ptr": "*i64", "prev_post_ptr": "*fp32",
+            "prev_comb_ptr": "*fp32", "prev_out_ptr": "*bf16", "fn_ptr": "*bf16",
+            "base_ptr": "*bf16", "scale_ptr": "*bf16", "norm_ptr": "*bf16", "new_ptr": "*bf16",
+            "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32",
+            "hc_eps": "fp32", "norm_eps": "fp32"}  # fmt: skip
+    for head, prev, store, rows, norm in (
+        (False, True, True, False, True),
+        (False, False, False, False, False),
+        (True, True, False, True, True),
+    ):
+        consts = dict(N=HC, ITERS=20, HEAD=head, PREV=prev, STORE=store, ROWS=rows, NORM=norm,
+                      ROUND=1, BLOCK_M=HC if head else 32, BLOCK_H=32)  # fmt: skip
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+        triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))

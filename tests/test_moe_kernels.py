@@ -659,9 +659,13 @@ def test_route_kernel_compiles_for_hopper() -> None:
              PER_GROUP=1, TOPK_GROUP=1, NORM=True),
         dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=False, HAS_BIAS=True, GROUPS=1,
              PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=True, TOKENS=True, HAS_BIAS=False,
+             GROUPS=1, PER_GROUP=1, TOPK_GROUP=1, NORM=True),  # V4: tid2eid read in the kernel
     ):  # fmt: skip
-        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "hash_ptr": "*i64",
-                "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        consts.setdefault("TOKENS", False)
+        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "hash_ptr": "*i64",
+                "tokens_ptr": "*i64", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                "scale": "fp32"}  # fmt: skip
         sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
         triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
 
@@ -689,11 +693,12 @@ def test_route_kernel_replays_in_a_cuda_graph() -> None:
     assert [sorted(r) for r in eager_ids.cpu().tolist()] == [sorted(r) for r in want_ids.tolist()]
 
 
-@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
-def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
+@pytest.mark.parametrize("hash_layer", [False, True, "table"], ids=["topk", "hash", "table"])
+def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool | str) -> None:
     """DeepSeek-V4's Gate (sqrt(softplus) scores, top-k on scores + bias or the hash
     table's experts, weights over their sum times routed_scaling_factor) through the kernel
-    against its torch forward, float32, 256 experts, 6 a token."""
+    against its torch forward, float32, 256 experts, 6 a token; ``table``: the whole
+    tid2eid table (int32, a vocabulary of 50) read at the token ids in the kernel."""
     from pdserve.kernels import triton_route
 
     gen = torch.Generator().manual_seed(5)
@@ -701,6 +706,11 @@ def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
     logits[0, :8] = 30.0  # softplus's linear range
     bias = torch.randn(256, generator=gen) * 0.1
     table = torch.randint(0, 256, (40, 6), generator=gen)
+    token_ids = None
+    if hash_layer == "table":
+        vocab_table = torch.randint(0, 256, (50, 6), generator=gen, dtype=torch.int32)
+        token_ids = torch.randint(0, 50, (40,), generator=gen)
+        table = vocab_table[token_ids].long()
     scores = torch.nn.functional.softplus(logits).sqrt()
     ids = table if hash_layer else torch.topk(scores + bias, 6, dim=-1).indices
     want = scores.gather(1, ids)
@@ -708,7 +718,9 @@ def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
     got_w, got_ids = triton_route.route(
         logits.to(route_device), 6, True, "sqrtsoftplus",
         None if hash_layer else bias.to(route_device), scale=1.5,
-        hash_ids=table.to(route_device) if hash_layer else None,
+        hash_ids=(vocab_table if token_ids is not None else table).to(route_device)
+        if hash_layer else None,
+        token_ids=None if token_ids is None else token_ids.to(route_device),
     )  # fmt: skip
     if not hash_layer:  # the kernel's k in descending order: the reference's sorted too
         order = got_ids.cpu().argsort(-1)

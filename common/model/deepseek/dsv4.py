@@ -139,13 +139,14 @@ class Gate(nn.Module):
         from pdserve import kernels
 
         logits = F.linear(x, self.weight)
-        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
         routed = kernels.moe_route(  # on CUDA one kernel (kernels/triton_route.py)
             logits, self.top_k, True, "sqrtsoftplus", None if self.is_hash else self.bias,
-            scale=self.factor, hash_ids=hashed,
+            scale=self.factor, hash_ids=self.tid2eid if self.is_hash else None,
+            token_ids=input_ids if self.is_hash else None,  # the table read in the kernel
         )  # fmt: skip
         if routed is not None:  # float32 weights: the experts' kernels weigh in float32
             return routed
+        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
         scores = F.softplus(logits).sqrt()
         if hashed is not None:
             ids = hashed
@@ -267,30 +268,9 @@ class V4Layer(nn.Module):
         )  # fmt: skip
         return (streams if new is None else new), post, comb, x
 
-    def fused_forward(
-        self,
-        streams: torch.Tensor,  # [T, n, hidden]: before ``pending`` is added back
-        pending: Pending | None,  # the previous layer's ffn (post, comb, out), not yet added
-        input_ids: torch.Tensor,
-        rope: Rope,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        caches: tuple[
-            torch.Tensor, AttentionMetadata, torch.Tensor | None, AttentionMetadata | None
-        ],
-        step: V4Step,
-    ) -> tuple[torch.Tensor, Pending]:  # (streams, this layer's ffn (post, comb, out))
-        """``forward`` on the Triton backend, its glue in two launches: each block's input
-        comes out of one kernel that first adds the previous block's output back into the
-        streams, then mixes and norms; this layer's own ffn output is left ``pending``, for
-        the next layer's first kernel (or the head's) to add."""
-        streams, post, comb, x = self._glue("attn", streams, pending)
-        out = self.attn(x, rope, cos_sin, *caches, step=step)
-        streams, post, comb, x = self._glue("ffn", streams, (post, comb, out))
-        return streams, (post, comb, self.ffn(x, input_ids))
-
     def forward(
         self,
-        streams: torch.Tensor,  # [T, n, hidden]
+        streams: torch.Tensor,  # [T, n, hidden]: before ``pending`` is added back
         input_ids: torch.Tensor,  # [T]
         rope: Rope,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -298,14 +278,19 @@ class V4Layer(nn.Module):
             torch.Tensor, AttentionMetadata, torch.Tensor | None, AttentionMetadata | None
         ],
         step: V4Step,
-    ) -> torch.Tensor:  # [T, n, hidden]
-        from pdserve import kernels
-
-        if fused_glue(streams):
-            streams, pending = self.fused_forward(
-                streams, None, input_ids, rope, cos_sin, caches, step
-            )
-            return kernels.hyper_ref.combine(streams, *pending)
+        pending: Pending | None = None,  # fused: the previous layer's ffn, not yet added
+    ) -> tuple[torch.Tensor, Pending | None]:  # (streams [T, n, hidden], pending)
+        """The reference (transformers' ops): the streams after the layer, pending None.
+        Fused (``fused_glue``: the Triton backend), the glue in two launches: each block's
+        input comes out of one kernel (kernels/triton_hyper.py ``step``) that first adds the
+        previous block's output back into the streams, then mixes and norms; this layer's
+        own ffn output is left pending, (post, comb, out), for the next layer's first
+        kernel (or the head's) to add; ``hyper_ref.combine`` adds it where it is needed."""
+        if pending is not None or fused_glue(streams):
+            streams, post, comb, x = self._glue("attn", streams, pending)
+            out = self.attn(x, rope, cos_sin, *caches, step=step)
+            streams, post, comb, x = self._glue("ffn", streams, (post, comb, out))
+            return streams, (post, comb, self.ffn(x, input_ids))
         dtype = streams.dtype
         post, comb, collapsed = self._mix("attn", streams)
         out = self.attn(self.attn_norm(collapsed), rope, cos_sin, *caches, step=step)
@@ -314,9 +299,10 @@ class V4Layer(nn.Module):
         )
         post, comb, collapsed = self._mix("ffn", streams)
         out = self.ffn(self.ffn_norm(collapsed), input_ids)
-        return post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
+        streams = post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
             comb.to(dtype).transpose(-1, -2), streams
         )
+        return streams, None
 
 
 class Backbone(nn.Module):
@@ -388,11 +374,13 @@ class DeepseekV4Model(nn.Module):
         assert v4 is not None
         x = self.model.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
-        cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
+        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, rope in self.ropes.items():  # in the model's dtype once, not once a layer
+            cos, sin = rope.cos_sin(positions)
+            cos_sin[name] = (cos.to(x.dtype), sin.to(x.dtype))
         taps = self.hidden_layers if self.keep_hidden else None
         kept: list[torch.Tensor] = []
         step = V4Step(meta, positions)  # every layer's index metadata, built once
-        fused = fused_glue(streams)
         pending: Pending | None = None  # fused: the last ffn's output, not yet added back
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
@@ -405,13 +393,9 @@ class DeepseekV4Model(nn.Module):
                 None if entries is None else kv_cache[:, entries[1]],
                 None if entries is None else meta.of_group(entries[0]),
             )
-            layer_cos_sin = (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype))
-            if fused:
-                streams, pending = layer.fused_forward(
-                    streams, pending, input_ids, self.ropes[name], layer_cos_sin, caches, step
-                )
-            else:
-                streams = layer(streams, input_ids, self.ropes[name], layer_cos_sin, caches, step)
+            streams, pending = layer(
+                streams, input_ids, self.ropes[name], cos_sin[name], caches, step, pending
+            )
             if taps and i in taps:  # a layer's output, not its input (V4-Flash's DSpark)
                 if pending is not None:
                     streams, pending = kernels.hyper_ref.combine(streams, *pending), None
@@ -419,7 +403,7 @@ class DeepseekV4Model(nn.Module):
         if kept:
             self.hidden_rows = torch.cat(kept, dim=-1)
             self.hidden = self.hidden_rows[logits_indices]
-        if fused:  # the last combine, hc_head and the final norm: one launch, logits rows
+        if fused_glue(streams):  # the last combine, hc_head, the final norm: one launch
             from pdserve.kernels import triton_hyper
 
             hh, norm = self.model.hc_head, self.model.norm
