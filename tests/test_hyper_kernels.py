@@ -200,3 +200,55 @@ def test_step_kernel_compiles_for_hopper() -> None:
                       ROUND=1, BLOCK_M=HC if head else 32, BLOCK_H=32)  # fmt: skip
         sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
         triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_triton_step_replays_in_a_cuda_graph_at_the_flash_shape(tokens: int) -> None:
+    """V4-Flash's hidden 4096, 4 streams, bfloat16, batch 1 and 64: a layer's fused glue
+    (combine, mix, norm) and the head's (combine over half the rows, collapse, final norm)
+    replayed from a CUDA graph equal their eager runs, and the reference within one bf16
+    rounding."""
+    from pdserve.kernels import triton_hyper
+
+    hidden = 4096
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def randn(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * s).to(torch.bfloat16)
+
+    streams = randn(tokens, HC, hidden)
+    fn, base, scale = randn(24, HC * hidden, s=0.02), randn(24), randn(3, s=0.1) + 1
+    hfn, hbase, hscale = randn(HC, HC * hidden, s=0.02), randn(HC), randn(1, s=0.1) + 1
+    weight = randn(hidden, s=0.1) + 1
+    post, comb, _ = hyper_ref.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
+    prev = (post, comb, randn(tokens, hidden))
+    rows = torch.arange(tokens - 1, -1, -2, device="cuda")
+
+    def run() -> tuple[torch.Tensor, ...]:
+        layer = triton_hyper.step(
+            streams, fn, base, scale, 1e-6, 1e-6, ITERS, prev=prev, norm=(weight, 1e-6)
+        )
+        head = triton_hyper.step(
+            streams, hfn, hbase, hscale, 1e-6, 1e-6, 0, prev=prev, norm=(weight, 1e-6),
+            head=True, rows=rows, store=False,
+        )[3]  # fmt: skip
+        return (*layer, head)
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (
+        *hyper_ref.step(streams, fn, base, scale, 1e-6, 1e-6, ITERS, prev=prev, norm=(weight, 1e-6)),
+        hyper_ref.step(
+            streams, hfn, hbase, hscale, 1e-6, 1e-6, 0, prev=prev, norm=(weight, 1e-6),
+            head=True, rows=rows,
+        )[3],
+    )  # fmt: skip
+    for o, e, w in zip(out, eager, want, strict=True):
+        assert torch.equal(o, e)
+        torch.testing.assert_close(o.float(), w.float(), rtol=8e-3, atol=1e-3)

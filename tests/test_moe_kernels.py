@@ -581,6 +581,49 @@ def test_decode_kernels_on_cuda_reference_and_graph_replay(
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_decode_kernels_with_the_shared_expert_on_cuda(
+    tokens: int, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V4-Flash's layer (a quarter of its experts, limit 10) with its shared expert folded
+    in (whole, or a TP rank's quarter of it), bf16, batch 1 and 16: kernels.moe_experts
+    takes the decode kernels; against the float32 loop plus the shared expert's; a CUDA
+    graph replay gives eager's bits."""
+    from pdserve.kernels import triton_moe_decode
+
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))
+    e, h, i, k = (V4_SHAPE[n] for n in ("num_experts", "hidden", "inter", "top_k"))
+    gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
+    gate_up = gate_up * 8  # some gate/up values past 10
+    sh_gate_up, sh_down = (t[0] for t in weights(1, h, i // tp, torch.bfloat16, "cuda", seed=5))
+    shared = (sh_gate_up * 8, sh_down)
+    ids, w = routing(tokens, k, e, "cuda")
+    x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    assert triton_moe_decode.fits(x, ids, gate_up, shared)
+    eager = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    ones = torch.ones(tokens, 1, device="cuda")
+    want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), 0, 10.0)
+    want += moe_ref.moe_experts(
+        x.float(), torch.zeros_like(ones, dtype=torch.long), ones,
+        shared[0].float()[None], shared[1].float()[None], 0, 10.0,
+    )  # fmt: skip
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 # -- routing in one Triton kernel (kernels/triton_route.py) -----------------------------------
 
 ROUTERS = {
