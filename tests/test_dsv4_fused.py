@@ -34,12 +34,18 @@ def _logprobs(model, prompt, dtype: str, device: str, max_tokens: int = 3):  # n
     return tokens, torch.tensor(logprobs)
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# the interpreter float32 alone (CI's time: ~35 s a run); CUDA both
+CASES = [
+    pytest.param(d.values[0], "float32", marks=d.marks, id=f"{d.id}-fp32") for d in TRITON_DEVICES
+]
+CASES.append(pytest.param("cuda", "bfloat16", marks=TRITON_DEVICES[0].marks, id="cuda-bf16"))
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES)
 def test_fused_glue_and_shared_expert_give_the_references_logprobs(
     tmp_path, model_dir, monkeypatch: pytest.MonkeyPatch, device: str, dtype: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """A 24-token prompt (prefill: one program per token) and 3 decode steps (batch 1: the
+    """A 12-token prompt (prefill: one program per token) and 3 decode steps (batch 1: the
     MoE decode kernels with the shared expert folded in): fused against the reference glue
     and the shared expert on its own (the routed experts: the loop on CPU, the grouped GEMM
     on CUDA); bfloat16 within a few of its roundings (the fused combine rounds where the
@@ -56,7 +62,7 @@ def test_fused_glue_and_shared_expert_give_the_references_logprobs(
     model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir)
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
     monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))
-    prompt = list(range(7, 31))
+    prompt = list(range(7, 19))
     glue, folded = [], []
     real_glue, real_moe = dsv4.V4Layer._glue, triton_moe_decode.moe_experts
     monkeypatch.setattr(dsv4.V4Layer, "_glue", lambda *a, **k: glue.append(1) or real_glue(*a, **k))
