@@ -75,6 +75,50 @@ def _chunk(
 
 
 @triton.jit
+def _weights(
+    proj,  # [BLOCK_M] the projected row, RMS factor applied
+    base_ptr,
+    scale_ptr,
+    post_row,  # [N] out (not HEAD; STORE)
+    comb_row,  # [N, N] out (not HEAD; STORE)
+    hc_eps,
+    N: tl.constexpr,
+    ITERS: tl.constexpr,
+    HEAD: tl.constexpr,
+    STORE,  # whether this program writes post and comb
+    BLOCK_M: tl.constexpr,
+):
+    """pre [N] (returned), post and the Sinkhorn-normalised comb (stored) of a row."""
+    rows = tl.arange(0, BLOCK_M)
+    i = tl.arange(0, N)
+    # pre: rows [0, N)
+    pre_w = tl.sum(tl.where(rows[None, :] == i[:, None], proj[None, :], 0.0), axis=1)  # [N]
+    pre_s = tl.load(scale_ptr).to(tl.float32)
+    pre = tl.sigmoid(pre_w * pre_s + tl.load(base_ptr + i).to(tl.float32)) + hc_eps
+    if not HEAD:
+        post_w = tl.sum(tl.where(rows[None, :] == (N + i)[:, None], proj[None, :], 0.0), axis=1)
+        post_bias = tl.load(base_ptr + N + i).to(tl.float32)
+        post = 2.0 * tl.sigmoid(post_w * tl.load(scale_ptr + 1).to(tl.float32) + post_bias)
+        # comb [N, N]: row a, column b is proj[2N + a * N + b]
+        ab = 2 * N + i[:, None] * N + i[None, :]  # [N, N]
+        sel = rows[None, None, :] == ab[:, :, None]  # [N, N, BLOCK_M]
+        comb_w = tl.sum(tl.where(sel, proj[None, None, :], 0.0), axis=2)
+        logits = comb_w * tl.load(scale_ptr + 2).to(tl.float32)
+        logits = logits + tl.load(base_ptr + ab).to(tl.float32)
+        logits = logits - tl.max(logits, axis=1)[:, None]
+        e = tl.exp(logits)
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        if STORE:
+            tl.store(post_row + i, post)
+            tl.store(comb_row + i[:, None] * N + i[None, :], comb)
+    return pre
+
+
+@triton.jit
 def _hyper_kernel(
     streams_ptr,  # [*, N, H] rows of stride stride_t, innermost contiguous
     rows_ptr,  # [T] int: the row program t reads (ROWS)
@@ -142,29 +186,8 @@ def _hyper_kernel(
         proj += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
     proj = proj * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
 
-    # pre: rows [0, N)
-    pre_w = tl.sum(tl.where(rows[None, :] == i[:, None], proj[None, :], 0.0), axis=1)  # [N]
-    pre_s = tl.load(scale_ptr).to(tl.float32)
-    pre = tl.sigmoid(pre_w * pre_s + tl.load(base_ptr + i).to(tl.float32)) + hc_eps
-    if not HEAD:
-        post_w = tl.sum(tl.where(rows[None, :] == (N + i)[:, None], proj[None, :], 0.0), axis=1)
-        post_bias = tl.load(base_ptr + N + i).to(tl.float32)
-        post = 2.0 * tl.sigmoid(post_w * tl.load(scale_ptr + 1).to(tl.float32) + post_bias)
-        tl.store(post_ptr + t * N + i, post)
-        # comb [N, N]: row a, column b is proj[2N + a * N + b]
-        ab = 2 * N + i[:, None] * N + i[None, :]  # [N, N]
-        sel = rows[None, None, :] == ab[:, :, None]  # [N, N, BLOCK_M]
-        comb_w = tl.sum(tl.where(sel, proj[None, None, :], 0.0), axis=2)
-        logits = comb_w * tl.load(scale_ptr + 2).to(tl.float32)
-        logits = logits + tl.load(base_ptr + ab).to(tl.float32)
-        logits = logits - tl.max(logits, axis=1)[:, None]
-        e = tl.exp(logits)
-        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(ITERS - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb)
+    pre = _weights(proj, base_ptr, scale_ptr, post_ptr + t * N, comb_ptr + t * N * N, hc_eps,
+                   N, ITERS, HEAD, True, BLOCK_M)  # fmt: skip
 
     # the block's input: sum_i pre_i * stream_i (the streams read, or combined, again: L2)
     o_row = out_ptr + t * H
@@ -190,6 +213,121 @@ def _hyper_kernel(
             tl.store(o_row + hh, _round(wn * (y * inv), ROUND).to(dt), mask=h_ok)
 
 
+@triton.jit
+def _split_partial_kernel(
+    streams_ptr, rows_ptr, prev_post_ptr, prev_comb_ptr, prev_out_ptr, fn_ptr,
+    new_ptr,  # [T, N, H] the combined streams (STORE)
+    part_ptr,  # [T, S, BLOCK_M + N * N] fp32: per column slice, the projection and Gram
+    H, stride_t, stride_o, stride_fm, S,
+    N: tl.constexpr, HEAD: tl.constexpr, PREV: tl.constexpr, STORE: tl.constexpr,
+    ROWS: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    SUB: tl.constexpr,  # BLOCK_H chunks a program: its slice is SUB * BLOCK_H columns
+):  # fmt: skip
+    """The split form's first launch, grid (token, column slice): the slice of the token's
+    streams (combined, stored), its share of the projection through ``fn`` and of the
+    streams' n x n Gram matrix (whose trace is the RMS's sum of squares, and pre^T G pre
+    the collapsed input's)."""
+    t = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64) if ROWS else t
+    row = streams_ptr + r * stride_t
+    out_row = prev_out_ptr + r * stride_o
+    M: tl.constexpr = N if HEAD else (2 + N) * N
+    dt = streams_ptr.dtype.element_ty
+    i = tl.arange(0, N)
+    if PREV:
+        post_b = _round(tl.load(prev_post_ptr + r * N + i), ROUND)
+        comb_b = _round(tl.load(prev_comb_ptr + r * N * N + i[:, None] * N + i[None, :]), ROUND)
+    else:
+        post_b = tl.zeros([N], tl.float32)
+        comb_b = tl.zeros([N, N], tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    r_ok = rows < M
+    d = tl.arange(0, BLOCK_H)
+    proj = tl.zeros([BLOCK_M], tl.float32)
+    gram = tl.zeros([N, N], tl.float32)
+    for c in range(SUB):
+        hh = (sl * SUB + c) * BLOCK_H + d
+        h_ok = hh < H
+        x = _chunk(row, out_row, post_b, comb_b, hh, h_ok, H, N, PREV, ROUND)  # [N, BLOCK_H]
+        if STORE:
+            tl.store(new_ptr + t * N * H + i[:, None] * H + hh[None, :], x.to(dt),
+                     mask=h_ok[None, :])  # fmt: skip
+        gram += tl.sum(x[:, None, :] * x[None, :, :], axis=2)
+        w = tl.load(
+            fn_ptr + rows[:, None, None] * stride_fm + i[None, :, None] * H + hh[None, None, :],
+            mask=r_ok[:, None, None] & h_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        proj += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+    part = part_ptr + (t * S + sl) * (BLOCK_M + N * N)
+    tl.store(part + rows, proj)
+    tl.store(part + BLOCK_M + i[:, None] * N + i[None, :], gram)
+
+
+@triton.jit
+def _split_finish_kernel(
+    streams_ptr, rows_ptr, prev_post_ptr, prev_comb_ptr, prev_out_ptr, base_ptr, scale_ptr,
+    norm_ptr, part_ptr, post_ptr, comb_ptr, out_ptr,
+    H, stride_t, stride_o, S, eps, hc_eps, norm_eps,
+    N: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr, PREV: tl.constexpr,
+    ROWS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr, SUB: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """The split form's second launch, grid (token, column slice): every program sums the
+    token's partials (the RMS factor from the Gram's trace), computes pre / post / comb
+    (slice 0 stores post and comb), and writes its slice of the collapsed input, normed
+    with the whole row's sum of squares pre^T G pre (of the unrounded input: the
+    reference's is of the rounded one, a float32-order difference)."""
+    t = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64) if ROWS else t
+    row = streams_ptr + r * stride_t
+    out_row = prev_out_ptr + r * stride_o
+    dt = streams_ptr.dtype.element_ty
+    i = tl.arange(0, N)
+    sp = tl.arange(0, BLOCK_S)
+    s_ok = sp < S
+    rows = tl.arange(0, BLOCK_M)
+    part = part_ptr + (t * S + sp) * (BLOCK_M + N * N)  # [BLOCK_S]
+    proj = tl.sum(tl.load(part[:, None] + rows[None, :], mask=s_ok[:, None], other=0.0), axis=0)
+    gram = tl.sum(
+        tl.load(part[:, None, None] + BLOCK_M + i[None, :, None] * N + i[None, None, :],
+                mask=s_ok[:, None, None], other=0.0),
+        axis=0,
+    )  # fmt: skip
+    diag = tl.where(i[:, None] == i[None, :], gram, 0.0)
+    proj = proj * tl.rsqrt(tl.sum(tl.sum(diag, axis=1), axis=0) / (N * H) + eps)
+    pre = _weights(proj, base_ptr, scale_ptr, post_ptr + t * N, comb_ptr + t * N * N, hc_eps,
+                   N, ITERS, HEAD, sl == 0, BLOCK_M)  # fmt: skip
+    if PREV:
+        post_b = _round(tl.load(prev_post_ptr + r * N + i), ROUND)
+        comb_b = _round(tl.load(prev_comb_ptr + r * N * N + i[:, None] * N + i[None, :]), ROUND)
+    else:
+        post_b = tl.zeros([N], tl.float32)
+        comb_b = tl.zeros([N, N], tl.float32)
+    inv = 1.0
+    if NORM:
+        sq = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0)
+        inv = tl.rsqrt(sq / H + norm_eps)
+    d = tl.arange(0, BLOCK_H)
+    for c in range(SUB):
+        hh = (sl * SUB + c) * BLOCK_H + d
+        h_ok = hh < H
+        x = _chunk(row, out_row, post_b, comb_b, hh, h_ok, H, N, PREV, ROUND)
+        y = _round(tl.sum(pre[:, None] * x, axis=0), ROUND)
+        if NORM:
+            wn = tl.load(norm_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
+            y = _round(wn * (y * inv), ROUND)
+        tl.store(out_ptr + t * H + hh, y.to(dt), mask=h_ok)
+
+
+# The split form (two launches, every program a slice of the columns) below this many
+# tokens: at decode sizes one program per token would read all of ``fn`` (24 x 4 x 4,096
+# values at V4-Flash) alone, on one SM; from here the single launch has programs enough.
+SPLIT_BELOW = 128
+SPLIT_COLUMNS = 128  # a split program's slice of the hidden columns
+
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -207,6 +345,7 @@ def step(
     head: bool = False,
     rows: torch.Tensor | None = None,  # [T] the rows to compute (default: all T0)
     store: bool = True,  # with prev: write the combined streams
+    split: bool | None = None,  # the two-launch form (None: below SPLIT_BELOW tokens)
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(combined streams [T, n, hidden] or None, post [T, n] fp32, comb [T, n, n] fp32,
     the block's (normed) input [T, hidden]); see the module's docstring. One launch, no
@@ -230,7 +369,37 @@ def step(
         assert p_out.shape == (num_rows, hidden), (tuple(p_out.shape), num_rows, hidden)
         if store:
             new = torch.empty((num_tokens, n, hidden), dtype=streams.dtype, device=dev)
-    if num_tokens:
+    if split is None:
+        split = num_tokens < SPLIT_BELOW
+    if num_tokens and split:
+        block_m = triton.next_power_of_2(m)
+        block_h = 32
+        sub = max(1, min(SPLIT_COLUMNS, triton.next_power_of_2(hidden)) // block_h)
+        slices = triton.cdiv(hidden, block_h * sub)
+        part = torch.empty((num_tokens, slices, block_m + n * n), dtype=torch.float32, device=dev)
+        flags = dict(N=n, HEAD=head, PREV=prev is not None, ROWS=rows is not None,
+                     ROUND=_ROUND[streams.dtype], BLOCK_M=block_m, BLOCK_H=block_h, SUB=sub)  # fmt: skip
+        row_ptr = streams if rows is None else rows
+        p_post = post if prev is None else prev[0]
+        p_comb = comb if prev is None else prev[1]
+        p_out = out if prev is None else prev[2]
+        stride_o = hidden if prev is None else prev[2].stride(0)
+        with _device_guard(streams):
+            _split_partial_kernel[(num_tokens, slices)](
+                streams, row_ptr, p_post, p_comb, p_out, fn, out if new is None else new, part,
+                hidden, streams.stride(0), stride_o, fn.stride(0), slices,
+                STORE=new is not None, num_warps=4, **flags,
+            )  # fmt: skip
+            _split_finish_kernel[(num_tokens, slices)](
+                streams, row_ptr, p_post, p_comb, p_out,
+                base if base.is_contiguous() else base.contiguous(), scale,
+                out if norm is None else norm[0], part, post, comb, out,
+                hidden, streams.stride(0), stride_o, slices, eps, hc_eps,
+                1e-6 if norm is None else norm[1],
+                ITERS=sinkhorn_iters, NORM=norm is not None,
+                BLOCK_S=triton.next_power_of_2(slices), num_warps=4, **flags,
+            )  # fmt: skip
+    elif num_tokens:
         with _device_guard(streams):
             _hyper_kernel[(num_tokens,)](
                 streams,

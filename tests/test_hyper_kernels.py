@@ -22,9 +22,11 @@ def hf_config():  # noqa: ANN201
     )
 
 
-def params(head: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def params(
+    head: bool, gen: torch.Generator, hidden: int = HIDDEN
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = HC if head else (2 + HC) * HC
-    fn = torch.randn(rows, HC * HIDDEN, generator=gen) * 0.3
+    fn = torch.randn(rows, HC * hidden, generator=gen) * 0.3
     base = torch.randn(rows, generator=gen)
     scale = torch.rand(1 if head else 3, generator=gen) + 0.5
     return fn, base, scale
@@ -109,32 +111,38 @@ def test_triton_mix_replays_in_a_cuda_graph_at_the_flash_shape() -> None:
         torch.testing.assert_close(o.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
-def _prev(tokens: int, dtype: torch.dtype, gen: torch.Generator, device: str):  # noqa: ANN202
+def _prev(tokens: int, dtype: torch.dtype, gen: torch.Generator, device: str, hidden: int = HIDDEN):  # noqa: ANN202
     """A previous block's post, comb (from a mix, so comb is near doubly stochastic) and
     output."""
-    streams = torch.randn(tokens, HC, HIDDEN, generator=gen).to(dtype)
-    fn, base, scale = (t.to(dtype) for t in params(False, gen))
+    streams = torch.randn(tokens, HC, hidden, generator=gen).to(dtype)
+    fn, base, scale = (t.to(dtype) for t in params(False, gen, hidden))
     post, comb, _ = hyper_ref.mix(streams, fn, base, scale, 1e-6, 1e-6, ITERS)
-    out = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    out = torch.randn(tokens, hidden, generator=gen).to(dtype)
     return tuple(t.to(device) for t in (post, comb, out))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 3, 6])
+@pytest.mark.parametrize(
+    ("split", "hidden"), [(False, HIDDEN), (True, HIDDEN), (True, 320)],
+    ids=["one-launch", "split", "split-3-slices"],
+)  # fmt: skip
 def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
-    device: str, dtype: torch.dtype, tokens: int
+    device: str, dtype: torch.dtype, tokens: int, split: bool, hidden: int
 ) -> None:
-    """A layer's glue in one launch (#47): the previous block's combine, the mix and the
-    block's RMSNorm equal the reference's ops (the combined streams within float32 rounding
-    of the reference's own bf16 roundings), with and without each part; the head's form
-    over a subset of rows (the logits rows) with the final norm."""
+    """A layer's glue in one launch (#47), or two at decode sizes (``split``: programs over
+    column slices, partial projections and Gram matrices; 320 columns: three slices, the
+    last short): the previous block's combine, the mix and the block's RMSNorm equal the
+    reference's ops (the combined streams within float32 rounding of the reference's own
+    bf16 roundings), with and without each part; the head's form over a subset of rows (the
+    logits rows) with the final norm."""
     from pdserve.kernels import triton_hyper
 
     gen = torch.Generator().manual_seed(10 + tokens)
-    streams = torch.randn(tokens, HC, HIDDEN, generator=gen).to(dtype)
-    fn, base, scale = (t.to(dtype) for t in params(False, gen))
-    weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
-    prev = _prev(tokens, dtype, gen, "cpu")
+    streams = torch.randn(tokens, HC, hidden, generator=gen).to(dtype)
+    fn, base, scale = (t.to(dtype) for t in params(False, gen, hidden))
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    prev = _prev(tokens, dtype, gen, "cpu", hidden)
     # bfloat16: the kernel rounds where the reference rounds, so values differ by at most
     # one bf16 step where a float32 sum's order tips a rounding (2^-8 relative)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-4}
@@ -147,7 +155,7 @@ def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
             got = triton_hyper.step(
                 *dev, 1e-6, 1e-6, ITERS,
                 prev=None if p is None else tuple(t.to(device) for t in p),
-                norm=None if nrm is None else (weight.to(device), 1e-6),
+                norm=None if nrm is None else (weight.to(device), 1e-6), split=split,
             )  # fmt: skip
             assert (got[0] is None) == (not with_prev)
             for g, w in zip(got, want, strict=True):
@@ -156,7 +164,7 @@ def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
                 assert g.dtype == w.dtype and g.shape == w.shape
                 torch.testing.assert_close(g.cpu().float(), w.float(), **tol)
     # the head: the last layer's combine, the collapse and the final norm of the rows kept
-    hfn, hbase, hscale = (t.to(dtype) for t in params(True, gen))
+    hfn, hbase, hscale = (t.to(dtype) for t in params(True, gen, hidden))
     rows = torch.arange(tokens - 1, -1, -2)
     want = hyper_ref.step(
         streams, hfn, hbase, hscale, 1e-6, 1e-6, 0, prev=prev, norm=(weight, 1e-6), head=True,
@@ -165,16 +173,17 @@ def test_triton_step_fuses_combine_mix_and_norm_as_the_reference(
     got = triton_hyper.step(
         *(t.to(device) for t in (streams, hfn, hbase, hscale)), 1e-6, 1e-6, 0,
         prev=tuple(t.to(device) for t in prev), norm=(weight.to(device), 1e-6), head=True,
-        rows=rows.to(device), store=False,
+        rows=rows.to(device), store=False, split=split,
     )  # fmt: skip
-    assert got[0] is None and got[3].shape == (rows.shape[0], HIDDEN)
+    assert got[0] is None and got[3].shape == (rows.shape[0], hidden)
     torch.testing.assert_close(got[3].cpu().float(), want.float(), **tol)
 
 
 def test_step_kernel_compiles_for_hopper() -> None:
-    """Without a GPU: the glue kernel compiles for sm90 in bf16 at V4-Flash's 4 streams in
-    each form the model launches: a layer's first (the previous ffn's combine, mix, norm),
-    the mix alone, the head's (combine over the logits rows, collapse, final norm)."""
+    """Without a GPU: the glue kernel (and the split form's two) compiles for sm90 in bf16
+    at V4-Flash's 4 streams in each form the model launches: a layer's first (the previous
+    ffn's combine, mix, norm), the mix alone, the head's (combine over the logits rows,
+    collapse, final norm)."""
     triton = pytest.importorskip("triton")
     from tests.kernel_tools import INTERPRET
 
@@ -200,6 +209,15 @@ def test_step_kernel_compiles_for_hopper() -> None:
                       ROUND=1, BLOCK_M=HC if head else 32, BLOCK_H=32)  # fmt: skip
         sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
         triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+        # the split form (decode sizes): its two kernels
+        ptrs["part_ptr"] = "*fp32"
+        consts.update(SUB=4)
+        for split in (triton_hyper._split_partial_kernel, triton_hyper._split_finish_kernel):
+            c = {k: v for k, v in consts.items() if k in split.arg_names}
+            if "BLOCK_S" in split.arg_names:
+                c["BLOCK_S"] = 32
+            sig = {n: ptrs.get(n, "constexpr" if n in c else "i32") for n in split.arg_names}
+            triton.compile(ASTSource(split, sig, c), target=GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.gpu
