@@ -74,7 +74,7 @@ def hyper_weights(
 
 
 # a block's (post [T, n] fp32, comb [T, n, n] fp32, output [T, hidden]) not yet added back
-# into the streams (the fused glue: V4Layer.fused_forward)
+# into the streams (the fused glue: V4Layer.forward)
 Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -256,8 +256,9 @@ class V4Layer(nn.Module):
     def _glue(
         self, part: str, streams: torch.Tensor, prev: Pending | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One launch (kernels/triton_hyper.py ``step``): the previous block's output added
-        back (``prev``), this block's mix, its norm. (streams, post, comb, normed input)."""
+        """One launch, two below 128 tokens (kernels/triton_hyper.py ``step``): the previous
+        block's output added back (``prev``), this block's mix, its norm. (streams, post,
+        comb, normed input)."""
         from pdserve.kernels import triton_hyper
 
         fn, base, scale = (getattr(self, f"hc_{part}_{k}") for k in ("fn", "base", "scale"))
@@ -281,8 +282,8 @@ class V4Layer(nn.Module):
         pending: Pending | None = None,  # fused: the previous layer's ffn, not yet added
     ) -> tuple[torch.Tensor, Pending | None]:  # (streams [T, n, hidden], pending)
         """The reference (transformers' ops): the streams after the layer, pending None.
-        Fused (``fused_glue``: the Triton backend), the glue in two launches: each block's
-        input comes out of one kernel (kernels/triton_hyper.py ``step``) that first adds the
+        Fused (``fused_glue``: the Triton backend), each block's input comes out of one
+        kernel (kernels/triton_hyper.py ``step``; two at decode sizes) that first adds the
         previous block's output back into the streams, then mixes and norms; this layer's
         own ffn output is left pending, (post, comb, out), for the next layer's first
         kernel (or the head's) to add; ``hyper_ref.combine`` adds it where it is needed."""
