@@ -422,7 +422,7 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
 
 suite_v4-glue() {  # issue #47: V4's fused layer glue and the shared expert in the MoE decode kernels
     local rc=0 pairs
-    timeout 150 python3 -m pytest -q -m gpu tests/test_hyper_kernels.py tests/test_dsv4_fused.py \
+    timeout 240 python3 -m pytest -q -m gpu tests/test_hyper_kernels.py tests/test_dsv4_fused.py \
         tests/test_moe_kernels.py -k "hyper or step or fused or shared or decode or route" \
         -p no:cacheprovider --durations=5 > "$OUT/v4_glue_gpu_tests.txt" 2>&1 || rc=1
     tail -6 "$OUT/v4_glue_gpu_tests.txt"
