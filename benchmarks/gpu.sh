@@ -63,7 +63,7 @@
 #                 DeepseekV4ForCausalLM greedy, token for token, at V4-Flash's 4 layers with 32
 #                 random experts (--routed-experts 32 --compare-tokens, float32 on both sides:
 #                 16 GB, HF holds it; DSV4_SPEC_BF16=1 adds a bf16 run)
-#   v4-glue       #47 (V4's layer glue and MoE at decode in few launches), <= 8 min: the GPU
+#   v4-glue       #47 (V4's layer glue and MoE at decode in few launches), <= 9 min: the GPU
 #                 tests of the fused glue kernel, the shared expert folded into the MoE decode
 #                 kernels and the whole model fused vs reference under CUDA graphs; then bench
 #                 engine at dsv4-flash, batch 1 and 64, with PDSERVE_MOE_DECODE_PAIRS 0 (grouped
