@@ -64,6 +64,11 @@
 #                 DeepseekV4ForCausalLM greedy, token for token, at V4-Flash's 4 layers with 32
 #                 random experts (--routed-experts 32 --compare-tokens, float32 on both sides:
 #                 16 GB, HF holds it; DSV4_SPEC_BF16=1 adds a bf16 run)
+#   v4-glue       #47 (V4's layer glue and MoE at decode in few launches), <= 9 min: the GPU
+#                 tests of the fused glue kernel, the shared expert folded into the MoE decode
+#                 kernels and the whole model fused vs reference under CUDA graphs; then bench
+#                 engine at dsv4-flash, batch 1 and 64, with PDSERVE_MOE_DECODE_PAIRS 0 (grouped
+#                 GEMM + the shared expert's ops) then 128 (decode kernels, shared folded in)
 #   deepseek-profile  the profiles that explain #47's rest (profile_step.py --kernels: GPU time
 #                 by kernel of one decode step): dsv4-flash and 30b-a3b-full at batch 1, dsv3 at 64
 #   all           tests engine serve transfer engine-eager, in that order of priority
@@ -106,7 +111,7 @@ shape_model() {  # the random checkpoint of a named shape, written once (bench e
 }
 # the 1B checkpoint only where a suite reads it (gpu-tests alone does not: its minute is saved)
 needs_1b=1
-case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile|moe-decode|dsv4-spec) needs_1b=0 ;; esac
+case "$*" in gpu-tests|pick|pd-one-gpu|deepseek-speed|deepseek-profile|moe-decode|dsv4-spec|v4-glue) needs_1b=0 ;; esac
 LLAMA1B=$([ $needs_1b = 1 ] && shape_model 1b || echo /nonexistent-1b)
 
 ENGINE=(python3 -m pdserve bench engine --model "$LLAMA1B" --device cuda --dtype bfloat16 --gen-len 64)
@@ -416,6 +421,26 @@ suite_deepseek-speed() {  # issue #47; every step bounded so that the suite ends
     return $rc
 }
 
+suite_v4-glue() {  # issue #47: V4's fused layer glue and the shared expert in the MoE decode kernels
+    local rc=0 pairs
+    timeout 240 python3 -m pytest -q -m gpu tests/test_hyper_kernels.py tests/test_dsv4_fused.py \
+        tests/test_moe_kernels.py -k "hyper or step or fused or shared or decode or route" \
+        -p no:cacheprovider --durations=5 > "$OUT/v4_glue_gpu_tests.txt" 2>&1 || rc=1
+    tail -6 "$OUT/v4_glue_gpu_tests.txt"
+    # V4-Flash, batch 1 and 64 at 2,048 tokens: step time against its floor, MoE decode kernels
+    # off then on (the fused glue in both; main at 1f75c90: 7.68 ms at batch 1, H100)
+    for pairs in 0 128; do
+        stamp "dsv4-flash, PDSERVE_MOE_DECODE_PAIRS=$pairs (<= 150 s)"
+        timeout 150 env PDSERVE_MOE_DECODE_PAIRS=$pairs python3 -m pdserve bench engine \
+            --shape dsv4-flash --tokenizer /tmp/tokmodel --device cuda --dtype bfloat16 --no-hf \
+            --prompt-len 2048 --gen-len 32 --batch-sizes 1,64 --repeats 1 \
+            --max-num-batched-tokens 8192 --json "$OUT/engine_dsv4-flash_pairs$pairs.json" \
+            2>"$OUT/engine_dsv4-flash_pairs${pairs}_err.txt" | tail -7
+        [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -3 "$OUT/engine_dsv4-flash_pairs${pairs}_err.txt"; }
+    done
+    return $rc
+}
+
 suite_deepseek-profile() {  # issue #47: where the decode step's time goes, kernel by kernel
     # the rows furthest from their goals at 1f75c90 (H100): V4-Flash and 30b-a3b at batch 1
     for args in "--shape dsv4-flash --batch 1 --context 2048" "--shape 30b-a3b-full --batch 1 --context 512" \
@@ -481,7 +506,7 @@ suites=("$@")
 status=0
 for suite in "${suites[@]}"; do
     if ! declare -F "suite_$suite" >/dev/null; then
-        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, moe-decode, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, dsv4-spec, all)"; exit 2
+        echo "unknown suite '$suite' (tests, engine, engine-eager, engine-8b, profile, serve, serve-8b, fairness, transfer, fp8, pcp, mla, mla-speed, moe, moe-decode, gpu-tests, pick, spec, pd-one-gpu, deepseek-speed, deepseek-profile, dsv4-spec, v4-glue, all)"; exit 2
     fi
     stamp "$suite"
     "suite_$suite" || { status=$?; echo "suite $suite failed (exit $status)"; }

@@ -362,25 +362,34 @@ def moe_experts(
     down: torch.Tensor,  # [E, H, I]
     first_expert: int = 0,  # global id of this rank's expert 0
     limit: float | None = None,  # DeepSeek-V4: gate and up clamped at it (swiglu_limit)
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # gate_up [2Is, H], down [H, Is]
 ) -> torch.Tensor:  # [T, H]: sum over this rank's experts of weight * expert(x)
     """Routed experts: on CUDA at decode sizes (T*k up to ``triton_moe_decode.enabled_pairs``:
     PDSERVE_MOE_DECODE_PAIRS, off by default until timed on a GPU) two Triton launches that read each touched expert once (:mod:`pdserve.kernels.
     triton_moe_decode`); past it (bf16 or fp32, sm90+) tokens sorted by expert and one
     grouped GEMM per projection (:mod:`pdserve.kernels.moe_grouped`); elsewhere, or with
-    ``PDSERVE_KERNELS=torch``, the loop over experts of :mod:`pdserve.kernels.moe_ref`."""
+    ``PDSERVE_KERNELS=torch``, the loop over experts of :mod:`pdserve.kernels.moe_ref`.
+    ``shared``: a shared expert (the same clamped SwiGLU) added, weight 1: inside the decode
+    kernels, elsewhere one GEMM, ``silu_and_mul`` and one GEMM, then an add."""
+    out: torch.Tensor | None = None
     if backend_name(x.device) == "triton":
         from pdserve.kernels import moe_grouped, triton_moe_decode
 
-        if triton_moe_decode.fits(x, topk_ids, gate_up):
+        if triton_moe_decode.fits(x, topk_ids, gate_up, shared):
             return triton_moe_decode.moe_experts(
-                x, topk_ids, topk_weights, gate_up, down, first_expert, limit
+                x, topk_ids, topk_weights, gate_up, down, first_expert, limit, shared=shared
             )
 
         if moe_grouped.available(x, gate_up):
-            return moe_grouped.moe_experts(
+            out = moe_grouped.moe_experts(
                 x, topk_ids, topk_weights, gate_up, down, first_expert, limit
             )
-    return moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert, limit)
+    if out is None:
+        out = moe_ref.moe_experts(x, topk_ids, topk_weights, gate_up, down, first_expert, limit)
+    if shared is None:
+        return out
+    gu = torch.nn.functional.linear(x, shared[0])
+    return out + torch.nn.functional.linear(silu_and_mul(gu, limit), shared[1])
 
 
 def hyper_mix(
@@ -429,6 +438,7 @@ def moe_route(
     topk_group: int = 1,
     scale: float = 1.0,
     hash_ids: torch.Tensor | None = None,  # [T, k]: the experts given (V4's hash layers)
+    token_ids: torch.Tensor | None = None,  # [T]: hash_ids is the table [vocab, k] (tid2eid)
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (weights [T, k] fp32, ids [T, k] int64)
     """A router's top-k experts and weights in one Triton kernel
     (:mod:`pdserve.kernels.triton_route`) where the backend is Triton and the router fits
@@ -442,7 +452,7 @@ def moe_route(
 
     return triton_route.route(
         logits, top_k, norm_topk_prob, scoring, correction_bias, n_group, topk_group, scale,
-        hash_ids,
+        hash_ids, token_ids,
     )  # fmt: skip
 
 

@@ -58,3 +58,55 @@ def collapse(
     mixes = F.linear(_rms(streams.flatten(1).float(), eps), fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+def combine(
+    streams: torch.Tensor,  # [T, n, hidden]
+    post: torch.Tensor,  # [T, n] fp32
+    comb: torch.Tensor,  # [T, n, n] fp32
+    out: torch.Tensor,  # [T, hidden]: the block's output
+) -> torch.Tensor:  # [T, n, hidden]
+    """The streams after a block: ``post * out + comb^T @ streams`` in the streams' dtype
+    (transformers' DeepseekV4DecoderLayer, op for op)."""
+    dtype = streams.dtype
+    return post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' DeepseekV4RMSNorm (dsv4_attention's ``RMSNorm``): float32, the weight
+    applied before the cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def step(
+    streams: torch.Tensor,  # [T, n, hidden]
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    *,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # post, comb, out
+    norm: tuple[torch.Tensor, float] | None = None,  # RMSNorm (weight, eps)
+    head: bool = False,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """kernels/triton_hyper.py ``step`` in these ops: the previous block's combine, the mix
+    (or the head's collapse) of the rows kept, the block's norm. (streams, post, comb, input;
+    post and comb None for the head)."""
+    if prev is not None:
+        streams = combine(streams, *prev)
+    kept = streams if rows is None else streams[rows]
+    post = comb = None
+    if head:
+        x = collapse(kept, fn, base, scale, eps, hc_eps)
+    else:
+        post, comb, x = mix(kept, fn, base, scale, eps, hc_eps, sinkhorn_iters)
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    return kept, post, comb, x

@@ -19,6 +19,13 @@ k experts each (the T*k (token, slot) *pairs*, at most :data:`MAX_PAIRS`):
    I) in order (no atomics: the same sum every run and every CUDA-graph replay), written
    [T, H] in x's dtype; non-local slots load nothing and add nothing.
 
+``shared`` (a shared expert's ``gate_up`` [2Is, H] and ``down`` [H, Is], Is <= I: DeepSeek's
+shared experts, a TP rank's slice of them) rides along as one more slot of weight 1 for
+every token (SGLang calls this shared-experts fusion): one more program row of
+``_gate_up_kernel`` computes its ``h`` for all the tokens (rows T*k.. of ``h``), and
+``_down_kernel`` adds its down projection after the routed slots, in the same float32 sum,
+so the block's ``routed + shared`` is these two launches, not five more.
+
 Everything stays on the device with shapes fixed by T, k and the weights, so a decode
 step that takes this path captures in a CUDA graph. kernels/moe_ref.py is the reference;
 through ``TRITON_INTERPRET=1`` the kernels run on CPU (tests/test_moe_kernels.py).
@@ -53,8 +60,14 @@ def enabled_pairs() -> int:
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fits(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether this call takes the decode kernels: a few pairs, one float dtype."""
+def fits(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> bool:
+    """Whether this call takes the decode kernels: a few pairs, one float dtype (a shared
+    expert's too, no wider than the routed ones)."""
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
     return (
         0 < pairs <= enabled_pairs()
@@ -62,6 +75,16 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor) -> bool
         and gate_up.dtype == x.dtype
         and gate_up.shape[1] % 2 == 0
         and gate_up.stride(2) == 1
+        and (
+            shared is None
+            or (
+                shared[0].dtype == shared[1].dtype == x.dtype
+                and shared[0].shape[0] % 2 == 0
+                and shared[0].shape[0] <= gate_up.shape[1]
+                and shared[0].stride(1) == 1
+                and shared[1].stride(1) == 1
+            )
+        )
     )
 
 
@@ -70,15 +93,18 @@ def _gate_up_kernel(
     x_ptr,  # [T, H]
     ids_ptr,  # [T, K] global expert ids, contiguous
     w_ptr,  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
-    h_ptr,  # [T*K, I] float32
+    h_ptr,  # [T*K (+ T: SHARED), I] float32
+    ws_ptr,  # [2Is, H]: the shared expert's gate rows, then its up rows (SHARED)
     T,
     first,
     num_local,
     INTER,
+    INTER_S,  # the shared expert's Is (SHARED)
     H,
     stride_xt,
     stride_we,
     stride_wr,
+    stride_sr,
     stride_h,
     limit,
     K: tl.constexpr,
@@ -87,11 +113,13 @@ def _gate_up_kernel(
     BLOCK_I: tl.constexpr,  # >= 16 (the dot's M)
     BLOCK_H: tl.constexpr,
     CLAMP: tl.constexpr,
+    SHARED: tl.constexpr,  # program row T*K: the shared expert, every token's
     PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32), else the default
     UPCAST: tl.constexpr,  # the interpreter (no bfloat16 arithmetic): the dots in fp32
 ):
     p = tl.program_id(0)
-    e_glob = tl.load(ids_ptr + p)
+    is_shared = p >= T * K  # only with SHARED: the grid's last row
+    e_glob = tl.where(is_shared, -1, tl.load(ids_ptr + tl.minimum(p, T * K - 1)))
     e = e_glob - first
     tok = tl.arange(0, BLOCK_T)
     slot = tl.arange(0, KP)
@@ -101,12 +129,19 @@ def _gate_up_kernel(
     ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
     hit = ok & (ids == e_glob)
     lead = tl.min(tl.min(tl.where(hit, pair, T * K), axis=1), axis=0)  # e's first pair
-    if (e >= 0) & (e < num_local) & (lead == p):
-        routed = tl.max(hit.to(tl.int32), axis=1) > 0  # [BLOCK_T]: tokens routed to e
-        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        in_i = i < INTER
-        w_gate = w_ptr + e.to(tl.int64) * stride_we + i[:, None].to(tl.int64) * stride_wr
-        w_up = w_gate + INTER * stride_wr
+    n_inter = tl.where(is_shared, INTER_S, INTER)
+    i0 = tl.program_id(1) * BLOCK_I
+    if ((e >= 0) & (e < num_local) & (lead == p) | is_shared) & (i0 < n_inter):
+        # [BLOCK_T]: tokens routed to e (the shared expert: every one)
+        routed = (tl.max(hit.to(tl.int32), axis=1) > 0) | (in_t & (tok * 0 + p >= T * K))
+        i = i0 + tl.arange(0, BLOCK_I)
+        in_i = i < n_inter
+        if is_shared:
+            w_gate = ws_ptr + i[:, None].to(tl.int64) * stride_sr
+            w_up = w_gate + INTER_S * stride_sr
+        else:
+            w_gate = w_ptr + e.to(tl.int64) * stride_we + i[:, None].to(tl.int64) * stride_wr
+            w_up = w_gate + INTER * stride_wr
         gate = tl.zeros([BLOCK_I, BLOCK_T], tl.float32)
         up = tl.zeros([BLOCK_I, BLOCK_T], tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -128,14 +163,21 @@ def _gate_up_kernel(
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
         act = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_I, BLOCK_T]
-        for j in tl.static_range(K):  # each routed token's pair(s) of e
-            pj = tok * K + j
-            mine = in_t & (tl.load(ids_ptr + pj, mask=in_t, other=-1) == e_glob)
+        if is_shared:  # row T*K + t of every token t
             tl.store(
-                h_ptr + pj[None, :].to(tl.int64) * stride_h + i[:, None],
+                h_ptr + (T * K + tok)[None, :].to(tl.int64) * stride_h + i[:, None],
                 act,
-                mask=mine[None, :] & in_i[:, None],
+                mask=in_t[None, :] & in_i[:, None],
             )
+        else:
+            for j in tl.static_range(K):  # each routed token's pair(s) of e
+                pj = tok * K + j
+                mine = in_t & (tl.load(ids_ptr + pj, mask=in_t, other=-1) == e_glob)
+                tl.store(
+                    h_ptr + pj[None, :].to(tl.int64) * stride_h + i[:, None],
+                    act,
+                    mask=mine[None, :] & in_i[:, None],
+                )
 
 
 @triton.jit
@@ -144,18 +186,23 @@ def _down_kernel(
     ids_ptr,  # [T, K] contiguous
     weights_ptr,  # [T, K] contiguous
     d_ptr,  # [E, H, I]
+    ds_ptr,  # [H, Is]: the shared expert's down (SHARED)
     out_ptr,  # [T, H]
+    T,
     first,
     num_local,
     INTER,
+    INTER_S,
     H,
     stride_de,
     stride_dr,
+    stride_dsr,
     stride_h,
     stride_ot,
     K: tl.constexpr,
     BLOCK_O: tl.constexpr,  # >= 16 (the dot's M)
     BLOCK_K: tl.constexpr,
+    SHARED: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -187,6 +234,21 @@ def _down_kernel(
         if UPCAST:
             wd = wd.to(tl.float32)
         acc = tl.dot(wd, hcol.to(wd.dtype), acc, input_precision=PRECISION)
+    if SHARED:  # the shared expert last, weight 1: h's row T*K + t
+        p = T * K + t
+        for c in range(0, tl.cdiv(INTER_S, BLOCK_K)):
+            kk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            in_k = kk < INTER_S
+            hv = tl.load(h_ptr + p.to(tl.int64) * stride_h + kk, mask=in_k, other=0.0)
+            hcol = tl.where(col[None, :] == 0, hv[:, None], 0.0)
+            wd = tl.load(
+                ds_ptr + o[:, None].to(tl.int64) * stride_dsr + kk[None, :],
+                mask=in_o[:, None] & in_k[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                wd = wd.to(tl.float32)
+            acc = tl.dot(wd, hcol.to(wd.dtype), acc, input_precision=PRECISION)
     total = tl.sum(acc, axis=1)
     tl.store(
         out_ptr + t.to(tl.int64) * stride_ot + o, total.to(out_ptr.dtype.element_ty), mask=in_o
@@ -226,7 +288,9 @@ def moe_experts(
     first_expert: int = 0,
     limit: float | None = None,  # DeepSeek-V4's swiglu_limit
     tiles: dict[str, int] | None = None,  # config()'s keys, to override (benchmarks)
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # gate_up [2Is, H], down [H, Is]
 ) -> torch.Tensor:  # [T, H] in x's dtype: sum over this rank's experts of weight * expert(x)
+    """The routed experts' weighted sum (plus ``shared``'s output, weight 1, when given)."""
     num_tokens, top_k = topk_ids.shape
     num_local, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -240,28 +304,40 @@ def moe_experts(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    # every (pair, I row) written below is one of a local expert, read only for those
-    h = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x.device)
+    inter_s = 0
+    if shared is not None:
+        inter_s = shared[0].shape[0] // 2
+        assert inter_s <= inter and shared[1].shape == (hidden, inter_s), (
+            tuple(shared[0].shape),
+            tuple(shared[1].shape),
+            inter,
+        )
+    # every (pair, I row) written below is one of a local expert, read only for those; then
+    # the shared expert's row of each token
+    rows = num_tokens * top_k + (num_tokens if shared is not None else 0)
+    h = torch.empty((rows, inter), dtype=torch.float32, device=x.device)
+    ws, ds = shared if shared is not None else (gate_up, down)
     cfg = config(num_tokens, inter, hidden)
     cfg.update(tiles or {})
     block_t = max(16, triton.next_power_of_2(num_tokens))
     precision = "ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32"  # no tf32
     with _device_guard(x):
-        _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg["block_i"]))](
-            x, ids, gate_up, h,
-            num_tokens, first_expert, num_local, inter, hidden,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        programs = num_tokens * top_k + (1 if shared is not None else 0)
+        _gate_up_kernel[(programs, triton.cdiv(inter, cfg["block_i"]))](
+            x, ids, gate_up, h, ws,
+            num_tokens, first_expert, num_local, inter, inter_s, hidden,
+            x.stride(0), gate_up.stride(0), gate_up.stride(1), ws.stride(0), h.stride(0),
             0.0 if limit is None else float(limit),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_T=block_t,
             BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=limit is not None,
-            PRECISION=precision, UPCAST=_INTERPRETED,
+            SHARED=shared is not None, PRECISION=precision, UPCAST=_INTERPRETED,
             num_warps=cfg["warps_gate_up"], num_stages=cfg["stages_gate_up"],
         )  # fmt: skip
         _down_kernel[(num_tokens, triton.cdiv(hidden, cfg["block_o"]))](
-            h, ids, weights, down, out,
-            first_expert, num_local, inter, hidden,
-            down.stride(0), down.stride(1), h.stride(0), out.stride(0),
-            K=top_k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"],
+            h, ids, weights, down, ds, out,
+            num_tokens, first_expert, num_local, inter, inter_s, hidden,
+            down.stride(0), down.stride(1), ds.stride(-2), h.stride(0), out.stride(0),
+            K=top_k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], SHARED=shared is not None,
             PRECISION=precision, UPCAST=_INTERPRETED,
             num_warps=cfg["warps_down"], num_stages=cfg["stages_down"],
         )  # fmt: skip

@@ -33,7 +33,8 @@ from pdserve.kernels.triton_common import _device_guard
 def _route_kernel(
     logits_ptr,  # [T, E]
     bias_ptr,  # [E] fp32 (read when HAS_BIAS)
-    hash_ptr,  # [T, TOPK] int64: the experts of each token (read when HASH)
+    hash_ptr,  # [T, TOPK] int: the experts of each token (HASH); TOKENS: [vocab, TOPK]
+    tokens_ptr,  # [T] int: each token's id, its row of hash_ptr (TOKENS)
     weights_ptr,  # [T, K] fp32
     ids_ptr,  # [T, K] int64
     E,
@@ -44,6 +45,7 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     SCORING: tl.constexpr,  # 0 softmax, 1 sigmoid, 2 sqrt(softplus)
     HASH: tl.constexpr,
+    TOKENS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GROUPS: tl.constexpr,  # n_group (1: no group restriction)
     PER_GROUP: tl.constexpr,  # E // GROUPS, a power of two when GROUPS > 1
@@ -84,9 +86,12 @@ def _route_kernel(
     k = tl.arange(0, K)
     w = tl.zeros([K], tl.float32)
     ids = tl.zeros([K], tl.int64)
+    hash_row = hash_ptr + t * TOPK
+    if TOKENS:  # the table's row of the token id (V4's tid2eid[input_ids], no gather op)
+        hash_row = hash_ptr + tl.load(tokens_ptr + t).to(tl.int64) * TOPK
     for i in tl.static_range(TOPK):
         if HASH:
-            win = tl.load(hash_ptr + t * TOPK + i)
+            win = tl.load(hash_row + i).to(tl.int64)
         else:
             win = tl.argmax(choice, axis=0)
             choice = tl.where(e == win, float("-inf"), choice)
@@ -114,6 +119,7 @@ def route(
     topk_group: int = 1,
     scale: float = 1.0,
     hash_ids: torch.Tensor | None = None,  # [T, k]: the experts given (V4's hash layers)
+    token_ids: torch.Tensor | None = None,  # [T]: hash_ids is then the table [vocab, k]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k] fp32, ids [T, k] int64)
     num_tokens, num_experts = logits.shape
     assert 0 < top_k <= num_experts <= 1024, f"top {top_k} of {num_experts} experts (<= 1024)"
@@ -126,14 +132,18 @@ def route(
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
     if num_tokens:
-        bias = None if correction_bias is None else correction_bias.float().contiguous()
-        hashed = None if hash_ids is None else hash_ids.long().contiguous()
-        assert hashed is None or hashed.shape == (num_tokens, top_k), "hash_ids: [T, k]"
+        # the bias and the hash table read in their own dtypes (cast in the kernel: no copy)
+        bias = None if correction_bias is None else correction_bias.contiguous()
+        hashed = None if hash_ids is None else hash_ids.contiguous()
+        rows = num_tokens if token_ids is None else hashed.shape[0] if hashed is not None else 0
+        assert hashed is None or hashed.shape == (rows, top_k), "hash_ids: [T or vocab, k]"
+        assert token_ids is None or (hashed is not None and token_ids.shape == (num_tokens,))
         with _device_guard(logits):
             _route_kernel[(num_tokens,)](
                 logits,
                 weights if bias is None else bias,
                 ids if hashed is None else hashed,
+                ids if token_ids is None else token_ids,
                 weights,
                 ids,
                 num_experts,
@@ -144,6 +154,7 @@ def route(
                 BLOCK_E=triton.next_power_of_2(num_experts),
                 SCORING=SCORINGS[scoring],
                 HASH=hashed is not None,
+                TOKENS=token_ids is not None,
                 HAS_BIAS=bias is not None,
                 GROUPS=n_group,
                 PER_GROUP=per_group if n_group > 1 else 1,

@@ -406,6 +406,50 @@ def test_decode_kernels_equal_the_expert_loop(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "inter_s"), [("b1", 40), ("ep-4-of-16", 24), ("clamped-dup", 40), ("b20", 8)]
+)
+def test_decode_kernels_fold_in_the_shared_expert(
+    decode_device: str, dtype: torch.dtype, case: str, inter_s: int
+) -> None:
+    """The shared expert as one more slot of weight 1 (#47): the two kernels give the
+    routed sum plus the shared expert's clamped SwiGLU of every token, against the loop
+    reference plus that expert run on its own; its width the routed experts' or a TP
+    rank's slice (24 of 40, 8 with BLOCK_T 32); on an EP rank whose experts some tokens
+    do not use, those tokens get the shared expert alone."""
+    from pdserve.kernels import triton_moe_decode
+
+    tokens, first, local, limit = DECODE_CASES[case]
+    gate_up, down = weights(16, 64, 40, torch.float32, "cpu", seed=len(case))
+    sh_gate_up, sh_down = (t[0] for t in weights(1, 64, inter_s, torch.float32, "cpu", seed=9))
+    if limit is not None:
+        gate_up, sh_gate_up = gate_up * 60, sh_gate_up * 60  # past the limit: the clamp bites
+    ids, w = routing(tokens, 3, 16, "cpu", seed=tokens)
+    if case == "clamped-dup":
+        ids[0, 1] = ids[0, 0]
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    gate_up, down = gate_up[first : first + local].to(dtype), down[first : first + local].to(dtype)
+    sh_gate_up, sh_down = sh_gate_up.to(dtype), sh_down.to(dtype)
+    routed = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), first, limit)
+    shared = moe_ref.moe_experts(
+        x.float(), torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1),
+        sh_gate_up.float()[None], sh_down.float()[None], 0, limit,
+    )  # fmt: skip
+    want = routed + shared
+    assert shared.abs().min() > 0 and routed.abs().max() > 0
+    dev = decode_device
+    got = triton_moe_decode.moe_experts(
+        x.to(dev), ids.to(dev), w.to(dev), gate_up.to(dev), down.to(dev), first, limit,
+        shared=(sh_gate_up.to(dev), sh_down.to(dev)),
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(
+        got.cpu().float(), want, rtol=tol, atol=tol * want.abs().max().item()
+    )
+
+
 def test_dispatch_takes_the_decode_kernels_up_to_max_pairs(
     decode_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -465,21 +509,22 @@ def test_decode_kernels_compile_for_hopper() -> None:
     cases = (("bf16", 8, 16, False, 768, 2048), ("bf16", 6, 32, True, 2048, 4096),
              ("fp32", 8, 16, False, 768, 2048))  # fmt: skip
     for dt, k, block_t, clamp, inter, hidden in cases:
+        shared = clamp  # V4's: its shared expert folded in
         cfg = d.config(block_t, inter, hidden)
         precision = "ieee" if dt == "fp32" else "tf32"
         ptrs = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w_ptr": f"*{dt}", "h_ptr": "*fp32",
-                "limit": "fp32"}  # fmt: skip
+                "ws_ptr": f"*{dt}", "limit": "fp32"}  # fmt: skip
         consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=block_t,
                       BLOCK_I=cfg["block_i"], BLOCK_H=cfg["block_h"], CLAMP=clamp,
-                      PRECISION=precision, UPCAST=False)  # fmt: skip
+                      SHARED=shared, PRECISION=precision, UPCAST=False)  # fmt: skip
         aligned = ("x_ptr", "ids_ptr", "w_ptr", "h_ptr", "INTER", "H", "stride_xt",
                    "stride_we", "stride_wr", "stride_h")  # fmt: skip
         gate_up = build(d._gate_up_kernel, ptrs, consts, aligned, cfg["warps_gate_up"],
                         cfg["stages_gate_up"])  # fmt: skip
         ptrs = {"h_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "d_ptr": f"*{dt}",
-                "out_ptr": f"*{dt}"}  # fmt: skip
-        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], PRECISION=precision,
-                      UPCAST=False)  # fmt: skip
+                "ds_ptr": f"*{dt}", "out_ptr": f"*{dt}"}  # fmt: skip
+        consts = dict(K=k, BLOCK_O=cfg["block_o"], BLOCK_K=cfg["block_k"], SHARED=shared,
+                      PRECISION=precision, UPCAST=False)  # fmt: skip
         aligned = ("h_ptr", "ids_ptr", "weights_ptr", "d_ptr", "out_ptr", "INTER", "H",
                    "stride_de", "stride_dr", "stride_h", "stride_ot")  # fmt: skip
         down = build(d._down_kernel, ptrs, consts, aligned, cfg["warps_down"], cfg["stages_down"])
@@ -534,6 +579,49 @@ def test_decode_kernels_on_cuda_reference_and_graph_replay(
     assert torch.equal(out, kernels.moe_experts(x, ids, w, *part))
     want = moe_ref.moe_experts(x.float(), ids, w, part[0].float(), part[1].float(), first, limit)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_decode_kernels_with_the_shared_expert_on_cuda(
+    tokens: int, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V4-Flash's layer (a quarter of its experts, limit 10) with its shared expert folded
+    in (whole, or a TP rank's quarter of it), bf16, batch 1 and 16: kernels.moe_experts
+    takes the decode kernels; against the float32 loop plus the shared expert's; a CUDA
+    graph replay gives eager's bits."""
+    from pdserve.kernels import triton_moe_decode
+
+    monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))
+    e, h, i, k = (V4_SHAPE[n] for n in ("num_experts", "hidden", "inter", "top_k"))
+    gate_up, down = weights(e, h, i, torch.bfloat16, "cuda")
+    gate_up = gate_up * 8  # some gate/up values past 10
+    sh_gate_up, sh_down = (t[0] for t in weights(1, h, i // tp, torch.bfloat16, "cuda", seed=5))
+    shared = (sh_gate_up * 8, sh_down)
+    ids, w = routing(tokens, k, e, "cuda")
+    x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    assert triton_moe_decode.fits(x, ids, gate_up, shared)
+    eager = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    ones = torch.ones(tokens, 1, device="cuda")
+    want = moe_ref.moe_experts(x.float(), ids, w, gate_up.float(), down.float(), 0, 10.0)
+    want += moe_ref.moe_experts(
+        x.float(), torch.zeros_like(ones, dtype=torch.long), ones,
+        shared[0].float()[None], shared[1].float()[None], 0, 10.0,
+    )  # fmt: skip
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, ids, w, gate_up, down, 0, 10.0, shared=shared)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 # -- routing in one Triton kernel (kernels/triton_route.py) -----------------------------------
@@ -614,9 +702,13 @@ def test_route_kernel_compiles_for_hopper() -> None:
              PER_GROUP=1, TOPK_GROUP=1, NORM=True),
         dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=False, HAS_BIAS=True, GROUPS=1,
              PER_GROUP=1, TOPK_GROUP=1, NORM=True),
+        dict(TOPK=6, K=8, BLOCK_E=256, SCORING=2, HASH=True, TOKENS=True, HAS_BIAS=False,
+             GROUPS=1, PER_GROUP=1, TOPK_GROUP=1, NORM=True),  # V4: tid2eid read in the kernel
     ):  # fmt: skip
-        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "hash_ptr": "*i64",
-                "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        consts.setdefault("TOKENS", False)
+        ptrs = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "hash_ptr": "*i64",
+                "tokens_ptr": "*i64", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                "scale": "fp32"}  # fmt: skip
         sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
         triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
 
@@ -644,11 +736,12 @@ def test_route_kernel_replays_in_a_cuda_graph() -> None:
     assert [sorted(r) for r in eager_ids.cpu().tolist()] == [sorted(r) for r in want_ids.tolist()]
 
 
-@pytest.mark.parametrize("hash_layer", [False, True], ids=["topk", "hash"])
-def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
+@pytest.mark.parametrize("hash_layer", [False, True, "table"], ids=["topk", "hash", "table"])
+def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool | str) -> None:
     """DeepSeek-V4's Gate (sqrt(softplus) scores, top-k on scores + bias or the hash
     table's experts, weights over their sum times routed_scaling_factor) through the kernel
-    against its torch forward, float32, 256 experts, 6 a token."""
+    against its torch forward, float32, 256 experts, 6 a token; ``table``: the whole
+    tid2eid table (int32, a vocabulary of 50) read at the token ids in the kernel."""
     from pdserve.kernels import triton_route
 
     gen = torch.Generator().manual_seed(5)
@@ -656,6 +749,11 @@ def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
     logits[0, :8] = 30.0  # softplus's linear range
     bias = torch.randn(256, generator=gen) * 0.1
     table = torch.randint(0, 256, (40, 6), generator=gen)
+    token_ids = None
+    if hash_layer == "table":
+        vocab_table = torch.randint(0, 256, (50, 6), generator=gen, dtype=torch.int32)
+        token_ids = torch.randint(0, 50, (40,), generator=gen)
+        table = vocab_table[token_ids].long()
     scores = torch.nn.functional.softplus(logits).sqrt()
     ids = table if hash_layer else torch.topk(scores + bias, 6, dim=-1).indices
     want = scores.gather(1, ids)
@@ -663,7 +761,9 @@ def test_route_kernel_is_v4s_gate(route_device: str, hash_layer: bool) -> None:
     got_w, got_ids = triton_route.route(
         logits.to(route_device), 6, True, "sqrtsoftplus",
         None if hash_layer else bias.to(route_device), scale=1.5,
-        hash_ids=table.to(route_device) if hash_layer else None,
+        hash_ids=(vocab_table if token_ids is not None else table).to(route_device)
+        if hash_layer else None,
+        token_ids=None if token_ids is None else token_ids.to(route_device),
     )  # fmt: skip
     if not hash_layer:  # the kernel's k in descending order: the reference's sorted too
         order = got_ids.cpu().argsort(-1)

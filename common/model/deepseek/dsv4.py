@@ -73,6 +73,20 @@ def hyper_weights(
     return kernels.hyper_mix(streams, fn, base, scale, eps, v4.hc_eps, v4.hc_sinkhorn_iters)
 
 
+# a block's (post [T, n] fp32, comb [T, n, n] fp32, output [T, hidden]) not yet added back
+# into the streams (the fused glue: V4Layer.forward)
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def fused_glue(streams: torch.Tensor) -> bool:
+    """Whether V4's layer glue runs fused (kernels/triton_hyper.py ``step``): on the Triton
+    backend (CUDA) with a power-of-two ``hc_mult``; else the reference's ops."""
+    from pdserve import kernels
+
+    n = streams.shape[1]
+    return kernels.backend_name(streams.device) == "triton" and n & (n - 1) == 0
+
+
 class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
@@ -87,6 +101,14 @@ class Expert(nn.Module):
         ``kernels.silu_and_mul`` with the limit instead of two GEMMs and four pointwise
         ops (the shared expert on CUDA: V4CausalLM.pack_weights)."""
         self.gate_up = pack_linears([self.w1, self.w3])[0]
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [2I, H], down [H, I]) while ``pack``'s stack still holds w1 and w3 (a
+        load that replaced them unpacks the expert)."""
+        packed = self.gate_up
+        if packed is not None and self.w1.weight.data_ptr() == packed.data_ptr():
+            return packed, self.w2.weight
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.gate_up
@@ -117,13 +139,14 @@ class Gate(nn.Module):
         from pdserve import kernels
 
         logits = F.linear(x, self.weight)
-        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
         routed = kernels.moe_route(  # on CUDA one kernel (kernels/triton_route.py)
             logits, self.top_k, True, "sqrtsoftplus", None if self.is_hash else self.bias,
-            scale=self.factor, hash_ids=hashed,
+            scale=self.factor, hash_ids=self.tid2eid if self.is_hash else None,
+            token_ids=input_ids if self.is_hash else None,  # the table read in the kernel
         )  # fmt: skip
         if routed is not None:  # float32 weights: the experts' kernels weigh in float32
             return routed
+        hashed = self.tid2eid[input_ids].long() if self.is_hash else None
         scores = F.softplus(logits).sqrt()
         if hashed is not None:
             ids = hashed
@@ -138,8 +161,10 @@ class V4MoE(nn.Module):
     """Routed experts (top-k by score, or ``tid2eid`` of the token id in a hash layer) plus
     the shared expert. The routed experts run as one op over this rank's experts stacked
     (``kernels.moe_experts``: on CUDA tokens sorted by expert and one grouped GEMM per
-    projection, no host sync, CUDA-graph capturable; on CPU the reference loop), the
-    clamped SwiGLU at ``swiglu_limit``."""
+    projection, or at decode sizes the two decode kernels, no host sync, CUDA-graph
+    capturable; on CPU the reference loop), the clamped SwiGLU at ``swiglu_limit``. On the
+    Triton backend the shared expert is packed (w1/w3 one GEMM) and handed to the same call,
+    which folds it into the decode kernels as one more slot (#47)."""
 
     def __init__(self, cfg: ModelConfig, v4: V4Config, layer: int, par: ParallelContext) -> None:
         super().__init__()
@@ -197,8 +222,17 @@ class V4MoE(nn.Module):
         if self.touched is not None:  # a device op: CUDA graphs capture it too
             self.touched.index_fill_(0, ids.flatten(), True)
         gate_up, down = self.stacked_experts()
-        out = kernels.moe_experts(x, ids, weights, gate_up, down, self.first, self.limit)
-        return self.par.all_reduce_tp(out + self.shared_experts(x))
+        shared = self.shared_experts
+        if kernels.backend_name(x.device) == "triton":
+            if shared.packed() is None:  # packed once (first forward: before any capture)
+                shared.pack()
+            out = kernels.moe_experts(
+                x, ids, weights, gate_up, down, self.first, self.limit, shared=shared.packed()
+            )
+        else:  # the reference: transformers' ops
+            out = kernels.moe_experts(x, ids, weights, gate_up, down, self.first, self.limit)
+            out = out + shared(x)
+        return self.par.all_reduce_tp(out)
 
 
 class V4Layer(nn.Module):
@@ -219,9 +253,25 @@ class V4Layer(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{part}_{k}") for k in ("fn", "base", "scale"))
         return hyper_weights(streams, fn, base, scale, self.v4, self.eps)
 
+    def _glue(
+        self, part: str, streams: torch.Tensor, prev: Pending | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch, two below 128 tokens (kernels/triton_hyper.py ``step``): the previous
+        block's output added back (``prev``), this block's mix, its norm. (streams, post,
+        comb, normed input)."""
+        from pdserve.kernels import triton_hyper
+
+        fn, base, scale = (getattr(self, f"hc_{part}_{k}") for k in ("fn", "base", "scale"))
+        norm = self.attn_norm if part == "attn" else self.ffn_norm
+        new, post, comb, x = triton_hyper.step(
+            streams, fn, base, scale, self.eps, self.v4.hc_eps, self.v4.hc_sinkhorn_iters,
+            prev=prev, norm=(norm.weight, norm.eps),
+        )  # fmt: skip
+        return (streams if new is None else new), post, comb, x
+
     def forward(
         self,
-        streams: torch.Tensor,  # [T, n, hidden]
+        streams: torch.Tensor,  # [T, n, hidden]: before ``pending`` is added back
         input_ids: torch.Tensor,  # [T]
         rope: Rope,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -229,7 +279,19 @@ class V4Layer(nn.Module):
             torch.Tensor, AttentionMetadata, torch.Tensor | None, AttentionMetadata | None
         ],
         step: V4Step,
-    ) -> torch.Tensor:  # [T, n, hidden]
+        pending: Pending | None = None,  # fused: the previous layer's ffn, not yet added
+    ) -> tuple[torch.Tensor, Pending | None]:  # (streams [T, n, hidden], pending)
+        """The reference (transformers' ops): the streams after the layer, pending None.
+        Fused (``fused_glue``: the Triton backend), each block's input comes out of one
+        kernel (kernels/triton_hyper.py ``step``; two at decode sizes) that first adds the
+        previous block's output back into the streams, then mixes and norms; this layer's
+        own ffn output is left pending, (post, comb, out), for the next layer's first
+        kernel (or the head's) to add; ``hyper_ref.combine`` adds it where it is needed."""
+        if pending is not None or fused_glue(streams):
+            streams, post, comb, x = self._glue("attn", streams, pending)
+            out = self.attn(x, rope, cos_sin, *caches, step=step)
+            streams, post, comb, x = self._glue("ffn", streams, (post, comb, out))
+            return streams, (post, comb, self.ffn(x, input_ids))
         dtype = streams.dtype
         post, comb, collapsed = self._mix("attn", streams)
         out = self.attn(self.attn_norm(collapsed), rope, cos_sin, *caches, step=step)
@@ -238,9 +300,10 @@ class V4Layer(nn.Module):
         )
         post, comb, collapsed = self._mix("ffn", streams)
         out = self.ffn(self.ffn_norm(collapsed), input_ids)
-        return post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
+        streams = post.to(dtype)[..., None] * out[:, None, :] + torch.matmul(
             comb.to(dtype).transpose(-1, -2), streams
         )
+        return streams, None
 
 
 class Backbone(nn.Module):
@@ -306,14 +369,20 @@ class DeepseekV4Model(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
     ) -> torch.Tensor:  # [S, vocab] float32
+        from pdserve import kernels
+
         v4 = self.config.v4
         assert v4 is not None
         x = self.model.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
-        cos_sin = {name: rope.cos_sin(positions) for name, rope in self.ropes.items()}
+        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, rope in self.ropes.items():  # in the model's dtype once, not once a layer
+            cos, sin = rope.cos_sin(positions)
+            cos_sin[name] = (cos.to(x.dtype), sin.to(x.dtype))
         taps = self.hidden_layers if self.keep_hidden else None
         kept: list[torch.Tensor] = []
         step = V4Step(meta, positions)  # every layer's index metadata, built once
+        pending: Pending | None = None  # fused: the last ffn's output, not yet added back
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, V4Layer)
             name = "main" if layer.attn.kind == SLIDING else "compress"
@@ -325,20 +394,27 @@ class DeepseekV4Model(nn.Module):
                 None if entries is None else kv_cache[:, entries[1]],
                 None if entries is None else meta.of_group(entries[0]),
             )
-            streams = layer(
-                streams,
-                input_ids,
-                self.ropes[name],
-                (cos_sin[name][0].to(x.dtype), cos_sin[name][1].to(x.dtype)),
-                caches,
-                step,
+            streams, pending = layer(
+                streams, input_ids, self.ropes[name], cos_sin[name], caches, step, pending
             )
             if taps and i in taps:  # a layer's output, not its input (V4-Flash's DSpark)
+                if pending is not None:
+                    streams, pending = kernels.hyper_ref.combine(streams, *pending), None
                 kept.append(streams.mean(dim=1))
         if kept:
             self.hidden_rows = torch.cat(kept, dim=-1)
             self.hidden = self.hidden_rows[logits_indices]
-        h = self.model.norm(self.model.hc_head(streams[logits_indices]))
+        if fused_glue(streams):  # the last combine, hc_head, the final norm: one launch
+            from pdserve.kernels import triton_hyper
+
+            hh, norm = self.model.hc_head, self.model.norm
+            h = triton_hyper.step(
+                streams, hh.hc_fn, hh.hc_base, hh.hc_scale, hh.eps, hh.hc_eps, 0,
+                prev=pending, norm=(norm.weight, norm.eps), head=True, rows=logits_indices,
+                store=False,
+            )[3]  # fmt: skip
+        else:
+            h = self.model.norm(self.model.hc_head(streams[logits_indices]))
         return self.head(h).float()
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
