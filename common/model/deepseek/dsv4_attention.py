@@ -50,12 +50,13 @@ from pdserve.kernels.v4_reference import Fp8Rows
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' DeepseekV4UnweightedRMSNorm."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """transformers' DeepseekV4UnweightedRMSNorm (kernels: v4_ops.norm_rope)."""
+    return v4_ops.norm_rope(x, None, eps)
 
 
 class RMSNorm(nn.Module):
-    """transformers' DeepseekV4RMSNorm (in float32, weight applied before the cast back)."""
+    """transformers' DeepseekV4RMSNorm (in float32, weight applied before the cast back;
+    kernels: v4_ops.norm_rope)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -63,9 +64,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return v4_ops.norm_rope(x, self.weight, self.eps)
 
 
 class Rope:
@@ -88,16 +87,9 @@ class Rope:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [T, ..., D] with its last 2 * cos.shape[-1] values rotated at each row's
-        position (cos/sin [T, rope / 2]), as transformers' apply_rotary_pos_emb."""
-        cos = cos.repeat_interleave(2, dim=-1)
-        sin = sin.repeat_interleave(2, dim=-1)
-        for _ in range(x.dim() - 2):
-            cos, sin = cos[:, None], sin[:, None]
-        dim = cos.shape[-1]
-        nope, rope = x[..., :-dim], x[..., -dim:]
-        pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        rotated = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
-        return torch.cat((nope, rotated), dim=-1)
+        position (cos/sin [T, rope / 2]), as transformers' apply_rotary_pos_emb
+        (kernels: v4_ops.norm_rope)."""
+        return v4_ops.norm_rope(x, None, None, cos, sin)
 
 
 def slots_of(
@@ -105,14 +97,9 @@ def slots_of(
     pos: torch.Tensor,  # [T, K] int64 positions; negative: none
     size: int,  # block size
 ) -> torch.Tensor:  # [T, K] int64 slots, -1 where there is none
-    """Slots of positions through per-row block tables (no host sync)."""
-    width = tables.shape[1]
-    if width == 0:
-        return torch.full_like(pos, -1)
-    p = pos.clamp_min(0)
-    blocks = tables.gather(1, (p // size).clamp_max(width - 1))
-    ok = (pos >= 0) & (pos // size < width) & (blocks >= 0)
-    return torch.where(ok, blocks * size + p % size, -1)
+    """Slots of positions through per-row block tables (no host sync; kernels:
+    v4_ops.slots_of)."""
+    return v4_ops.slots_of(tables, pos, size)
 
 
 class V4Step:
@@ -171,8 +158,7 @@ class V4Step:
         def make() -> torch.Tensor:
             offs = torch.arange(window - 1, -1, -1, device=self.positions.device)
             pos = self.positions[:, None] - offs[None, :]
-            tables = self.query_tables(meta)[self.query_row]
-            return slots_of(tables, pos, size)
+            return v4_ops.slots_of(self.query_tables(meta), pos, size, self.query_row)
 
         return self._get(("window", id(meta), size, window), make)
 
@@ -200,9 +186,69 @@ class V4Step:
                 bound = min(bound, max((end for _, end in self.spans), default=0) // rate)
             idx = torch.arange(bound, device=self.positions.device)[None, :]
             idx = torch.where(idx < self.closed(rate)[:, None], idx, -1)
-            return slots_of(tables[self.query_row], idx, size)
+            return v4_ops.slots_of(tables, idx, size, self.query_row)
 
         return self._get(("entries", id(meta), size, rate), make)
+
+    def int32(self, name: str, meta: AttentionMetadata | None, rate: int) -> torch.Tensor:
+        """The indexer's int32 copies (``tables`` of ``meta``, ``query_row``, ``closed``,
+        ``ranked``), one a step."""
+
+        def make() -> torch.Tensor:
+            if name == "tables":
+                assert meta is not None
+                return self.query_tables(meta).to(torch.int32)
+            if name == "query_row":
+                return self.query_row.to(torch.int32)
+            if name == "closed":
+                return self.closed(rate).to(torch.int32)
+            assert name == "ranked" and meta is not None
+            return self.ranked(meta, rate).to(torch.int32)
+
+        return self._get(("int32", name, None if meta is None else id(meta), rate), make)
+
+    def closing_slots(
+        self,
+        meta: AttentionMetadata,  # the rows' group
+        entries_meta: AttentionMetadata,  # the entries' group
+        rate: int,
+        overlap: bool,
+        rows_block: int,
+        entries_block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For the windows the step closes (``closing``'s order): the slots of their rows
+        ([P, 2m], CSA: the previous window's too; [P, m]), each entry's slot ([P]), and
+        which candidates close (None: all); -1 slots for those that do not. The same in
+        every layer of this rate and groups: built once a step."""
+        key = (
+            "closing_slots",
+            id(meta),
+            id(entries_meta),
+            rate,
+            overlap,
+            rows_block,
+            entries_block,
+        )
+        if key not in self._memo:
+            seqs, wins, ok = self.closing(rate)
+            span = 2 * rate if overlap else rate
+            first = (wins - 1) * rate if overlap else wins * rate
+            pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
+            at = wins[:, None]
+            if ok is not None:  # decodes: a candidate a sequence, those not closing masked
+                pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
+            slots = v4_ops.slots_of(self.seq_tables(meta), pos, rows_block, seqs)
+            at = v4_ops.slots_of(self.seq_tables(entries_meta), at, entries_block, seqs)[:, 0]
+            self._memo[key], self._memo[key + ("at",)] = slots, at
+        return self._memo[key], self._memo[key + ("at",)], self.closing(rate)[2]
+
+    def entry_rope(self, rope: Rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the closing windows' first positions (their entries' rotation)."""
+        key = ("entry_rope", id(rope), rate)
+        if key not in self._memo:
+            cos, sin = rope.cos_sin(self.closing(rate)[1] * rate)
+            self._memo[key], self._memo[key + ("sin",)] = cos, sin
+        return self._memo[key], self._memo[key + ("sin",)]
 
     def closing(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The windows the step closes, every sequence's (a PCP rank too): (sequence [P]
@@ -211,9 +257,12 @@ class V4Step:
         ``s // m .. e // m - 1``."""
         key = ("closing", rate)
         if self.decode_only:
-            seqs = self._get(key, lambda: torch.arange(self.nd, device=self.positions.device))
-            ends = self.positions + 1
-            return seqs, ends // rate - 1, ends % rate == 0
+            if key not in self._memo:
+                ends = self.positions + 1
+                self._memo[key] = torch.arange(self.nd, device=self.positions.device)
+                self._memo[key + ("wins",)] = ends // rate - 1
+                self._memo[key + ("ok",)] = ends % rate == 0
+            return self._memo[key], self._memo[key + ("wins",)], self._memo[key + ("ok",)]
         if key not in self._memo:
             pairs = [
                 (i, w)
@@ -244,26 +293,22 @@ class Compressor(nn.Module):
         """Values a token's row holds for this compressor: its kv and its gate."""
         return 2 * self.wkv.out_features
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, width]
-        return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
-
     def entries(
         self,
         rows_cache: torch.Tensor,  # [N, 1, 1, B, row]
         slots: torch.Tensor,  # [P, 2m or m]: the closing windows' rows (previous window's too)
         offset: int,  # this compressor's kv and gate in a row
-        wins: torch.Tensor,  # [P]: the windows
-        rope: Rope,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # [P, rope / 2]: of each window's first
         fp8: Fp8Rows | None,
     ) -> torch.Tensor:  # [P, dim]
         """The entries of the closing windows (kernels: v4_ops.compress), rotated at the
-        first position of each window."""
+        first position of each window (V4Step.entry_rope)."""
         dtype = self.wkv.weight.dtype
         out = v4_ops.compress(
             rows_cache, slots, offset, self.ape, self.norm.weight, self.norm.eps,
             self.overlap, dtype, fp8,
         )  # fmt: skip
-        return Rope.apply(out, *rope.cos_sin(wins * self.rate))
+        return Rope.apply(out, *cos_sin)
 
 
 class Indexer(nn.Module):
@@ -289,19 +334,18 @@ class Indexer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # of the queries' positions
         entries_cache: torch.Tensor,  # [N, 1, 1, B, row]
         key_format: KeyFormat,
-        tables: torch.Tensor,  # [R, max_blocks]: the entries' block tables
-        query_row: torch.Tensor,  # [T]: each query's row of them
-        closed: torch.Tensor,  # [T]: entries each query may see
-        ranked: torch.Tensor,  # [T]: entries its sequence has (V4Step.ranked)
+        tables: torch.Tensor,  # [R, max_blocks] int32: the entries' block tables
+        query_row: torch.Tensor,  # [T] int32: each query's row of them
+        closed: torch.Tensor,  # [T] int32: entries each query may see
+        ranked: torch.Tensor,  # [T] int32: entries its sequence has (V4Step.ranked)
     ) -> torch.Tensor:  # [T, index_topk] int32 entry indices, -1 pads
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
         # transformers' DeepseekV4IndexerScorer: its H**-0.5 folded into the weights
         weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
         return kernels.indexer_topk(
-            q, weights, entries_cache[:, 0, 0], key_format, tables.to(torch.int32),
-            query_row.to(torch.int32), closed.to(torch.int32), self.topk,
-            ranked.to(torch.int32),
+            q, weights, entries_cache[:, 0, 0], key_format, tables, query_row, closed,
+            self.topk, ranked,
         )  # fmt: skip
 
 
@@ -336,6 +380,11 @@ class V4Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(cfg, v4.rate(layer))
 
+    def _compressors(self) -> list[Compressor]:
+        """The compressors whose projections a token's row holds, in the row's order."""
+        comps = [] if self.compressor is None else [self.compressor]
+        return comps + ([] if self.indexer is None else [self.indexer.compressor])
+
     def _fp8(self, cache: torch.Tensor) -> Fp8Rows | None:
         if not fp8_ds_v4.is_fp8(cache.dtype):
             return None
@@ -359,22 +408,23 @@ class V4Attention(nn.Module):
             step = V4Step(meta, positions)
         num_tokens = x.shape[0]
         q_resid = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim), self.eps)
-        q = Rope.apply(q, *cos_sin)
-        kv = Rope.apply(self.norm(self.wkv(x)), *cos_sin)  # [T, D]
-        parts = [kv]
-        if self.compressor is not None:
-            parts.append(self.compressor.project(x))
-        if self.indexer is not None:
-            parts.append(self.indexer.compressor.project(x))
-        row = torch.cat(parts, dim=-1)
-        if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
-            row = meta.kv_gather(row[None])[0]
+        q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)
+        q = v4_ops.norm_rope(q, None, self.eps, *cos_sin)  # rms, then the rope
+        kv = v4_ops.norm_rope(self.wkv(x), self.norm.weight, self.eps, *cos_sin)  # [T, D]
+        parts = [kv]  # the row: K=V, then each compressor's kv and gate projections
+        for comp in self._compressors():
+            parts += [comp.wkv(x), comp.wgate(x)]
         fp8 = self._fp8(rows_cache)
-        if fp8 is not None:  # each rank quantizes the same rows
-            row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
-        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1])).to(rows_cache.dtype)
-        v4_ops.write_rows(rows_cache, row, meta.slot_mapping)
+        if fp8 is None and meta.kv_gather is None:  # cat, pad, cast, write: one call
+            v4_ops.write_parts(rows_cache, parts, meta.slot_mapping)
+        else:
+            row = torch.cat(parts, dim=-1)
+            if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
+                row = meta.kv_gather(row[None])[0]
+            if fp8 is not None:  # each rank quantizes the same rows
+                row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
+            row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1])).to(rows_cache.dtype)
+            v4_ops.write_rows(rows_cache, row, meta.slot_mapping)
         entry_slots = None
         if self.compressor is not None:
             assert entries_cache is not None and entries_meta is not None
@@ -391,7 +441,7 @@ class V4Attention(nn.Module):
             q, rows_cache, window_slots, entries_cache, entry_slots, self.attn_sink,
             self.head_dim**-0.5, fp8,
         )  # fmt: skip
-        out = Rope.apply(out, cos_sin[0], -cos_sin[1])  # the values' rotation undone
+        out = v4_ops.norm_rope(out, None, None, *cos_sin, inverse=True)  # values' rotation undone
         return self._project_out(out)
 
     def _entry_slots(
@@ -412,12 +462,13 @@ class V4Attention(nn.Module):
         key_format = KeyFormat.v4_entry(
             self.head_dim, self.rope_dim, self.indexer.head_dim, fp8 is not None
         )
-        tables = step.query_tables(entries_meta)
+        rate = comp.rate
         top = self.indexer.select(
-            q_resid, x, cos_sin, entries_cache, key_format, tables, step.query_row,
-            step.closed(comp.rate), step.ranked(entries_meta, comp.rate),
+            q_resid, x, cos_sin, entries_cache, key_format,
+            step.int32("tables", entries_meta, rate), step.int32("query_row", None, 0),
+            step.int32("closed", None, rate), step.int32("ranked", entries_meta, rate),
         )  # fmt: skip
-        return slots_of(tables[step.query_row], top.long(), size)
+        return v4_ops.slots_of(step.query_tables(entries_meta), top, size, step.query_row)
 
     def _close_windows(
         self,
@@ -435,29 +486,27 @@ class V4Attention(nn.Module):
         dsv4_config.py ``cache_kinds``)."""
         comp = self.compressor
         assert comp is not None
-        seqs, wins, ok = step.closing(comp.rate)
-        if seqs.shape[0] == 0:
+        if step.closing(comp.rate)[0].shape[0] == 0:
             return
-        m, d = comp.rate, self.head_dim
-        span = 2 * m if comp.overlap else m
-        first = (wins - 1) * m if comp.overlap else wins * m
-        pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
-        at = wins[:, None]
-        if ok is not None:  # decodes: a candidate a sequence, those not closing masked
-            pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
-        slots = slots_of(step.seq_tables(meta)[seqs], pos, rows_cache.shape[3])
-        parts = [comp.entries(rows_cache, slots, d, wins, rope, fp8)]
+        d = self.head_dim
+        slots, at, ok = step.closing_slots(
+            meta, entries_meta, comp.rate, comp.overlap, rows_cache.shape[3],
+            entries_cache.shape[3],
+        )  # fmt: skip
+        cos_sin = step.entry_rope(rope, comp.rate)
+        parts = [comp.entries(rows_cache, slots, d, cos_sin, fp8)]
         if self.indexer is not None:
             index = self.indexer.compressor
-            parts.append(index.entries(rows_cache, slots, d + comp.width, wins, rope, fp8))
+            parts.append(index.entries(rows_cache, slots, d + comp.width, cos_sin, fp8))
+        if fp8 is None:  # cat, pad, cast, write in one call; a masked candidate unwritten
+            v4_ops.write_parts(entries_cache, parts, at)
+            return
         entry = torch.cat(parts, dim=-1)  # [P, D (+ index_head_dim)]
         if ok is not None:
             entry = torch.where(ok[:, None], entry, 0)  # a masked candidate's (never written)
         width = entries_cache.shape[-1]
-        if fp8 is not None:
-            entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
+        entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
         entry = F.pad(entry, (0, width - entry.shape[-1])).to(entries_cache.dtype)
-        at = slots_of(step.seq_tables(entries_meta)[seqs], at, entries_cache.shape[3])[:, 0]
         v4_ops.write_rows(entries_cache, entry, at)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
