@@ -202,25 +202,25 @@ def top_lowest_ties(scores: torch.Tensor, topk: int) -> torch.Tensor:
     Unlike a plain torch.topk (whose choice among equal scores depends on the row's width),
     the answer does not depend on how far the row is padded with -inf: a PCP piece, a
     monolithic prefill and a decode step ranked over a CUDA graph's wider tables all keep the
-    same keys. Fixed shapes and no host read (CUDA graphs capture it): the k-th best value
-    from torch.topk, every key above it, then the lowest-indexed keys equal to it."""
+    same keys. Fixed shapes and no host read (CUDA graphs capture it), in few launches (a
+    decode step's graph is bound by its node count): each score and its index made one
+    int64 key, unique, ordered as (score, then lower index) -- the float's bits mapped to an
+    order-preserving integer above, ``-index`` below -- so one torch.topk of the keys,
+    sorted, is the answer."""
     num_rows, width = scores.shape
     kk = min(topk, width)
     out = torch.full((num_rows, topk), -1, dtype=torch.int32, device=scores.device)
     if num_rows == 0 or kk == 0:
         return out
-    kth = scores.topk(kk, dim=-1).values[:, -1:]  # [n, 1]
-    above = scores > kth
-    tied = scores == kth
-    room = kk - above.sum(-1, keepdim=True)  # tied keys that fit
-    chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
-    index = torch.arange(width, device=scores.device)
-    # chosen keys first, lowest index first; then order them by score (stable: ties by index)
-    pick = torch.where(chosen, width - index, 0).topk(kk, dim=-1)
-    ids = pick.indices
-    picked = torch.where(pick.values > 0, scores.gather(1, ids), float("-inf"))
-    order = picked.sort(dim=-1, descending=True, stable=True).indices
-    ids = ids.gather(1, order)
-    ok = picked.gather(1, order) > float("-inf")
-    out[:, :kk] = torch.where(ok, ids, -1).to(torch.int32)
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 made +0.0 (they compare equal)
+    # negative floats' magnitude bits flipped: the int32 order is then the float order
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+    keys = (ordered << 32) - torch.arange(width, device=scores.device)
+    top = keys.topk(kk, dim=-1)
+    # -inf's key, (ordered(-inf) << 32) - index, lies below every finite score's
+    out[:, :kk] = torch.where(top.values > _NEG_INF_KEY, top.indices, -1)
     return out
+
+
+_NEG_INF_BITS = -(2**23)  # float32 -inf (0xFF800000) as an int32
+_NEG_INF_KEY = (_NEG_INF_BITS ^ 0x7FFFFFFF) << 32

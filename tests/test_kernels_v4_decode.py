@@ -159,3 +159,23 @@ def test_unsupported_cases_are_named(ops) -> None:  # type: ignore[no-untyped-de
     assert ops.unsupported("write_parts", *[torch.zeros(1)] * 8) is not None
     assert ops.unsupported("nothing", torch.zeros(1)) is not None
     assert ops.unsupported("norm_rope", torch.zeros(2, 4)) is None
+
+
+def test_top_lowest_ties_orders_signed_floats_and_zeros(gen: torch.Generator) -> None:
+    """The indexer's selection (kernels/triton_indexer.py, one int64 topk): negative and
+    fractional scores, -0.0 equal to +0.0, huge magnitudes, -inf never picked: the first k
+    of a full (score descending, index ascending) sort."""
+    pytest.importorskip("triton")
+    from pdserve.kernels.triton_indexer import top_lowest_ties
+
+    pool = torch.tensor([-0.0, 0.0, 0.5, -0.5, -1.25, 3e38, -3e38, 1e-40, -1e-40, 7.0])
+    for _ in range(30):
+        width = int(torch.randint(1, 40, (1,), generator=gen))
+        k = int(torch.randint(1, 50, (1,), generator=gen))
+        scores = pool[torch.randint(0, len(pool), (4, width), generator=gen)]
+        scores[torch.rand(4, width, generator=gen) < 0.2] = float("-inf")
+        got = top_lowest_ties(scores, k)
+        for r in range(4):
+            keys = sorted((-scores[r, i].item(), i) for i in range(width) if scores[r, i] > -1e39)
+            want = [i for _, i in keys[:k]]
+            assert got[r].tolist() == want + [-1] * (k - len(want))

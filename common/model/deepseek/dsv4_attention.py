@@ -132,12 +132,15 @@ class V4Step:
             self._memo[key] = make()
         return self._memo[key]
 
-    def query_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [R, max_blocks] int64
+    def query_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [R, max_blocks] int
         """This group's block tables of the step's decode sequences then prefill pieces
-        (``query_row`` indexes them)."""
+        (``query_row`` indexes them); int64, or as the metadata holds them (int32) in a
+        step of decodes only (no copy: v4_ops.slots_of and the indexer read either)."""
 
         def make() -> torch.Tensor:
             dec, pre = meta.decode_block_tables[: self.nd], meta.prefill_block_tables
+            if self.decode_only:
+                return dec.to(self.positions.device)
             width = max(dec.shape[1], pre.shape[1])
             dev = self.positions.device
             return torch.cat([F.pad(t.to(dev).long(), (0, width - t.shape[1])) for t in (dec, pre)])
