@@ -179,3 +179,19 @@ def test_top_lowest_ties_orders_signed_floats_and_zeros(gen: torch.Generator) ->
             keys = sorted((-scores[r, i].item(), i) for i in range(width) if scores[r, i] > -1e39)
             want = [i for _, i in keys[:k]]
             assert got[r].tolist() == want + [-1] * (k - len(want))
+
+
+@pytest.mark.parametrize("kind", ["v4_bf16", "v4_fp8"])
+def test_score_keys_select_as_the_scores(device: str, gen: torch.Generator, kind: str) -> None:
+    """The scores kernel's int64 keys (index_scores(keys=True), what indexer_topk ranks)
+    pick what top_lowest_ties picks over its float scores, -inf tiles included."""
+    from pdserve.kernels import triton_indexer
+    from tests.test_kernels_dsa import Case
+
+    case = Case(kind, [5, 37, 70], [5, 3, 1], gen, device)
+    scores = triton_indexer.index_scores(*case.args())
+    keys = triton_indexer.index_scores(*case.args(), keys=True)
+    assert keys.dtype == torch.int64 and keys.shape == scores.shape
+    for k in (4, 8, scores.shape[1] + 3):
+        want = triton_indexer.top_lowest_ties(scores.cpu(), k)
+        assert torch.equal(triton_indexer.top_of_keys(keys, k).cpu(), want)

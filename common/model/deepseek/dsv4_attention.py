@@ -158,9 +158,12 @@ class V4Step:
     def window_slots(self, meta: AttentionMetadata, size: int, window: int) -> torch.Tensor:
         """[T, W]: the slots of each query's window rows ``p - W < k <= p``."""
 
-        def make() -> torch.Tensor:
+        def positions() -> torch.Tensor:  # [T, W], the same in every group
             offs = torch.arange(window - 1, -1, -1, device=self.positions.device)
-            pos = self.positions[:, None] - offs[None, :]
+            return self.positions[:, None] - offs[None, :]
+
+        def make() -> torch.Tensor:
+            pos = self._get(("window_pos", window), positions)
             return v4_ops.slots_of(self.query_tables(meta), pos, size, self.query_row)
 
         return self._get(("window", id(meta), size, window), make)
@@ -232,18 +235,22 @@ class V4Step:
             rows_block,
             entries_block,
         )
-        if key not in self._memo:
-            seqs, wins, ok = self.closing(rate)
+        seqs, wins, ok = self.closing(rate)
+        pos_key = ("closing_pos", rate, overlap)  # the same in every group
+        if pos_key not in self._memo:
             span = 2 * rate if overlap else rate
             first = (wins - 1) * rate if overlap else wins * rate
             pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
             at = wins[:, None]
             if ok is not None:  # decodes: a candidate a sequence, those not closing masked
                 pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
+            self._memo[pos_key], self._memo[pos_key + ("at",)] = pos, at
+        if key not in self._memo:
+            pos, at = self._memo[pos_key], self._memo[pos_key + ("at",)]
             slots = v4_ops.slots_of(self.seq_tables(meta), pos, rows_block, seqs)
             at = v4_ops.slots_of(self.seq_tables(entries_meta), at, entries_block, seqs)[:, 0]
             self._memo[key], self._memo[key + ("at",)] = slots, at
-        return self._memo[key], self._memo[key + ("at",)], self.closing(rate)[2]
+        return self._memo[key], self._memo[key + ("at",)], ok
 
     def entry_rope(self, rope: Rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the closing windows' first positions (their entries' rotation)."""
@@ -340,7 +347,8 @@ class Indexer(nn.Module):
         tables: torch.Tensor,  # [R, max_blocks] int32: the entries' block tables
         query_row: torch.Tensor,  # [T] int32: each query's row of them
         closed: torch.Tensor,  # [T] int32: entries each query may see
-        ranked: torch.Tensor,  # [T] int32: entries its sequence has (V4Step.ranked)
+        ranked: torch.Tensor | None,  # [T] int32: entries its sequence has (V4Step.ranked);
+        # None on the Triton path, whose ties resolve at any width (kernels.indexer_topk)
     ) -> torch.Tensor:  # [T, index_topk] int32 entry indices, -1 pads
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
@@ -466,10 +474,12 @@ class V4Attention(nn.Module):
             self.head_dim, self.rope_dim, self.indexer.head_dim, fp8 is not None
         )
         rate = comp.rate
+        triton = kernels.backend_name(x.device) == "triton"  # takes no row_keys
         top = self.indexer.select(
             q_resid, x, cos_sin, entries_cache, key_format,
             step.int32("tables", entries_meta, rate), step.int32("query_row", None, 0),
-            step.int32("closed", None, rate), step.int32("ranked", entries_meta, rate),
+            step.int32("closed", None, rate),
+            None if triton else step.int32("ranked", entries_meta, rate),
         )  # fmt: skip
         return v4_ops.slots_of(step.query_tables(entries_meta), top, size, step.query_row)
 
