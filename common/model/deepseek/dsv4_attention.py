@@ -42,6 +42,7 @@ from pdserve import kernels
 from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.deepseek.dsv4_config import CSA, SLIDING
 from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.linear import pack_linears
 from pdserve.common.model.layers.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.kernels import fp8_ds_v4, v4_ops
@@ -340,7 +341,7 @@ class Indexer(nn.Module):
     def select(
         self,
         q_resid: torch.Tensor,  # [T, q_lora_rank]
-        x: torch.Tensor,  # [T, hidden]
+        head_logits: torch.Tensor,  # [T, H]: weights_proj(x)
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # of the queries' positions
         entries_cache: torch.Tensor,  # [N, 1, 1, B, row]
         key_format: KeyFormat,
@@ -353,7 +354,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
         # transformers' DeepseekV4IndexerScorer: its H**-0.5 folded into the weights
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        weights = head_logits.float() * self.num_heads**-0.5  # [T, H]
         return kernels.indexer_topk(
             q, weights, entries_cache[:, 0, 0], key_format, tables, query_row, closed,
             self.topk, ranked,
@@ -385,11 +386,36 @@ class V4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
+        self.x_packed: torch.Tensor | None = None  # pack(): x's linears as one GEMM
         if self.kind != SLIDING:
             rate = v4.rate(layer)
             self.compressor = Compressor(hidden, self.head_dim, rate, self.kind == CSA, self.eps)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, v4.rate(layer))
+
+    def _x_linears(self) -> list[nn.Linear]:
+        """Every linear of the layer's input, in ``pack``'s order: wq_a, wkv, each
+        compressor's wkv and wgate (the row's order), the indexer's weights_proj."""
+        lins = [self.wq_a, self.wkv]
+        for comp in self._compressors():
+            lins += [comp.wkv, comp.wgate]
+        return lins + ([] if self.indexer is None else [self.indexer.weights_proj])
+
+    def pack(self) -> None:
+        """The linears of x as one [sum(out), hidden] matrix, their weights views into it
+        (the state dict unchanged): one GEMM a layer instead of up to 7 (on CUDA, after
+        the load and the TP cut: V4CausalLM.pack_weights; the CPU path runs each
+        projection as stored, transformers' arithmetic)."""
+        self.x_packed = pack_linears(self._x_linears())[0]
+
+    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``_x_linears`` applied to x: one GEMM's column slices when packed (and
+        still so: a weight reassigned since, e.g. a reload, unpacks)."""
+        lins = self._x_linears()
+        packed = self.x_packed
+        if packed is not None and lins[0].weight.data_ptr() == packed.data_ptr():
+            return list(F.linear(x, packed).split([lin.out_features for lin in lins], dim=-1))
+        return [lin(x) for lin in lins]
 
     def _compressors(self) -> list[Compressor]:
         """The compressors whose projections a token's row holds, in the row's order."""
@@ -418,13 +444,13 @@ class V4Attention(nn.Module):
             assert positions is not None
             step = V4Step(meta, positions)
         num_tokens = x.shape[0]
-        q_resid = self.q_norm(self.wq_a(x))
+        proj = self._project_x(x)  # wq_a, wkv, the compressors' (, weights_proj)
+        q_resid = self.q_norm(proj[0])
         q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)
         q = v4_ops.norm_rope(q, None, self.eps, *cos_sin)  # rms, then the rope
-        kv = v4_ops.norm_rope(self.wkv(x), self.norm.weight, self.eps, *cos_sin)  # [T, D]
-        parts = [kv]  # the row: K=V, then each compressor's kv and gate projections
-        for comp in self._compressors():
-            parts += [comp.wkv(x), comp.wgate(x)]
+        kv = v4_ops.norm_rope(proj[1], self.norm.weight, self.eps, *cos_sin)  # [T, D]
+        ncomp = 2 * len(self._compressors())
+        parts = [kv, *proj[2 : 2 + ncomp]]  # the row: K=V, each compressor's kv and gate
         fp8 = self._fp8(rows_cache)
         if fp8 is None and meta.kv_gather is None:  # cat, pad, cast, write: one call
             v4_ops.write_parts(rows_cache, parts, meta.slot_mapping)
@@ -442,7 +468,7 @@ class V4Attention(nn.Module):
             self._close_windows(rows_cache, meta, entries_cache, entries_meta, rope, step, fp8)
             if num_tokens:
                 entry_slots = self._entry_slots(
-                    q_resid, x, cos_sin, entries_cache, entries_meta, step, fp8
+                    q_resid, proj[2 + ncomp :], cos_sin, entries_cache, entries_meta, step, fp8
                 )
         if num_tokens == 0:  # a PCP rank with no piece of this step still wrote and pooled
             return self._project_out(torch.empty_like(q))
@@ -458,7 +484,7 @@ class V4Attention(nn.Module):
     def _entry_slots(
         self,
         q_resid: torch.Tensor,
-        x: torch.Tensor,
+        head_logits: list[torch.Tensor],  # [the indexer's weights_proj(x)] (CSA); []
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         entries_cache: torch.Tensor,
         entries_meta: AttentionMetadata,
@@ -474,9 +500,9 @@ class V4Attention(nn.Module):
             self.head_dim, self.rope_dim, self.indexer.head_dim, fp8 is not None
         )
         rate = comp.rate
-        triton = kernels.backend_name(x.device) == "triton"  # takes no row_keys
+        triton = kernels.backend_name(q_resid.device) == "triton"  # takes no row_keys
         top = self.indexer.select(
-            q_resid, x, cos_sin, entries_cache, key_format,
+            q_resid, head_logits[0], cos_sin, entries_cache, key_format,
             step.int32("tables", entries_meta, rate), step.int32("query_row", None, 0),
             step.int32("closed", None, rate),
             None if triton else step.int32("ranked", entries_meta, rate),
