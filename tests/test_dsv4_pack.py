@@ -46,3 +46,26 @@ def test_packed_projections_keep_the_state_and_the_tokens(
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     outs = eng.generate(prompts[:2], SamplingParams(max_tokens=NUM_TOKENS))
     assert [o.token_ids for o in outs] == reference[:2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_packed_projections_give_transformers_tokens(
+    v4_model: Path,  # noqa: F811
+    prompts: list[list[int]],  # noqa: F811
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    """On CUDA (the Triton kernels, one GEMM of x a layer): transformers' greedy tokens.
+    Packed before any step (a CUDA graph must be captured over the packed weights: the
+    loader's pack_weights)."""
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(v4_model), device="cuda", dtype="float32", num_kv_blocks=4096,
+            cuda_graphs=False,
+        )
+    )  # fmt: skip
+    attns = [m for m in eng.runner.model.modules() if isinstance(m, V4Attention)]
+    for a in attns:
+        a.pack()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS))
+    assert [o.token_ids for o in outs] == reference
