@@ -80,10 +80,20 @@ def compress(
     overlap: bool,
     dtype: torch.dtype,
     fp8: Fp8Rows | None = None,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # [P, R / 2]: rotate (rope_ref)
 ) -> torch.Tensor:
-    impl = _triton_for("compress", cache, ape, weight, fp8=fp8) or v4_reference
-    out: torch.Tensor = impl.compress(cache, slots, offset, ape, weight, eps, overlap, dtype, fp8)
-    return out
+    """Each closing window's entry (v4_reference.compress), then, given ``cos_sin``, its
+    trailing 2 * R / 2 values rotated as ``rope_ref`` (on CUDA inside the kernel)."""
+    impl = _triton_for("compress", cache, ape, weight, fp8=fp8)
+    if impl is not None:
+        fused: torch.Tensor = impl.compress(
+            cache, slots, offset, ape, weight, eps, overlap, dtype, fp8, cos_sin
+        )
+        return fused
+    out: torch.Tensor = v4_reference.compress(
+        cache, slots, offset, ape, weight, eps, overlap, dtype, fp8
+    )
+    return out if cos_sin is None else norm_rope(out, None, None, *cos_sin)
 
 
 def sink_attention(

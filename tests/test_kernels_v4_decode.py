@@ -195,3 +195,41 @@ def test_score_keys_select_as_the_scores(device: str, gen: torch.Generator, kind
     for k in (4, 8, scores.shape[1] + 3):
         want = triton_indexer.top_lowest_ties(scores.cpu(), k)
         assert torch.equal(triton_indexer.top_of_keys(keys, k).cpu(), want)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compress_rotates_its_entries_in_the_kernel(  # type: ignore[no-untyped-def]
+    device: str, gen: torch.Generator, overlap: bool, dtype: torch.dtype, monkeypatch
+) -> None:
+    """kernels/triton_v4.compress with cos/sin: the pooled, normed entry then rope_ref's
+    rotation of its trailing values (what Compressor.entries asked of two calls)."""
+    from pdserve.kernels import triton_v4, v4_reference
+    from tests.test_kernels_v4 import _filled
+
+    if device == "cpu":
+        from tests.test_mla_kernels import _fix_interpreter_index
+
+        _fix_interpreter_index(monkeypatch)
+    d, m, block, r = 24, 4, 8, 8  # the rope over the last 8 of 24 (a dim not a power of two)
+    width, span, offset = (2 * d if overlap else d), (2 * m if overlap else m), 32
+    rows, rslots, _ = _filled(gen, max(60, 5 * span), block, offset + 2 * width, dtype)
+    slots = rslots[: 5 * span].reshape(5, span).clone()
+    slots[0, : m if overlap else 1] = -1
+    ape = torch.randn(m, width, generator=gen).to(dtype)
+    weight = torch.randn(d, generator=gen).to(dtype)
+    freqs = torch.rand(5, r // 2, generator=gen) * 30
+    cos, sin = freqs.cos(), freqs.sin()  # float32, as V4Step.entry_rope gives them
+    pooled = v4_reference.compress(rows, slots, offset, ape, weight, 1e-6, overlap, dtype)
+    ref = v4_ops.rope_ref(pooled, cos, sin)
+    mv = lambda v: v.to(device)  # noqa: E731
+    out = triton_v4.compress(
+        mv(rows), mv(slots), offset, mv(ape), mv(weight), 1e-6, overlap, dtype, None,
+        (mv(cos), mv(sin)),
+    )  # fmt: skip
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    plain = triton_v4.compress(
+        mv(rows), mv(slots), offset, mv(ape), mv(weight), 1e-6, overlap, dtype
+    )
+    assert torch.equal(out.cpu()[:, : d - r], plain.cpu()[:, : d - r])  # the nope part as is
+    assert rel_err(out.cpu()[:, d - r :], plain.cpu()[:, d - r :]) > 0.1  # rotated

@@ -315,11 +315,10 @@ class Compressor(nn.Module):
         """The entries of the closing windows (kernels: v4_ops.compress), rotated at the
         first position of each window (V4Step.entry_rope)."""
         dtype = self.wkv.weight.dtype
-        out = v4_ops.compress(
+        return v4_ops.compress(
             rows_cache, slots, offset, self.ape, self.norm.weight, self.norm.eps,
-            self.overlap, dtype, fp8,
+            self.overlap, dtype, fp8, cos_sin,
         )  # fmt: skip
-        return Rope.apply(out, *cos_sin)
 
 
 class Indexer(nn.Module):
