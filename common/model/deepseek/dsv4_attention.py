@@ -169,8 +169,14 @@ class V4Step:
 
         return self._get(("window", id(meta), size, window), make)
 
+    def ends(self) -> torch.Tensor:  # [T] int64: each query's position + 1
+        return self._get(("ends",), lambda: self.positions + 1)
+
     def closed(self, rate: int) -> torch.Tensor:  # [T] int64: entries each query may see
-        return self._get(("closed", rate), lambda: (self.positions + 1) // rate)
+        return self._get(("closed", rate), lambda: self.ends() // rate)
+
+    def win_starts(self, rate: int) -> torch.Tensor:  # [P]: the closing windows' first positions
+        return self._get(("win_starts", rate), lambda: self.closing(rate)[1] * rate)
 
     def ranked(self, meta: AttentionMetadata, rate: int) -> torch.Tensor:  # [T] int64
         """The entries each query's sequence has at the step's end: the width transformers
@@ -240,7 +246,7 @@ class V4Step:
         pos_key = ("closing_pos", rate, overlap)  # the same in every group
         if pos_key not in self._memo:
             span = 2 * rate if overlap else rate
-            first = (wins - 1) * rate if overlap else wins * rate
+            first = self.win_starts(rate) - rate if overlap else self.win_starts(rate)
             pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
             at = wins[:, None]
             if ok is not None:  # decodes: a candidate a sequence, those not closing masked
@@ -257,7 +263,7 @@ class V4Step:
         """cos/sin of the closing windows' first positions (their entries' rotation)."""
         key = ("entry_rope", id(rope), rate)
         if key not in self._memo:
-            cos, sin = rope.cos_sin(self.closing(rate)[1] * rate)
+            cos, sin = rope.cos_sin(self.win_starts(rate))
             self._memo[key], self._memo[key + ("sin",)] = cos, sin
         return self._memo[key], self._memo[key + ("sin",)]
 
@@ -269,10 +275,9 @@ class V4Step:
         key = ("closing", rate)
         if self.decode_only:
             if key not in self._memo:
-                ends = self.positions + 1
                 self._memo[key] = torch.arange(self.nd, device=self.positions.device)
-                self._memo[key + ("wins",)] = ends // rate - 1
-                self._memo[key + ("ok",)] = ends % rate == 0
+                self._memo[key + ("wins",)] = self.closed(rate) - 1
+                self._memo[key + ("ok",)] = self.ends() % rate == 0
             return self._memo[key], self._memo[key + ("wins",)], self._memo[key + ("ok",)]
         if key not in self._memo:
             pairs = [
