@@ -31,7 +31,7 @@ from pdserve.kernels import fp8_ds_mla
 from pdserve.kernels.indexer_ref import KeyFormat, check_args
 from pdserve.kernels.triton_common import _device_guard, _is_pow2
 
-SCORE_BUDGET = 1 << 27  # float32 scores held at once (512 MiB)
+SCORE_BUDGET = 1 << 27  # float32 scores held at once (512 MiB; int64 keys: half as many)
 BLOCK_K = 32  # keys per program
 
 
@@ -75,6 +75,7 @@ def _index_scores_kernel(
     BLOCK_K: tl.constexpr,
     FP8: tl.constexpr,
     KEY_TILE: tl.constexpr,
+    KEYS: tl.constexpr,  # store top_lowest_ties' int64 keys (see there), not the scores
 ):
     t = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
@@ -105,10 +106,26 @@ def _index_scores_kernel(
         s = tl.maximum(s, 0.0)
         index = tl.sum(s * w[:, None], 0)  # [BLOCK_K]
         index = tl.where(ok, index, float("-inf"))
-        tl.store(out_ptr + t * stride_ot + p, index, mask=in_row)
+        if KEYS:
+            tl.store(out_ptr + t * stride_ot + p, _score_keys(index, p), mask=in_row)
+        else:
+            tl.store(out_ptr + t * stride_ot + p, index, mask=in_row)
     else:
-        tl.store(out_ptr + t * stride_ot + p, tl.full((BLOCK_K,), float("-inf"), tl.float32),
-                 mask=in_row)  # fmt: skip
+        ninf = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+        if KEYS:
+            tl.store(out_ptr + t * stride_ot + p, _score_keys(ninf, p), mask=in_row)
+        else:
+            tl.store(out_ptr + t * stride_ot + p, ninf, mask=in_row)
+
+
+@triton.jit
+def _score_keys(score, p):
+    # top_lowest_ties' key of each score at its index p: an int64, unique, ordered as
+    # (score, then lower index); -0.0 taken as +0.0
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) - p.to(tl.int64)
 
 
 def index_scores(
@@ -119,6 +136,7 @@ def index_scores(
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     query_seq: torch.Tensor,  # [T] int32
     num_visible: torch.Tensor,  # [T] int32
+    keys: bool = False,  # int64 keys of (score, lower index): top_lowest_ties's, for top_of_keys
 ) -> torch.Tensor:  # [T, max_blocks * B] float32, -inf past each query's visible keys
     num_tokens, num_heads, dim = q.shape
     block_size = key_cache.shape[1]
@@ -127,7 +145,8 @@ def index_scores(
     assert key_cache.stride(-1) == 1, "the key cache's rows must be contiguous"
     if key_format.fp8:
         fp8_ds_mla.key_bytes(dim)  # D a multiple of 128
-    out = torch.empty((num_tokens, num_keys), dtype=torch.float32, device=q.device)
+    dtype = torch.int64 if keys else torch.float32
+    out = torch.empty((num_tokens, num_keys), dtype=dtype, device=q.device)
     if num_tokens == 0 or num_keys == 0:
         return out
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
@@ -156,6 +175,7 @@ def index_scores(
             BLOCK_K=BLOCK_K,
             FP8=key_format.fp8,
             KEY_TILE=fp8_ds_mla.KEY_TILE,
+            KEYS=keys,
         )
     return out
 
@@ -174,25 +194,27 @@ def indexer_topk(
     check_args(q, weights, key_cache, key_format, block_tables, query_seq, num_visible, topk)
     num_tokens = q.shape[0]
     num_keys = block_tables.shape[1] * key_cache.shape[1]
-    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
-    kk = min(topk, num_keys)
-    if num_tokens == 0 or kk == 0:
-        return out
-    chunk = max(1, SCORE_BUDGET // num_keys)
-    for lo in range(0, num_tokens, chunk):
-        hi = min(num_tokens, lo + chunk)
-        scores = index_scores(
-            q[lo:hi],
-            weights[lo:hi],
-            key_cache,
-            key_format,
-            block_tables,
-            query_seq[lo:hi],
-            num_visible[lo:hi],
+    if num_tokens == 0 or min(topk, num_keys) == 0:
+        return torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
+    chunk = max(1, SCORE_BUDGET // (2 * num_keys))  # int64 keys: twice a float's bytes
+    # row_keys is not needed here: ties resolve by index, at any row width
+    parts = [
+        top_of_keys(
+            index_scores(
+                q[lo : lo + chunk],
+                weights[lo : lo + chunk],
+                key_cache,
+                key_format,
+                block_tables,
+                query_seq[lo : lo + chunk],
+                num_visible[lo : lo + chunk],
+                keys=True,
+            ),
+            topk,
         )
-        # row_keys is not needed here: ties resolve by index, at any row width
-        out[lo:hi] = top_lowest_ties(scores, topk)
-    return out
+        for lo in range(0, num_tokens, chunk)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # a decode step: one part
 
 
 def top_lowest_ties(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -202,25 +224,34 @@ def top_lowest_ties(scores: torch.Tensor, topk: int) -> torch.Tensor:
     Unlike a plain torch.topk (whose choice among equal scores depends on the row's width),
     the answer does not depend on how far the row is padded with -inf: a PCP piece, a
     monolithic prefill and a decode step ranked over a CUDA graph's wider tables all keep the
-    same keys. Fixed shapes and no host read (CUDA graphs capture it): the k-th best value
-    from torch.topk, every key above it, then the lowest-indexed keys equal to it."""
-    num_rows, width = scores.shape
+    same keys. Fixed shapes and no host read (CUDA graphs capture it), in few launches (a
+    decode step's graph is bound by its node count): each score and its index made one
+    int64 key, unique, ordered as (score, then lower index) -- the float's bits mapped to an
+    order-preserving integer above, ``-index`` below -- so one torch.topk of the keys,
+    sorted, is the answer."""
+    width = scores.shape[1]
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 made +0.0 (they compare equal)
+    # negative floats' magnitude bits flipped: the int32 order is then the float order
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+    return top_of_keys((ordered << 32) - torch.arange(width, device=scores.device), topk)
+
+
+def top_of_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """[n, L] int64 keys (top_lowest_ties', or index_scores(keys=True)) -> [n, topk] int32:
+    the indices of each row's ``topk`` highest keys in descending order, -1 for -inf's."""
+    num_rows, width = keys.shape
     kk = min(topk, width)
-    out = torch.full((num_rows, topk), -1, dtype=torch.int32, device=scores.device)
     if num_rows == 0 or kk == 0:
-        return out
-    kth = scores.topk(kk, dim=-1).values[:, -1:]  # [n, 1]
-    above = scores > kth
-    tied = scores == kth
-    room = kk - above.sum(-1, keepdim=True)  # tied keys that fit
-    chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
-    index = torch.arange(width, device=scores.device)
-    # chosen keys first, lowest index first; then order them by score (stable: ties by index)
-    pick = torch.where(chosen, width - index, 0).topk(kk, dim=-1)
-    ids = pick.indices
-    picked = torch.where(pick.values > 0, scores.gather(1, ids), float("-inf"))
-    order = picked.sort(dim=-1, descending=True, stable=True).indices
-    ids = ids.gather(1, order)
-    ok = picked.gather(1, order) > float("-inf")
-    out[:, :kk] = torch.where(ok, ids, -1).to(torch.int32)
+        return torch.full((num_rows, topk), -1, dtype=torch.int32, device=keys.device)
+    top = keys.topk(kk, dim=-1)
+    # -inf's key, (ordered(-inf) << 32) - index, lies below every finite score's
+    best = torch.where(top.values > _NEG_INF_KEY, top.indices, -1).to(torch.int32)
+    if kk == topk:
+        return best
+    out = torch.full((num_rows, topk), -1, dtype=torch.int32, device=keys.device)
+    out[:, :kk] = best
     return out
+
+
+_NEG_INF_BITS = -(2**23)  # float32 -inf (0xFF800000) as an int32
+_NEG_INF_KEY = (_NEG_INF_BITS ^ 0x7FFFFFFF) << 32

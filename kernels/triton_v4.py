@@ -109,9 +109,10 @@ def _load_vals(row, col, mask, NB: tl.constexpr, SDT: tl.constexpr):
 
 @triton.jit
 def _compress_kernel(
-    cache_ptr, slots_ptr, ape_ptr, w_ptr, out_ptr,
-    c_sb, c_so, B, L, M, offset, width, eps, d,
+    cache_ptr, slots_ptr, ape_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr,
+    c_sb, c_so, B, L, M, offset, width, eps, d, R, cs_st,
     OVERLAP: tl.constexpr, BLOCK_D: tl.constexpr, NB: tl.constexpr, SDT: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     c = tl.arange(0, BLOCK_D)
@@ -143,6 +144,18 @@ def _compress_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / d + eps)
     w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + p * d + c, (w * (pooled * inv)).to(out_ptr.dtype.element_ty), mask=cmask)
+    if ROPE:  # the entry rotated at its window's first position, as v4_ops.rope_ref
+        tl.debug_barrier()  # the row stored above, seen by every thread of the program
+        first = d - R
+        is_rope = cmask & (c >= first)
+        rel = tl.where(is_rope, c - first, 0)
+        x = tl.load(out_ptr + p * d + c, mask=is_rope, other=0.0).to(tl.float32)
+        px = tl.load(out_ptr + p * d + (c ^ 1), mask=is_rope, other=0.0).to(tl.float32)
+        cs = tl.load(cos_ptr + p * cs_st + rel // 2, mask=is_rope, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + p * cs_st + rel // 2, mask=is_rope, other=0.0).to(tl.float32)
+        rot = x * cs + tl.where((rel % 2) == 1, px, -px) * sn
+        tl.debug_barrier()  # every partner read before any is overwritten
+        tl.store(out_ptr + p * d + c, rot.to(out_ptr.dtype.element_ty), mask=is_rope)
 
 
 def compress(
@@ -155,6 +168,7 @@ def compress(
     overlap: bool,
     dtype: torch.dtype,
     fp8: Fp8Rows | None = None,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     m, width = ape.shape
     d = weight.shape[0]
@@ -166,11 +180,14 @@ def compress(
     if fp8 is not None:  # the state in the model's dtype after the K=V record, read in place
         nb = torch.finfo(dtype).bits // 8
         offset = fp8_ds_v4.kv_bytes(fp8.head_dim, fp8.rope_dim) + (offset - fp8.head_dim) * nb
+    cos, sin = cos_sin if cos_sin is not None else (out, out)
+    cos, sin = cos.contiguous(), sin.contiguous()
     _compress_kernel[(num,)](
-        cache, slots.long().contiguous(), ape.contiguous(), weight.contiguous(), out,
+        cache, slots.long().contiguous(), ape.contiguous(), weight.contiguous(), out, cos, sin,
         cache.stride(0), cache.stride(3), cache.shape[3], span, m, offset, width, eps, d,
+        2 * cos.shape[-1] if cos_sin is not None else 0, cos.stride(0),
         OVERLAP=overlap, BLOCK_D=triton.next_power_of_2(d), NB=nb,
-        SDT=_TL.get(dtype, tl.float32),
+        SDT=_TL.get(dtype, tl.float32), ROPE=cos_sin is not None,
     )  # fmt: skip
     return out
 

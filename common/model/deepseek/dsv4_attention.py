@@ -42,6 +42,7 @@ from pdserve import kernels
 from pdserve.common.model.checkpoint.config import ModelConfig
 from pdserve.common.model.deepseek.dsv4_config import CSA, SLIDING
 from pdserve.common.model.layers.attention import AttentionMetadata
+from pdserve.common.model.layers.linear import pack_linears
 from pdserve.common.model.layers.rope import inv_frequencies
 from pdserve.common.parallel.context import ParallelContext
 from pdserve.kernels import fp8_ds_v4, v4_ops
@@ -50,12 +51,13 @@ from pdserve.kernels.v4_reference import Fp8Rows
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' DeepseekV4UnweightedRMSNorm."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """transformers' DeepseekV4UnweightedRMSNorm (kernels: v4_ops.norm_rope)."""
+    return v4_ops.norm_rope(x, None, eps)
 
 
 class RMSNorm(nn.Module):
-    """transformers' DeepseekV4RMSNorm (in float32, weight applied before the cast back)."""
+    """transformers' DeepseekV4RMSNorm (in float32, weight applied before the cast back;
+    kernels: v4_ops.norm_rope)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -63,9 +65,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return v4_ops.norm_rope(x, self.weight, self.eps)
 
 
 class Rope:
@@ -88,16 +88,9 @@ class Rope:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [T, ..., D] with its last 2 * cos.shape[-1] values rotated at each row's
-        position (cos/sin [T, rope / 2]), as transformers' apply_rotary_pos_emb."""
-        cos = cos.repeat_interleave(2, dim=-1)
-        sin = sin.repeat_interleave(2, dim=-1)
-        for _ in range(x.dim() - 2):
-            cos, sin = cos[:, None], sin[:, None]
-        dim = cos.shape[-1]
-        nope, rope = x[..., :-dim], x[..., -dim:]
-        pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        rotated = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
-        return torch.cat((nope, rotated), dim=-1)
+        position (cos/sin [T, rope / 2]), as transformers' apply_rotary_pos_emb
+        (kernels: v4_ops.norm_rope)."""
+        return v4_ops.norm_rope(x, None, None, cos, sin)
 
 
 def slots_of(
@@ -105,14 +98,9 @@ def slots_of(
     pos: torch.Tensor,  # [T, K] int64 positions; negative: none
     size: int,  # block size
 ) -> torch.Tensor:  # [T, K] int64 slots, -1 where there is none
-    """Slots of positions through per-row block tables (no host sync)."""
-    width = tables.shape[1]
-    if width == 0:
-        return torch.full_like(pos, -1)
-    p = pos.clamp_min(0)
-    blocks = tables.gather(1, (p // size).clamp_max(width - 1))
-    ok = (pos >= 0) & (pos // size < width) & (blocks >= 0)
-    return torch.where(ok, blocks * size + p % size, -1)
+    """Slots of positions through per-row block tables (no host sync; kernels:
+    v4_ops.slots_of)."""
+    return v4_ops.slots_of(tables, pos, size)
 
 
 class V4Step:
@@ -145,12 +133,15 @@ class V4Step:
             self._memo[key] = make()
         return self._memo[key]
 
-    def query_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [R, max_blocks] int64
+    def query_tables(self, meta: AttentionMetadata) -> torch.Tensor:  # [R, max_blocks] int
         """This group's block tables of the step's decode sequences then prefill pieces
-        (``query_row`` indexes them)."""
+        (``query_row`` indexes them); int64, or as the metadata holds them (int32) in a
+        step of decodes only (no copy: v4_ops.slots_of and the indexer read either)."""
 
         def make() -> torch.Tensor:
             dec, pre = meta.decode_block_tables[: self.nd], meta.prefill_block_tables
+            if self.decode_only:
+                return dec.to(self.positions.device)
             width = max(dec.shape[1], pre.shape[1])
             dev = self.positions.device
             return torch.cat([F.pad(t.to(dev).long(), (0, width - t.shape[1])) for t in (dec, pre)])
@@ -168,16 +159,24 @@ class V4Step:
     def window_slots(self, meta: AttentionMetadata, size: int, window: int) -> torch.Tensor:
         """[T, W]: the slots of each query's window rows ``p - W < k <= p``."""
 
-        def make() -> torch.Tensor:
+        def positions() -> torch.Tensor:  # [T, W], the same in every group
             offs = torch.arange(window - 1, -1, -1, device=self.positions.device)
-            pos = self.positions[:, None] - offs[None, :]
-            tables = self.query_tables(meta)[self.query_row]
-            return slots_of(tables, pos, size)
+            return self.positions[:, None] - offs[None, :]
+
+        def make() -> torch.Tensor:
+            pos = self._get(("window_pos", window), positions)
+            return v4_ops.slots_of(self.query_tables(meta), pos, size, self.query_row)
 
         return self._get(("window", id(meta), size, window), make)
 
+    def ends(self) -> torch.Tensor:  # [T] int64: each query's position + 1
+        return self._get(("ends",), lambda: self.positions + 1)
+
     def closed(self, rate: int) -> torch.Tensor:  # [T] int64: entries each query may see
-        return self._get(("closed", rate), lambda: (self.positions + 1) // rate)
+        return self._get(("closed", rate), lambda: self.ends() // rate)
+
+    def win_starts(self, rate: int) -> torch.Tensor:  # [P]: the closing windows' first positions
+        return self._get(("win_starts", rate), lambda: self.closing(rate)[1] * rate)
 
     def ranked(self, meta: AttentionMetadata, rate: int) -> torch.Tensor:  # [T] int64
         """The entries each query's sequence has at the step's end: the width transformers
@@ -200,9 +199,73 @@ class V4Step:
                 bound = min(bound, max((end for _, end in self.spans), default=0) // rate)
             idx = torch.arange(bound, device=self.positions.device)[None, :]
             idx = torch.where(idx < self.closed(rate)[:, None], idx, -1)
-            return slots_of(tables[self.query_row], idx, size)
+            return v4_ops.slots_of(tables, idx, size, self.query_row)
 
         return self._get(("entries", id(meta), size, rate), make)
+
+    def int32(self, name: str, meta: AttentionMetadata | None, rate: int) -> torch.Tensor:
+        """The indexer's int32 copies (``tables`` of ``meta``, ``query_row``, ``closed``,
+        ``ranked``), one a step."""
+
+        def make() -> torch.Tensor:
+            if name == "tables":
+                assert meta is not None
+                return self.query_tables(meta).to(torch.int32)
+            if name == "query_row":
+                return self.query_row.to(torch.int32)
+            if name == "closed":
+                return self.closed(rate).to(torch.int32)
+            assert name == "ranked" and meta is not None
+            return self.ranked(meta, rate).to(torch.int32)
+
+        return self._get(("int32", name, None if meta is None else id(meta), rate), make)
+
+    def closing_slots(
+        self,
+        meta: AttentionMetadata,  # the rows' group
+        entries_meta: AttentionMetadata,  # the entries' group
+        rate: int,
+        overlap: bool,
+        rows_block: int,
+        entries_block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For the windows the step closes (``closing``'s order): the slots of their rows
+        ([P, 2m], CSA: the previous window's too; [P, m]), each entry's slot ([P]), and
+        which candidates close (None: all); -1 slots for those that do not. The same in
+        every layer of this rate and groups: built once a step."""
+        key = (
+            "closing_slots",
+            id(meta),
+            id(entries_meta),
+            rate,
+            overlap,
+            rows_block,
+            entries_block,
+        )
+        seqs, wins, ok = self.closing(rate)
+        pos_key = ("closing_pos", rate, overlap)  # the same in every group
+        if pos_key not in self._memo:
+            span = 2 * rate if overlap else rate
+            first = self.win_starts(rate) - rate if overlap else self.win_starts(rate)
+            pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
+            at = wins[:, None]
+            if ok is not None:  # decodes: a candidate a sequence, those not closing masked
+                pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
+            self._memo[pos_key], self._memo[pos_key + ("at",)] = pos, at
+        if key not in self._memo:
+            pos, at = self._memo[pos_key], self._memo[pos_key + ("at",)]
+            slots = v4_ops.slots_of(self.seq_tables(meta), pos, rows_block, seqs)
+            at = v4_ops.slots_of(self.seq_tables(entries_meta), at, entries_block, seqs)[:, 0]
+            self._memo[key], self._memo[key + ("at",)] = slots, at
+        return self._memo[key], self._memo[key + ("at",)], ok
+
+    def entry_rope(self, rope: Rope, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the closing windows' first positions (their entries' rotation)."""
+        key = ("entry_rope", id(rope), rate)
+        if key not in self._memo:
+            cos, sin = rope.cos_sin(self.win_starts(rate))
+            self._memo[key], self._memo[key + ("sin",)] = cos, sin
+        return self._memo[key], self._memo[key + ("sin",)]
 
     def closing(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The windows the step closes, every sequence's (a PCP rank too): (sequence [P]
@@ -211,9 +274,11 @@ class V4Step:
         ``s // m .. e // m - 1``."""
         key = ("closing", rate)
         if self.decode_only:
-            seqs = self._get(key, lambda: torch.arange(self.nd, device=self.positions.device))
-            ends = self.positions + 1
-            return seqs, ends // rate - 1, ends % rate == 0
+            if key not in self._memo:
+                self._memo[key] = torch.arange(self.nd, device=self.positions.device)
+                self._memo[key + ("wins",)] = self.closed(rate) - 1
+                self._memo[key + ("ok",)] = self.ends() % rate == 0
+            return self._memo[key], self._memo[key + ("wins",)], self._memo[key + ("ok",)]
         if key not in self._memo:
             pairs = [
                 (i, w)
@@ -244,26 +309,21 @@ class Compressor(nn.Module):
         """Values a token's row holds for this compressor: its kv and its gate."""
         return 2 * self.wkv.out_features
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, width]
-        return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
-
     def entries(
         self,
         rows_cache: torch.Tensor,  # [N, 1, 1, B, row]
         slots: torch.Tensor,  # [P, 2m or m]: the closing windows' rows (previous window's too)
         offset: int,  # this compressor's kv and gate in a row
-        wins: torch.Tensor,  # [P]: the windows
-        rope: Rope,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # [P, rope / 2]: of each window's first
         fp8: Fp8Rows | None,
     ) -> torch.Tensor:  # [P, dim]
         """The entries of the closing windows (kernels: v4_ops.compress), rotated at the
-        first position of each window."""
+        first position of each window (V4Step.entry_rope)."""
         dtype = self.wkv.weight.dtype
-        out = v4_ops.compress(
+        return v4_ops.compress(
             rows_cache, slots, offset, self.ape, self.norm.weight, self.norm.eps,
-            self.overlap, dtype, fp8,
+            self.overlap, dtype, fp8, cos_sin,
         )  # fmt: skip
-        return Rope.apply(out, *rope.cos_sin(wins * self.rate))
 
 
 class Indexer(nn.Module):
@@ -285,23 +345,23 @@ class Indexer(nn.Module):
     def select(
         self,
         q_resid: torch.Tensor,  # [T, q_lora_rank]
-        x: torch.Tensor,  # [T, hidden]
+        head_logits: torch.Tensor,  # [T, H]: weights_proj(x)
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # of the queries' positions
         entries_cache: torch.Tensor,  # [N, 1, 1, B, row]
         key_format: KeyFormat,
-        tables: torch.Tensor,  # [R, max_blocks]: the entries' block tables
-        query_row: torch.Tensor,  # [T]: each query's row of them
-        closed: torch.Tensor,  # [T]: entries each query may see
-        ranked: torch.Tensor,  # [T]: entries its sequence has (V4Step.ranked)
+        tables: torch.Tensor,  # [R, max_blocks] int32: the entries' block tables
+        query_row: torch.Tensor,  # [T] int32: each query's row of them
+        closed: torch.Tensor,  # [T] int32: entries each query may see
+        ranked: torch.Tensor | None,  # [T] int32: entries its sequence has (V4Step.ranked);
+        # None on the Triton path, whose ties resolve at any width (kernels.indexer_topk)
     ) -> torch.Tensor:  # [T, index_topk] int32 entry indices, -1 pads
         q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         q = Rope.apply(q, *cos_sin)
         # transformers' DeepseekV4IndexerScorer: its H**-0.5 folded into the weights
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        weights = head_logits.float() * self.num_heads**-0.5  # [T, H]
         return kernels.indexer_topk(
-            q, weights, entries_cache[:, 0, 0], key_format, tables.to(torch.int32),
-            query_row.to(torch.int32), closed.to(torch.int32), self.topk,
-            ranked.to(torch.int32),
+            q, weights, entries_cache[:, 0, 0], key_format, tables, query_row, closed,
+            self.topk, ranked,
         )  # fmt: skip
 
 
@@ -330,11 +390,41 @@ class V4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
+        self.x_packed: torch.Tensor | None = None  # pack(): x's linears as one GEMM
         if self.kind != SLIDING:
             rate = v4.rate(layer)
             self.compressor = Compressor(hidden, self.head_dim, rate, self.kind == CSA, self.eps)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, v4.rate(layer))
+
+    def _x_linears(self) -> list[nn.Linear]:
+        """Every linear of the layer's input, in ``pack``'s order: wq_a, wkv, each
+        compressor's wkv and wgate (the row's order), the indexer's weights_proj."""
+        lins = [self.wq_a, self.wkv]
+        for comp in self._compressors():
+            lins += [comp.wkv, comp.wgate]
+        return lins + ([] if self.indexer is None else [self.indexer.weights_proj])
+
+    def pack(self) -> None:
+        """The linears of x as one [sum(out), hidden] matrix, their weights views into it
+        (the state dict unchanged): one GEMM a layer instead of up to 7 (on CUDA, after
+        the load and the TP cut: V4CausalLM.pack_weights; the CPU path runs each
+        projection as stored, transformers' arithmetic)."""
+        self.x_packed = pack_linears(self._x_linears())[0]
+
+    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``_x_linears`` applied to x: one GEMM's column slices when packed (and
+        still so: a weight reassigned since, e.g. a reload, unpacks)."""
+        lins = self._x_linears()
+        packed = self.x_packed
+        if packed is not None and lins[0].weight.data_ptr() == packed.data_ptr():
+            return list(F.linear(x, packed).split([lin.out_features for lin in lins], dim=-1))
+        return [lin(x) for lin in lins]
+
+    def _compressors(self) -> list[Compressor]:
+        """The compressors whose projections a token's row holds, in the row's order."""
+        comps = [] if self.compressor is None else [self.compressor]
+        return comps + ([] if self.indexer is None else [self.indexer.compressor])
 
     def _fp8(self, cache: torch.Tensor) -> Fp8Rows | None:
         if not fp8_ds_v4.is_fp8(cache.dtype):
@@ -358,30 +448,31 @@ class V4Attention(nn.Module):
             assert positions is not None
             step = V4Step(meta, positions)
         num_tokens = x.shape[0]
-        q_resid = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim), self.eps)
-        q = Rope.apply(q, *cos_sin)
-        kv = Rope.apply(self.norm(self.wkv(x)), *cos_sin)  # [T, D]
-        parts = [kv]
-        if self.compressor is not None:
-            parts.append(self.compressor.project(x))
-        if self.indexer is not None:
-            parts.append(self.indexer.compressor.project(x))
-        row = torch.cat(parts, dim=-1)
-        if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
-            row = meta.kv_gather(row[None])[0]
+        proj = self._project_x(x)  # wq_a, wkv, the compressors' (, weights_proj)
+        q_resid = self.q_norm(proj[0])
+        q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)
+        q = v4_ops.norm_rope(q, None, self.eps, *cos_sin)  # rms, then the rope
+        kv = v4_ops.norm_rope(proj[1], self.norm.weight, self.eps, *cos_sin)  # [T, D]
+        ncomp = 2 * len(self._compressors())
+        parts = [kv, *proj[2 : 2 + ncomp]]  # the row: K=V, each compressor's kv and gate
         fp8 = self._fp8(rows_cache)
-        if fp8 is not None:  # each rank quantizes the same rows
-            row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
-        row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1])).to(rows_cache.dtype)
-        v4_ops.write_rows(rows_cache, row, meta.slot_mapping)
+        if fp8 is None and meta.kv_gather is None:  # cat, pad, cast, write: one call
+            v4_ops.write_parts(rows_cache, parts, meta.slot_mapping)
+        else:
+            row = torch.cat(parts, dim=-1)
+            if meta.kv_gather is not None:  # PCP: every rank writes every new token's row
+                row = meta.kv_gather(row[None])[0]
+            if fp8 is not None:  # each rank quantizes the same rows
+                row = fp8_ds_v4.pack_rows(row, self.head_dim, self.rope_dim, rows_cache.shape[-1])
+            row = F.pad(row, (0, rows_cache.shape[-1] - row.shape[-1])).to(rows_cache.dtype)
+            v4_ops.write_rows(rows_cache, row, meta.slot_mapping)
         entry_slots = None
         if self.compressor is not None:
             assert entries_cache is not None and entries_meta is not None
             self._close_windows(rows_cache, meta, entries_cache, entries_meta, rope, step, fp8)
             if num_tokens:
                 entry_slots = self._entry_slots(
-                    q_resid, x, cos_sin, entries_cache, entries_meta, step, fp8
+                    q_resid, proj[2 + ncomp :], cos_sin, entries_cache, entries_meta, step, fp8
                 )
         if num_tokens == 0:  # a PCP rank with no piece of this step still wrote and pooled
             return self._project_out(torch.empty_like(q))
@@ -391,13 +482,13 @@ class V4Attention(nn.Module):
             q, rows_cache, window_slots, entries_cache, entry_slots, self.attn_sink,
             self.head_dim**-0.5, fp8,
         )  # fmt: skip
-        out = Rope.apply(out, cos_sin[0], -cos_sin[1])  # the values' rotation undone
+        out = v4_ops.norm_rope(out, None, None, *cos_sin, inverse=True)  # values' rotation undone
         return self._project_out(out)
 
     def _entry_slots(
         self,
         q_resid: torch.Tensor,
-        x: torch.Tensor,
+        head_logits: list[torch.Tensor],  # [the indexer's weights_proj(x)] (CSA); []
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         entries_cache: torch.Tensor,
         entries_meta: AttentionMetadata,
@@ -412,12 +503,15 @@ class V4Attention(nn.Module):
         key_format = KeyFormat.v4_entry(
             self.head_dim, self.rope_dim, self.indexer.head_dim, fp8 is not None
         )
-        tables = step.query_tables(entries_meta)
+        rate = comp.rate
+        triton = kernels.backend_name(q_resid.device) == "triton"  # takes no row_keys
         top = self.indexer.select(
-            q_resid, x, cos_sin, entries_cache, key_format, tables, step.query_row,
-            step.closed(comp.rate), step.ranked(entries_meta, comp.rate),
+            q_resid, head_logits[0], cos_sin, entries_cache, key_format,
+            step.int32("tables", entries_meta, rate), step.int32("query_row", None, 0),
+            step.int32("closed", None, rate),
+            None if triton else step.int32("ranked", entries_meta, rate),
         )  # fmt: skip
-        return slots_of(tables[step.query_row], top.long(), size)
+        return v4_ops.slots_of(step.query_tables(entries_meta), top, size, step.query_row)
 
     def _close_windows(
         self,
@@ -435,29 +529,27 @@ class V4Attention(nn.Module):
         dsv4_config.py ``cache_kinds``)."""
         comp = self.compressor
         assert comp is not None
-        seqs, wins, ok = step.closing(comp.rate)
-        if seqs.shape[0] == 0:
+        if step.closing(comp.rate)[0].shape[0] == 0:
             return
-        m, d = comp.rate, self.head_dim
-        span = 2 * m if comp.overlap else m
-        first = (wins - 1) * m if comp.overlap else wins * m
-        pos = first[:, None] + torch.arange(span, device=wins.device)[None, :]  # [P, span]
-        at = wins[:, None]
-        if ok is not None:  # decodes: a candidate a sequence, those not closing masked
-            pos, at = torch.where(ok[:, None], pos, -1), torch.where(ok[:, None], at, -1)
-        slots = slots_of(step.seq_tables(meta)[seqs], pos, rows_cache.shape[3])
-        parts = [comp.entries(rows_cache, slots, d, wins, rope, fp8)]
+        d = self.head_dim
+        slots, at, ok = step.closing_slots(
+            meta, entries_meta, comp.rate, comp.overlap, rows_cache.shape[3],
+            entries_cache.shape[3],
+        )  # fmt: skip
+        cos_sin = step.entry_rope(rope, comp.rate)
+        parts = [comp.entries(rows_cache, slots, d, cos_sin, fp8)]
         if self.indexer is not None:
             index = self.indexer.compressor
-            parts.append(index.entries(rows_cache, slots, d + comp.width, wins, rope, fp8))
+            parts.append(index.entries(rows_cache, slots, d + comp.width, cos_sin, fp8))
+        if fp8 is None:  # cat, pad, cast, write in one call; a masked candidate unwritten
+            v4_ops.write_parts(entries_cache, parts, at)
+            return
         entry = torch.cat(parts, dim=-1)  # [P, D (+ index_head_dim)]
         if ok is not None:
             entry = torch.where(ok[:, None], entry, 0)  # a masked candidate's (never written)
         width = entries_cache.shape[-1]
-        if fp8 is not None:
-            entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
+        entry = fp8_ds_v4.pack_entries(entry, d, self.rope_dim, width)
         entry = F.pad(entry, (0, width - entry.shape[-1])).to(entries_cache.dtype)
-        at = slots_of(step.seq_tables(entries_meta)[seqs], at, entries_cache.shape[3])[:, 0]
         v4_ops.write_rows(entries_cache, entry, at)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, hidden]
