@@ -422,10 +422,13 @@ class DeepseekV4Model(nn.Module):
 
     def pack_weights(self, prepack: bool = False) -> None:
         """On CUDA (``prepack`` False: the loader's call there) the shared experts' w1/w3
-        as one GEMM (``Expert.pack``); on CPU nothing packs: the reference runs each
+        as one GEMM (``Expert.pack``) and each attention's linears of x as one
+        (``V4Attention.pack``); on CPU nothing packs: the reference runs each
         projection as it is stored."""
         if prepack:
             return
         for m in self.modules():
             if isinstance(m, V4MoE):
                 m.shared_experts.pack()
+            elif isinstance(m, V4Attention):  # the linears of x as one GEMM
+                m.pack()
