@@ -132,30 +132,6 @@ def test_reduce_kernel_compiles_for_hopper(block_h: int, head_dim: int) -> None:
     assert compiled.metadata.shared <= 232448
 
 
-def test_hyper_kernel_compiles_for_hopper_at_the_flash_shape() -> None:
-    """Without a GPU: the hyper-connection kernel (4 streams, Sinkhorn 20) compiles for sm90."""
-    triton = pytest.importorskip("triton")
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: kernels are interpreter functions")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from pdserve.kernels import triton_hyper
-
-    kernel = triton_hyper._hyper_kernel
-    for head in (False, True):
-        consts = dict(N=4, ITERS=20, HEAD=head, BLOCK_M=4 if head else 32, BLOCK_K=128)
-        ptrs = {"streams_ptr": "*bf16", "fn_ptr": "*bf16", "base_ptr": "*bf16",
-                "scale_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
-                "out_ptr": "*bf16", "eps": "fp32", "hc_eps": "fp32"}  # fmt: skip
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in kernel.arg_names}
-        compiled = triton.compile(
-            ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4},
-        )  # fmt: skip
-        assert compiled.metadata.shared <= 232448
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
