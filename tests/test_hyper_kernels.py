@@ -226,8 +226,9 @@ def test_step_kernel_compiles_for_hopper() -> None:
 def test_triton_step_replays_in_a_cuda_graph_at_the_flash_shape(tokens: int) -> None:
     """V4-Flash's hidden 4096, 4 streams, bfloat16, batch 1 and 64: a layer's fused glue
     (combine, mix, norm) and the head's (combine over half the rows, collapse, final norm)
-    replayed from a CUDA graph equal their eager runs, and the reference within one bf16
-    rounding."""
+    replayed from a CUDA graph equal their eager runs, and the reference within two bf16
+    roundings (the normed input is rounded from a collapse the kernel and the reference sum in
+    different orders: at 8c1e916 on an H100, 3 of 262,144 values 2 ulps apart at batch 64)."""
     from pdserve.kernels import triton_hyper
 
     hidden = 4096
@@ -269,4 +270,4 @@ def test_triton_step_replays_in_a_cuda_graph_at_the_flash_shape(tokens: int) -> 
     )  # fmt: skip
     for o, e, w in zip(out, eager, want, strict=True):
         assert torch.equal(o, e)
-        torch.testing.assert_close(o.float(), w.float(), rtol=8e-3, atol=1e-3)
+        torch.testing.assert_close(o.float(), w.float(), rtol=1.6e-2, atol=1e-3)
