@@ -154,7 +154,10 @@ def _v4_step_logits(
     def seq(s: int, ids: list[int], start: int) -> ScheduledSeq:
         return ScheduledSeq(f"r{s}", ids, start, tables[s][0], True, group_block_ids=tables[s][1:])
 
-    logits = [runner.execute(StepPlan([seq(s, p, 0) for s, p in enumerate(prompts)])).float()]
+    # copies: a CUDA-graph replay's logits are its graph's buffer, overwritten by the next
+    logits = [
+        runner.execute(StepPlan([seq(s, p, 0) for s, p in enumerate(prompts)])).float().clone()
+    ]
     fed: list[list[int]] = [[] for _ in prompts]
     for i in range(steps):
         seqs = []
@@ -162,7 +165,7 @@ def _v4_step_logits(
             token = forced[s][i] if forced else int(logits[-1][s].argmax())
             fed[s].append(token)
             seqs.append(seq(s, [token], len(prompt) + i))
-        logits.append(runner.execute(StepPlan(seqs)).float())
+        logits.append(runner.execute(StepPlan(seqs)).float().clone())
     return torch.stack(logits), fed
 
 

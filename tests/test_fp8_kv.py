@@ -118,10 +118,12 @@ def _step_logits(
     runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None, steps: int
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Prefill every prompt in one step, then ``steps`` batched decode steps feeding
-    ``forced`` tokens (else greedy ones): logits [steps + 1, S, vocab] and the tokens fed."""
+    ``forced`` tokens (else greedy ones): logits [steps + 1, S, vocab] and the tokens fed.
+    Each step's logits are copied: a CUDA-graph replay returns its graph's own float32
+    output buffer, which the next replay of that graph overwrites."""
     tables = [list(range(1 + 8 * s, 9 + 8 * s)) for s in range(len(prompts))]
     plan = [ScheduledSeq(f"r{s}", p, 0, tables[s], True) for s, p in enumerate(prompts)]
-    logits = [runner.execute(StepPlan(plan)).float()]
+    logits = [runner.execute(StepPlan(plan)).float().clone()]
     fed: list[list[int]] = [[] for _ in prompts]
     for i in range(steps):
         seqs = []
@@ -129,7 +131,7 @@ def _step_logits(
             token = forced[s][i] if forced else int(logits[-1][s].argmax())
             fed[s].append(token)
             seqs.append(ScheduledSeq(f"r{s}", [token], len(prompt) + i, tables[s], True))
-        logits.append(runner.execute(StepPlan(seqs)).float())
+        logits.append(runner.execute(StepPlan(seqs)).float().clone())
     return torch.stack(logits), fed
 
 
