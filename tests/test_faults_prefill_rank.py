@@ -44,7 +44,9 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(
 ) -> None:
     # 63 chunks of 32 tokens: long enough that the rank dies mid-prefill (with 16 chunks of
     # 128 the prefill once ended, and the answer came, before the kill landed)
-    long_prompt = [(i * 37) % 20_000 + 100 for i in range(2000)]
+    def long_prompt(attempt: int) -> list[int]:  # a new prompt each try: no prefix-cache hit
+        return [(i * 37 + attempt * 101) % 20_000 + 100 for i in range(2000)]
+
     with (
         deployment(
             tmp_path,
@@ -56,7 +58,6 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(
         ) as dep,
         concurrent.futures.ThreadPoolExecutor(2) as pool,
     ):
-        fut = in_background(pool, dep, long_prompt, max_tokens=4)
 
         def busy_instance() -> int | None:
             for i, a in enumerate(dep.cfg.prefill_addresses):
@@ -64,7 +65,23 @@ def test_a_dead_prefill_rank_fails_its_instance_fast(
                     return i + 1  # truthy
             return None
 
-        victim = wait_until(busy_instance, 60, "the long prefill to start") - 1
+        # The kill must land while the prefill runs. On a loaded 2-core CI machine one poll
+        # of both instances' metrics can outlast the whole prefill (a fresh-clone CI run saw
+        # none running for 60 s), so a prefill that ends unseen is answered (checked) and a
+        # new long prompt is sent, a few times at most.
+        for attempt in range(4):
+            fut = in_background(pool, dep, long_prompt(attempt), max_tokens=4)
+            seen = wait_until(
+                lambda fut=fut: busy_instance() or ("done" if fut.done() else None),
+                60,
+                "the long prefill to start or be answered",
+            )
+            if seen != "done":
+                break
+            assert fut.result().token_ids, "a long prompt that ended unseen was not answered"
+        else:
+            pytest.fail("4 long prefills each ended before a poll saw one running")
+        victim = int(seen) - 1
         coordinator = dep.procs[f"prefill-{victim}"]
         ranks = rank_pids(coordinator.pid)
         assert len(ranks) == 2, ranks

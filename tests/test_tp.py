@@ -198,11 +198,16 @@ def test_tp_x_pcp_prefill_to_decode_tp_1_2_4_is_token_identical(
             key = f"{{service=decode,instance={instance},rank=0}}"
             transfers = snap.get(f"pdserve:kv_transfers_total{key}", 0)
             assert transfers > 0, f"decode instance {instance} (TP {tp}) served nothing"
-            # one descriptor per (KV head, run of blocks): at most 4 heads x 2 blocks here,
-            # never per block x layer x head (16); tests/test_kv_transfer.py checks NIXL's
-            # own count equals runs x heads exactly
-            per_pull = snap[f"pdserve:kv_transfer_descriptors_total{key}"] / transfers
-            assert 0 < per_pull <= 4 * 2
+            # one descriptor per (KV head, run of blocks), never per block x layer x head:
+            # at most one per (head, block) unit moved, each unit being every layer's K and V
+            # of one head of one block (2 layers x K, V x 64 tokens x head_dim 16 x fp32).
+            # How many runs a pull has depends on how fragmented the two pools are when the
+            # 9 requests interleave (a CI run saw 10 a pull on average against a 2-blocks-
+            # per-run guess of 8); tests/test_kv_transfer.py checks NIXL's own count equals
+            # runs x heads exactly
+            descriptors = snap[f"pdserve:kv_transfer_descriptors_total{key}"]
+            units = snap[f"pdserve:kv_transfer_bytes_total{key}"] / (2 * 2 * 64 * 16 * 4)
+            assert units == int(units) and 0 < descriptors <= units, (descriptors, units)
         for rank in range(prefill_tp * pcp):  # every producer rank released every request
             assert (
                 snap[f"pdserve:kv_replica_releases_total{{service=prefill,instance=0,rank={rank}}}"]
