@@ -1,7 +1,8 @@
-"""What the kernel tests share (tests/test_kernels.py, test_kernels_pointwise.py,
-test_kernels_fp8.py, test_mla_kernels.py): the devices the Triton kernels run on (the GPU,
-or the CPU through Triton's interpreter), tolerances, the ``device`` / ``ops`` / ``gen``
-fixtures (imported as ``*_fixture``), and ``Paged``: random K/V in a NaN-poisoned cache under shuffled block tables.
+"""What the kernel tests share (test_kernels*.py, test_mla_kernels.py, test_kernels_v4*.py,
+test_dsv4_fused.py): the devices the Triton kernels run on (the GPU, or the CPU through
+Triton's interpreter), tolerances, the ``device`` / ``ops`` / ``gen`` fixtures (imported as
+``*_fixture``), the interpreter's index fix and ``triton_module`` (an ``ops`` fixture's body),
+and ``Paged``: random K/V in a NaN-poisoned cache under shuffled block tables.
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ def device_fixture(request) -> str:
 @pytest.fixture(name="ops")
 def ops_fixture(device):
     return pytest.importorskip("pdserve.kernels.triton_ops")
+
+
+def fix_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with ``int(array)``, which
+    numpy >= 2.4 refuses for its shape-(1,) scalars (tests/test_kernels.py's interp tests
+    fail the same way): convert through ``.item()`` instead."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def triton_module(name: str, device: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """``pdserve.kernels.<name>`` for a test on ``device`` (the interpreter's index fix on
+    CPU): the body of the ``ops`` fixture of the MLA and V4 kernel tests."""
+    if device == "cpu":
+        fix_interpreter_index(monkeypatch)
+    return pytest.importorskip(f"pdserve.kernels.{name}")
 
 
 @pytest.fixture(name="gen")

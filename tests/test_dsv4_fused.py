@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_tools import TRITON_DEVICES
+from tests.kernel_tools import TRITON_DEVICES, fix_interpreter_index
 
 
 def _logprobs(model, prompt, dtype: str, device: str, max_tokens: int = 3):  # noqa: ANN001, ANN202
@@ -56,9 +56,7 @@ def test_fused_glue_and_shared_expert_give_the_references_logprobs(
     from pdserve.kernels import triton_moe_decode
 
     if device == "cpu":
-        from tests.test_mla_kernels import _fix_interpreter_index
-
-        _fix_interpreter_index(monkeypatch)
+        fix_interpreter_index(monkeypatch)
     model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir)
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
     monkeypatch.setenv(triton_moe_decode.PAIRS_ENV, str(triton_moe_decode.MAX_PAIRS))

@@ -10,36 +10,27 @@ Caches are one layer's strided view ``[N, 1, 1, B, row]`` of a NaN-poisoned
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from pdserve.kernels import fp8_ds_v4, v4_reference
 from pdserve.kernels.v4_reference import Fp8Rows
-from tests.kernel_tools import INTERPRET, TRITON_DEVICES, rel_err
+from tests.kernel_tools import (  # noqa: F401 (the *_fixture: fixtures device, gen)
+    INTERPRET,
+    device_fixture,
+    fix_interpreter_index,
+    gen_fixture,
+    rel_err,
+    triton_module,
+)
 
 NAN = float("nan")
 LAYERS, LAYER = 2, 1
 
 
-@pytest.fixture(params=TRITON_DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def ops(device: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    if device == "cpu":
-        from tests.test_mla_kernels import _fix_interpreter_index
-
-        _fix_interpreter_index(monkeypatch)
-    return pytest.importorskip("pdserve.kernels.triton_v4")
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+    return triton_module("triton_v4", device, monkeypatch)
 
 
 def _cache(num_blocks: int, block: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -287,9 +278,8 @@ def test_v4_engine_through_the_triton_kernels_equals_transformers(tmp_path, mode
     pytest.importorskip("transformers")
     from pdserve.common.model.fixtures.random import save_random_v4
     from tests.kernel_tools import triton_engine_greedy_equals_hf
-    from tests.test_mla_kernels import _fix_interpreter_index
 
-    _fix_interpreter_index(monkeypatch)
+    fix_interpreter_index(monkeypatch)
     model = save_random_v4(tmp_path / "v4", tokenizer_from=model_dir)
     triton_engine_greedy_equals_hf(model, model_dir, monkeypatch)
 

@@ -5,34 +5,24 @@ transformers): on the GPU (``gpu``) and on CPU through Triton's interpreter (``i
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from pdserve.kernels import v4_ops
-from tests.kernel_tools import TRITON_DEVICES, rel_err
+from tests.kernel_tools import (  # noqa: F401 (the *_fixture: fixtures device, gen)
+    device_fixture,
+    fix_interpreter_index,
+    gen_fixture,
+    rel_err,
+    triton_module,
+)
 
 NAN = float("nan")
 
 
-@pytest.fixture(params=TRITON_DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def ops(device: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    if device == "cpu":
-        from tests.test_mla_kernels import _fix_interpreter_index
-
-        _fix_interpreter_index(monkeypatch)
-    return pytest.importorskip("pdserve.kernels.triton_v4_decode")
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+    return triton_module("triton_v4_decode", device, monkeypatch)
 
 
 def _ref(x, weight, eps, cos, sin, inverse):  # type: ignore[no-untyped-def]
@@ -208,9 +198,7 @@ def test_compress_rotates_its_entries_in_the_kernel(  # type: ignore[no-untyped-
     from tests.test_kernels_v4 import _filled
 
     if device == "cpu":
-        from tests.test_mla_kernels import _fix_interpreter_index
-
-        _fix_interpreter_index(monkeypatch)
+        fix_interpreter_index(monkeypatch)
     d, m, block, r = 24, 4, 8, 8  # the rope over the last 8 of 24 (a dim not a power of two)
     width, span, offset = (2 * d if overlap else d), (2 * m if overlap else m), 32
     rows, rslots, _ = _filled(gen, max(60, 5 * span), block, offset + 2 * width, dtype)

@@ -14,13 +14,17 @@ cache slots and table padding hold NaN, so reading a slot that should not be rea
 from __future__ import annotations
 
 import re
-import zlib
 
 import pytest
 import torch
 
 from pdserve.kernels import fp8_ds_mla, mla_reference
-from tests.kernel_tools import INTERPRET, TRITON_DEVICES
+from tests.kernel_tools import (  # noqa: F401 (the *_fixture: fixtures device, gen)
+    INTERPRET,
+    device_fixture,
+    gen_fixture,
+    triton_module,
+)
 
 NUM_LAYERS, LAYER = 3, 1  # the kernels get cache[:, LAYER], a strided view
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
@@ -40,35 +44,9 @@ FP8_CASES = {
 }
 
 
-@pytest.fixture(params=TRITON_DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def ops(device: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    if device == "cpu":
-        _fix_interpreter_index(monkeypatch)
-    return pytest.importorskip("pdserve.kernels.triton_mla")
-
-
-def _fix_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.6's interpreter turns a scalar into a loop bound with ``int(array)``, which
-    numpy >= 2.4 refuses for its shape-(1,) scalars (tests/test_kernels.py's interp tests
-    fail the same way): convert through ``.item()`` instead."""
-    interpreter = pytest.importorskip("triton.runtime.interpreter")
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+    return triton_module("triton_mla", device, monkeypatch)
 
 
 def _filled_cache(
