@@ -209,7 +209,7 @@ def client_metrics(url: str) -> list[str]:
 
 
 def main() -> int:
-    from pdserve.cli.provenance import command_line, git_commit
+    from pdserve.cli.provenance import command_line, environment, git_commit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: embedded)")
@@ -250,7 +250,7 @@ def main() -> int:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
-    out = {"commit": git_commit(), "command": command_line(), "device": args.device,
+    out = {"commit": git_commit(), "command": command_line(), "environment": environment(), "device": args.device,
            "up_args": args.up_arg,
            "model": args.model or "embedded", "burst": args.burst,
            "probe_max_tokens": args.probe_tokens, "cpu_count": os.cpu_count(), **out}  # fmt: skip

@@ -284,7 +284,7 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from pdserve.cli.deployment import Deployment, local_config
-    from pdserve.cli.provenance import command_line, git_commit
+    from pdserve.cli.provenance import command_line, environment, git_commit
     from pdserve.common.runtime.ports import free_port_block
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -294,6 +294,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "commit": git_commit(),
         "command": command_line(),
+        "environment": environment(),
         "nofile_limit": hard,
         "load_before": os.getloadavg(),
         "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

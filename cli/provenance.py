@@ -1,5 +1,7 @@
 """What made a results file: the git commit of the code (``-dirty`` when the tree had
-uncommitted changes) and the exact command line. Every results JSON records both.
+uncommitted changes), the exact command line, and the ``PDSERVE_*`` environment variables
+set (they change a run as a flag does; a secret's name is kept, its value is not). Every
+results JSON records them.
 
 A copy of the tree without ``.git`` (the GPU machine gets one) names its commit in
 ``PDSERVE_GIT_COMMIT`` (benchmarks/gpu.sh passes it on); else it is "unknown".
@@ -58,6 +60,19 @@ def command_line() -> str:
     return shlex.join(["pdserve", *argv[1:]])
 
 
-def provenance() -> dict[str, str]:
-    """``{"git_commit", "command"}`` for a results JSON."""
-    return {"git_commit": git_commit(), "command": command_line()}
+SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD")
+
+
+def environment() -> dict[str, str]:
+    """The ``PDSERVE_*`` variables of this run (``PDSERVE_GIT_COMMIT`` aside: it is the
+    commit), a secret's value replaced by ``<set>``."""
+    return {
+        name: "<set>" if any(word in name for word in SECRET_WORDS) else value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("PDSERVE_") and name != COMMIT_ENV
+    }
+
+
+def provenance() -> dict[str, object]:
+    """``{"git_commit", "command", "environment"}`` for a results JSON."""
+    return {"git_commit": git_commit(), "command": command_line(), "environment": environment()}

@@ -193,8 +193,11 @@ def fake_url() -> Iterator[str]:
 
 
 def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+                                         capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     out = tmp_path / "serve.json"
+    monkeypatch.setenv("PDSERVE_DECODE_TORCH_THREADS", "2")  # changes a run as a flag does
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-do-not-record")
     rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
                "--output-len", "3", "--max-concurrency", "1", "--num-warmups", "0",
                "--json", str(out)])  # fmt: skip
@@ -204,6 +207,10 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     config = payload["config"]
     assert config["command"].startswith(f"pdserve bench serve --url {fake_url} ")
     assert config["git_commit"] == "unknown" or len(config["git_commit"]) >= 40
+    # and the PDSERVE_* settings it ran under, a secret's value left out
+    assert config["environment"]["PDSERVE_DECODE_TORCH_THREADS"] == "2"
+    assert config["environment"]["PDSERVE_API_KEY"] == "<set>"
+    assert "sk-do-not-record" not in out.read_text()
     [run] = payload["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 2)
     failed = [r for r in run["requests"] if not r["ok"]]
