@@ -83,6 +83,35 @@ def test_the_cap_in_use_holds_within_a_margin() -> None:
     assert curve.cap(57) == 32
 
 
+def test_the_share_asked_spends_the_budget_over_the_time_the_cap_costs() -> None:
+    """A bucket at 86% of the full batch's throughput (issue 49's 24 on a 2-core CPU): not
+    a cap while two clients always decode (90% asked), the cap when the other client
+    decodes about half the time (the 10% budget over half the time: 80% asked)."""
+    curve = DecodeCurve(ladder(64))
+
+    for _ in range(4):  # the buckets' samples, while both decode
+        curve.observe(48, 48 / (0.95 * 57 / 0.232))
+        curve.observe(32, 32 / (0.91 * 57 / 0.232))
+        curve.observe(24, 24 / (0.86 * 57 / 0.232))
+        curve.observe(16, 16 / (0.72 * 57 / 0.232))  # under the descent: never a cap
+
+    def steps(pattern: list[bool]) -> None:  # full-batch steps of 232 ms (245.7 tokens/s)
+        for _ in range(300):
+            for shared in pattern:
+                curve.observe(57, 0.232, shared)
+
+    steps([True])  # both decode all the time
+    assert curve.presence > 0.99 and curve.share_asked() == pytest.approx(0.9, abs=1e-3)
+    assert curve.cap(57) == 32
+    steps([True, False])  # half the time
+    assert 0.45 < curve.presence < 0.55 and curve.share_asked() == pytest.approx(0.8, abs=0.02)
+    assert curve.cap(57) == 24
+    steps([True, False, False, False, False])  # a fifth: no less than the descent's 80%
+    assert curve.share_asked() == 0.8 and curve.cap(57) == 24
+    fresh = DecodeCurve(ladder(64))
+    assert fresh.presence == 1.0 and fresh.share_asked() == 0.9  # unseen: the full share
+
+
 def test_the_cap_falls_on_a_graph_size() -> None:
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
     curve = DecodeCurve(ladder(64, sizes))

@@ -13,14 +13,22 @@ step pays.
 moving average of step time (and of the batch, which varies within a bucket) per batch
 bucket (the CUDA graph sizes on CUDA, so a capped step replays a captured graph; the same
 ladder on CPU). ``cap(n)`` is, for ``n`` sequences decoding, the smallest bucket ``s < n``
-whose throughput is at least ``share`` (90%; the cap in use: 87%) of the full batch's
-(``n``'s bucket: well sampled, what the cap costs the busy client; a max over the smaller
-buckets' few samples would be noise) AND whose step takes at most ``time_ratio`` (0.8) of
-``n``'s step; None where no bucket qualifies, where the full batch is not measured yet,
-or ``n`` is small. The buckets are walked from ``n``'s down, as far as the first whose
-throughput falls under ``descent`` (80%) of the full batch's. A GPU-like curve (step time
-nearly flat) never meets both: a bucket with 90% of the throughput is nearly the full
-batch and takes nearly its time.
+whose throughput is at least the share asked (below; the cap in use: 3 points less) of the
+full batch's (``n``'s bucket: well sampled, what the cap costs the busy client; a max over
+the smaller buckets' few samples would be noise) AND whose step takes at most
+``time_ratio`` (0.8) of ``n``'s step; None where no bucket qualifies, where the full batch
+is not measured yet, or ``n`` is small. The buckets are walked from ``n``'s down, as far as
+the first whose throughput falls under ``descent`` (80%) of the full batch's. A GPU-like
+curve (step time nearly flat) never meets both: a bucket with 80-90% of the throughput is
+nearly the full batch and takes nearly its time.
+
+The share asked follows from a budget: the cap may cost the busy client ``budget`` (10%)
+of its decode throughput over time, and it costs only while another client decodes. So
+with ``presence`` the share of recent decode time (an exponential average over ~``tau``,
+20 s) in which more than one client decoded, a bucket must keep ``1 - budget /
+presence`` of the full batch's throughput, at most ``share`` (90%: two clients always
+present) and at least ``descent``. Issue 49's case on a 2-core CPU (a short request every
+2 s beside a burst, present ~half the time) asks ~80% and takes 24 where 90% took 32.
 
 The small buckets are measured by probes: while more than one client decodes, one step
 in ``probe_every`` runs at the next bucket down from the full batch that lacks fresh
@@ -36,6 +44,7 @@ engine core feeds ``observe`` with its steps' times (engine_core.py), the schedu
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +102,8 @@ class DecodeCurve:
         min_batch: int = 8,
         probe_every: int = 2,
         refresh_steps: int = 1000,
+        budget: float = 0.1,
+        tau: float = 20.0,
     ) -> None:
         self.sizes = sorted(set(sizes))
         self.share = share
@@ -105,6 +116,10 @@ class DecodeCurve:
         self.min_batch = min_batch  # below it, no cap (nothing to gain)
         self.probe_every = probe_every
         self.refresh_steps = refresh_steps
+        self.budget = budget
+        self.tau = tau
+        # the share of recent decode time with more than one client decoding; 1 until seen
+        self.presence = 1.0
         self.buckets: dict[int, Bucket] = {}
         self.observed = 0  # decode steps observed
         self._since_probe = 0
@@ -114,10 +129,12 @@ class DecodeCurve:
         i = bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else n
 
-    def observe(self, n: int, seconds: float) -> None:
-        """A decode step of ``n`` sequences took ``seconds``."""
+    def observe(self, n: int, seconds: float, shared: bool = True) -> None:
+        """A decode step of ``n`` sequences took ``seconds``; ``shared``: more than one
+        client decoded in it."""
         if n < 1 or seconds <= 0:
             return
+        self.presence += (1.0 - math.exp(-seconds / self.tau)) * (float(shared) - self.presence)
         self.observed += 1
         b = self.buckets.setdefault(self.bucket_of(n), Bucket())
         if b.samples == 0:
@@ -152,6 +169,13 @@ class DecodeCurve:
         top = self.bucket_of(n)
         return [s for s in reversed(self.sizes) if s < top and s < n and s >= self.min_batch]
 
+    def share_asked(self) -> float:
+        """The share of the full batch's throughput a capped step must keep (module
+        docstring): the budget spread over the time the cap is in force."""
+        if self.presence <= self.budget:
+            return self.descent
+        return min(self.share, max(self.descent, 1.0 - self.budget / self.presence))
+
     def cap(self, n: int) -> int | None:
         """The batch to step ``n`` decoding sequences in (module docstring); None: all."""
         if n <= self.min_batch:
@@ -160,6 +184,7 @@ class DecodeCurve:
         if full is None:
             return None
         best = full.throughput  # the full batch's: what the cap may cost (not a noisy max)
+        asked = self.share_asked()
         chosen = None
         for size in self._rungs(n):  # from the top down, as far as the descent goes
             b = self._known(size)
@@ -169,7 +194,7 @@ class DecodeCurve:
                 break
             # the cap in use keeps its place within ``hold`` of the share (no flapping on
             # the step times' noise)
-            share = self.share - (self.hold if size == self.current else 0.0)
+            share = asked - (self.hold if size == self.current else 0.0)
             if b.throughput >= share * best and b.seconds <= self.time_ratio * full.seconds:
                 chosen = size
         self.current = chosen

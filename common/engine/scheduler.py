@@ -112,6 +112,7 @@ class Scheduler:
         self.decode_curve = DecodeCurve(())
         self.decode_cap: int | None = None  # the last step's cap (None: every decode ran)
         self.decode_probe = False  # whether that cap was a probe's (fair_batch.py)
+        self.decode_shared = False  # whether more than one client decoded in the last step
         self.num_turns = 0  # decode turns handed out, for the decodes' rotation
 
     @property
@@ -200,7 +201,8 @@ class Scheduler:
         self.decode_probe = False
         mode = self.fair_decode_batch
         n = len(decodes)
-        if mode == "off" or n < 2 or len({r.client for r in decodes}) < 2:
+        self.decode_shared = n >= 2 and len({r.client for r in decodes}) >= 2
+        if mode == "off" or not self.decode_shared:
             return decodes
         if isinstance(mode, int):
             limit: int | None = mode
