@@ -60,14 +60,16 @@ def command_line() -> str:
     return shlex.join(["pdserve", *argv[1:]])
 
 
-SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD")
+# a name with one of these words (between underscores) holds a secret: PDSERVE_API_KEY,
+# not PDSERVE_ENGINE__MAX_NUM_BATCHED_TOKENS
+SECRET_WORDS = {"KEY", "KEYS", "SECRET", "TOKEN", "PASSWORD"}
 
 
 def environment() -> dict[str, str]:
     """The ``PDSERVE_*`` variables of this run (``PDSERVE_GIT_COMMIT`` aside: it is the
     commit), a secret's value replaced by ``<set>``."""
     return {
-        name: "<set>" if any(word in name for word in SECRET_WORDS) else value
+        name: "<set>" if SECRET_WORDS & set(name.split("_")) else value
         for name, value in sorted(os.environ.items())
         if name.startswith("PDSERVE_") and name != COMMIT_ENV
     }

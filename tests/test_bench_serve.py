@@ -198,6 +198,7 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     out = tmp_path / "serve.json"
     monkeypatch.setenv("PDSERVE_DECODE_TORCH_THREADS", "2")  # changes a run as a flag does
     monkeypatch.setenv("PDSERVE_API_KEY", "sk-do-not-record")
+    monkeypatch.setenv("PDSERVE_ENGINE__MAX_NUM_BATCHED_TOKENS", "128")  # no secret
     rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "4", "--input-len", "8",
                "--output-len", "3", "--max-concurrency", "1", "--num-warmups", "0",
                "--json", str(out)])  # fmt: skip
@@ -210,6 +211,7 @@ def test_failures_are_recorded_not_fatal(fake_url: str, tmp_path: Path,
     # and the PDSERVE_* settings it ran under, a secret's value left out
     assert config["environment"]["PDSERVE_DECODE_TORCH_THREADS"] == "2"
     assert config["environment"]["PDSERVE_API_KEY"] == "<set>"
+    assert config["environment"]["PDSERVE_ENGINE__MAX_NUM_BATCHED_TOKENS"] == "128"
     assert "sk-do-not-record" not in out.read_text()
     [run] = payload["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 2)
