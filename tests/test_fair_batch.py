@@ -62,6 +62,8 @@ def test_a_saturating_curve_caps_and_a_flat_one_does_not() -> None:
     gpu = DecodeCurve(ladder(64, [1, 2, 4, 8, 16, 24, 32, 48, 64]))
     probes = learned(gpu, gpu_like, 57)
     assert gpu.cap(57) is None
+    gpu.presence = 0.3  # another client decodes now and then: the lowest share asked (80%)
+    assert gpu.share_asked() == 0.8 and gpu.cap(57) is None  # a step of 48 ~ one of 64
     assert probes <= 9  # a rung or two below the full batch, then the descent stops
     assert set(gpu.buckets) <= {32, 48, 64}
 
