@@ -250,8 +250,8 @@ def main() -> int:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
-    out = {"commit": git_commit(), "command": command_line(), "environment": environment(), "device": args.device,
-           "up_args": args.up_arg,
+    out = {"commit": git_commit(), "command": command_line(), "environment": environment(),
+           "device": args.device, "up_args": args.up_arg,
            "model": args.model or "embedded", "burst": args.burst,
            "probe_max_tokens": args.probe_tokens, "cpu_count": os.cpu_count(), **out}  # fmt: skip
     text = json.dumps(out, indent=1)

@@ -110,8 +110,9 @@ class EngineCore(Generic[OutputT]):
         self.scheduler.fair_decode_batch = parse_mode(config.fair_decode_batch)
         sizes = graph_sizes(config.cuda_graph_max_batch) if config.device == "cuda" else []
         self.scheduler.decode_curve = DecodeCurve(ladder(config.max_num_seqs, sizes))
-        self._decode_batch = 0  # the last launched step's sequences if all decoded, else 0
-        self._decode_shared = False  # whether more than one client decoded in it
+        # the last launched step: its sequences if all decoded (else 0), and whether more
+        # than one client decoded in it
+        self._decode_step = (0, False)
         self._logged_cap: int | None = None
         if config.kv_host_cache_gb > 0:
             self.pool.tier = self._host_tier(config.kv_host_cache_gb)
@@ -263,22 +264,18 @@ class EngineCore(Generic[OutputT]):
         """Run one step. With asynchronous scheduling the outputs returned are those of
         the step launched by the previous call (common/engine/async_steps.py)."""
         start = time.perf_counter()
-        previous = self._decode_batch, self._decode_shared
+        previous = self._decode_step
         try:
             outputs = self._step()
         except BaseException as exc:
             self._abandon_in_flight(exc)
             raise
-        if self.scheduler.fair_decode_batch == "auto" and self._decode_batch:
+        if self.scheduler.fair_decode_batch == "auto" and self._decode_step[0]:
             # A decode step's time for the fair cap's curve: with asynchronous steps the
             # call waited for the previous step (launched the call before), so it is that
             # step's (in a run of decode steps); else this one's.
             # (whether more than one client decoded in it: the share of time the cap costs)
-            batch, shared = (
-                previous
-                if self._async_runner is not None
-                else (self._decode_batch, self._decode_shared)
-            )
+            batch, shared = previous if self._async_runner is not None else self._decode_step
             if batch:
                 self.scheduler.decode_curve.observe(batch, time.perf_counter() - start, shared)
         cap = self.scheduler.decode_cap  # logged when it changes (not probes, not "none")
@@ -291,10 +288,8 @@ class EngineCore(Generic[OutputT]):
 
     def _step(self) -> list[OutputT]:
         plan, reqs = self.scheduler.schedule()
-        self._decode_batch = len(plan.seqs) if all(
-            s.sample and len(s.token_ids) == 1 + s.num_drafts for s in plan.seqs
-        ) else 0  # fmt: skip
-        self._decode_shared = self.scheduler.decode_shared
+        all_decode = all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in plan.seqs)
+        self._decode_step = (len(plan.seqs) if all_decode else 0, self.scheduler.decode_shared)
         in_flight = self._in_flight  # cleared once its tokens are read (_abandon_in_flight)
         self.last_step_launched = bool(plan.seqs)
         if not plan.seqs:  # nothing fits now (prefill: blocks pinned until decode pulls)

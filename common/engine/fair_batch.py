@@ -172,9 +172,8 @@ class DecodeCurve:
     def share_asked(self) -> float:
         """The share of the full batch's throughput a capped step must keep (module
         docstring): the budget spread over the time the cap is in force."""
-        if self.presence <= self.budget:
-            return self.descent
-        return min(self.share, max(self.descent, 1.0 - self.budget / self.presence))
+        presence = max(self.presence, self.budget)  # no presence: the descent's share
+        return min(self.share, max(self.descent, 1.0 - self.budget / presence))
 
     def cap(self, n: int) -> int | None:
         """The batch to step ``n`` decoding sequences in (module docstring); None: all."""
